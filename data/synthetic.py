@@ -1,0 +1,110 @@
+"""Synthetic token shards with known entropies, for the tiny preset and the tests.
+
+The token stream is one stationary Markov chain over the vocabulary, the end-of-text token
+included: every token has `branching` likely successors (Dirichlet weights) plus a small
+chance of ending the document; after end-of-text the next token is drawn from a broad start
+distribution. Because documents are whole runs of the chain, concatenating them is still a
+sample of that chain, so the entropies below are exact for the stream:
+
+- conditional entropy H(next | current) = sum_s pi(s) H(P[s]), the best loss any model can reach
+  (the document-causal mask hides nothing it needs: one token of context suffices);
+- unigram entropy H(pi), what a model that ignores context reaches.
+
+    python data/synthetic.py --out data/synthetic        # what the tiny preset generates
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train_gpt_medium import write_shard  # noqa: E402  (one shard writer for the whole project)
+
+
+def markov_chain(vocab_size: int, eot_token: int, seed: int, branching: int = 8,
+                 end_prob: float = 1 / 128) -> np.ndarray:
+    """Transition matrix P (V, V) float64: P[s, t] = probability that t follows s."""
+    rng = np.random.default_rng(seed)
+    V = vocab_size
+    words = np.array([t for t in range(V) if t != eot_token])
+    P = np.zeros((V, V))
+    for s in words:
+        successors = rng.choice(words, size=branching, replace=False)
+        P[s, successors] = (1 - end_prob) * rng.dirichlet(np.ones(branching))
+        P[s, eot_token] = end_prob
+    P[eot_token, words] = rng.dirichlet(np.full(words.size, 0.5))  # documents start broadly
+    return P
+
+
+def stationary(P: np.ndarray) -> np.ndarray:
+    """The chain's stationary distribution (left eigenvector for eigenvalue 1)."""
+    values, vectors = np.linalg.eig(P.T)
+    pi = np.abs(np.real(vectors[:, np.argmin(np.abs(values - 1))]))
+    return pi / pi.sum()
+
+
+def entropies(P: np.ndarray) -> dict[str, float]:
+    """Exact conditional and unigram entropies of the stationary chain, in nats per token."""
+    pi = stationary(P)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        row_h = -np.where(P > 0, P * np.log(P), 0.0).sum(1)
+        unigram = -np.where(pi > 0, pi * np.log(pi), 0.0).sum()
+    return dict(conditional_entropy=float(pi @ row_h), unigram_entropy=float(unigram))
+
+
+def sample(P: np.ndarray, eot_token: int, num_tokens: int, seed: int, chains: int = 256) -> np.ndarray:
+    """At least num_tokens tokens of whole documents (each starts with eot_token), then cut."""
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(P, axis=1)
+    cdf[:, -1] = 1.0  # guard against rounding: every draw lands somewhere
+    length = num_tokens // chains + 1024
+    out = np.empty((chains, length), dtype=np.int64)
+    state = np.full(chains, eot_token)
+    for t in range(length):  # vectorized over independent chains
+        out[:, t] = state
+        u = rng.random(chains)
+        state = (cdf[state] < u[:, None]).sum(1)
+    docs = []
+    for row in out:  # keep whole documents only: from the first EOT to before the last
+        ends = np.flatnonzero(row == eot_token)
+        docs.append(row[ends[0]:ends[-1]])
+    stream = np.concatenate(docs)
+    if stream.size < num_tokens:
+        raise RuntimeError("synthetic sampler produced too few tokens; raise `chains` or length")
+    return stream[:num_tokens]
+
+
+def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: int = 1234,
+                  train_shards: int = 2, shard_tokens: int = 400_000, val_tokens: int = 65_536) -> dict:
+    """Write synthetic_train_00000{1..}.bin, synthetic_val_000000.bin and synthetic_meta.json."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    P = markov_chain(vocab_size, eot_token, seed)
+    stream = sample(P, eot_token, train_shards * shard_tokens + val_tokens, seed + 1)
+    write_shard(out_dir / "synthetic_val_000000.bin", stream[:val_tokens])
+    for i in range(train_shards):
+        start = val_tokens + i * shard_tokens
+        write_shard(out_dir / f"synthetic_train_{i + 1:06d}.bin", stream[start:start + shard_tokens])
+    meta = dict(vocab_size=vocab_size, eot_token=eot_token, seed=seed, **entropies(P))
+    (out_dir / "synthetic_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"synthetic data in {out_dir}: conditional entropy {meta['conditional_entropy']:.4f}, "
+          f"unigram entropy {meta['unigram_entropy']:.4f} nats/token")
+    return meta
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="data/synthetic")
+    parser.add_argument("--vocab_size", type=int, default=500)
+    parser.add_argument("--eot_token", type=int, default=499)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--train_shards", type=int, default=2)
+    parser.add_argument("--shard_tokens", type=int, default=400_000)
+    parser.add_argument("--val_tokens", type=int, default=65_536)
+    args = parser.parse_args()
+    write_dataset(args.out, args.vocab_size, args.eot_token, args.seed, args.train_shards, args.shard_tokens,
+                  args.val_tokens)

@@ -1,0 +1,1129 @@
+"""GPT-2 Medium speedrun trainer: the record recipe in one file.
+
+Reads top to bottom in the order data flows:
+hyperparameters -> optimizers -> model -> data -> training loop -> main.
+Importing this module has no side effects; everything runs inside `main(argv)`.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt_medium.py      # the record
+    python train_gpt_medium.py --preset tiny                          # CPU, ~1 minute
+    python train_gpt_medium.py --dry_run                              # counts, no data, no GPU
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# -----------------------------------------------------------------------------
+# Hyperparameters: the defaults ARE the record recipe (SPEC §2-§5)
+
+
+class ConfigError(ValueError):
+    """A bad flag or an inconsistent configuration; the message names the flag and the fix."""
+
+
+@dataclass
+class Hyperparameters:
+    # run
+    preset: str = "medium"
+    run_id: str = ""  # log file is <log_dir>/<run_id or preset>_<uuid>.txt
+    seed: int = 0  # every parameter's init stream derives from (seed, parameter name)
+    device: str = "auto"  # auto | cuda | cpu
+    compile: Optional[bool] = None  # None: on for CUDA, off for CPU
+    attention: str = "auto"  # auto | flex | sdpa (auto: flex on CUDA, sdpa with a dense mask on CPU)
+    dtype: str = "auto"  # weights and activations: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float32
+    log_dir: str = "logs"
+    dry_run: bool = False  # build on the meta device, print counts and FLOPs, exit
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    synthetic_data: bool = False  # generate the synthetic shards (data/synthetic.py) if missing
+    val_tokens: int = 10_485_760
+    train_seq_len: int = 64 * 1024  # tokens per slice (one slice per GPU per step on 8 GPUs)
+    val_seq_len: int = 256 * 1024
+    batch_slices: int = 8  # slices per step; each rank accumulates batch_slices // world_size
+    # model
+    vocab_size: int = 50257
+    eot_token: int = 50256
+    model_dim: int = 1024
+    num_layers: int = 16
+    num_heads: int = 8
+    head_dim: int = 128
+    mlp_ratio: int = 4
+    num_extra_embeds: int = 1  # input embeddings beyond x00 (the record: x01)
+    value_embed_layout: str = "0,1,2,3,4,-,-,-,-,-,-,0,1,2,3,4"  # table per layer, '-' = none
+    skip_connections: str = "9<6,10<4,11<2"  # target<source: add skip_w[source]*out[source]
+    attention_free_layers: str = "7"
+    long_window_layers: str = "0,4,11,15"  # the others use half the window
+    attn_block_size: int = 128
+    max_window_tokens: int = 3456
+    attn_scale: float = 0.12
+    logit_softcap: float = 15.0
+    rope_base: float = 1024.0
+    # optimization
+    num_iterations: int = 5690
+    cooldown_frac: float = 0.7
+    val_every: int = 125  # 0: validate only at the end
+    warmup_steps: int = 10  # untimed compile warm-up, state restored afterwards
+    head_lr: float = 1 / 320
+    embed_lr: float = 0.3
+    scalar_lr: float = 0.015
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    muon_lr: float = 0.025
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85
+    muon_momentum_warmup_steps: int = 300
+    muon_weight_decay: float = 0.01
+    mlp_weight_decay_mul: float = 2.0
+
+    # ---- derived quantities (no state of their own)
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // 128) * 128
+
+    @property
+    def attn_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def value_embed_tables(self) -> list[Optional[int]]:
+        return _parse_optional_ints(self.value_embed_layout, "value_embed_layout")
+
+    @property
+    def num_value_embeds(self) -> int:
+        used = [t for t in self.value_embed_tables if t is not None]
+        return max(used) + 1 if used else 0
+
+    @property
+    def skips(self) -> dict[int, int]:
+        """{target layer: source layer}."""
+        out = {}
+        for item in filter(None, self.skip_connections.split(",")):
+            try:
+                target, source = (int(s) for s in item.split("<"))
+            except ValueError:
+                raise ConfigError(f"--skip_connections: cannot read {item!r}; write target<source, e.g. 9<6")
+            out[target] = source
+        return out
+
+    @property
+    def attention_layers(self) -> list[int]:
+        free = set(_parse_ints(self.attention_free_layers, "attention_free_layers"))
+        return [i for i in range(self.num_layers) if i not in free]
+
+    @property
+    def long_layers(self) -> set[int]:
+        return set(_parse_ints(self.long_window_layers, "long_window_layers"))
+
+    def validate(self) -> "Hyperparameters":
+        """Raise ConfigError naming the flag if the configuration cannot work."""
+        def need(ok, flag, msg):
+            if not ok:
+                raise ConfigError(f"--{flag}: {msg}")
+        need(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}; choose from {sorted(PRESETS)}")
+        need(self.device in ("auto", "cuda", "cpu"), "device", "must be auto, cuda or cpu")
+        need(self.attention in ("auto", "flex", "sdpa"), "attention", "must be auto, flex or sdpa")
+        need(self.dtype in ("auto", "bfloat16", "float32"), "dtype", "must be auto, bfloat16 or float32")
+        need(0 <= self.eot_token < self.vocab_size, "eot_token", f"must be in [0, vocab_size={self.vocab_size})")
+        need(self.vocab_size <= 65536, "vocab_size", "shards store uint16 tokens, so at most 65536")
+        need(self.head_dim % 4 == 0, "head_dim", "must be a multiple of 4 (half-truncated rotary)")
+        need(0 <= self.num_extra_embeds <= 4, "num_extra_embeds", "must be 0..4")
+        for name in ("train_seq_len", "val_seq_len", "max_window_tokens"):
+            need(getattr(self, name) % self.attn_block_size == 0 and getattr(self, name) > 0, name,
+                 f"must be a positive multiple of attn_block_size={self.attn_block_size}")
+        need(self.num_iterations > 0, "num_iterations", "must be positive")
+        need(self.batch_slices > 0, "batch_slices", "must be positive")
+        need(self.val_tokens > 0 and self.val_tokens % (self.batch_slices * self.val_seq_len) == 0, "val_tokens",
+             f"must be a positive multiple of batch_slices*val_seq_len = {self.batch_slices * self.val_seq_len}")
+        tables = self.value_embed_tables
+        need(len(tables) == self.num_layers, "value_embed_layout",
+             f"has {len(tables)} entries, needs one per layer ({self.num_layers})")
+        if self.num_value_embeds:
+            need(self.attn_dim == self.model_dim, "value_embed_layout",
+                 "value embeddings need num_heads*head_dim == model_dim")
+        for target, source in self.skips.items():
+            need(0 <= source < target < self.num_layers, "skip_connections",
+                 f"{target}<{source} must satisfy 0 <= source < target < num_layers")
+        for layer in self.attention_layers:
+            need(0 <= layer < self.num_layers, "attention_free_layers", "layer out of range")
+        for layer, table in enumerate(tables):
+            need(table is None or layer in self.attention_layers, "value_embed_layout",
+                 f"layer {layer} has a value embedding but no attention")
+        return self
+
+
+def _parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--{flag}: expected comma-separated integers, got {text!r}")
+
+
+def _parse_optional_ints(text: str, flag: str) -> list[Optional[int]]:
+    try:
+        return [None if s.strip() == "-" else int(s) for s in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--{flag}: expected integers or '-' separated by commas, got {text!r}")
+
+
+# Presets are overrides of the record. `tiny` keeps the 16-layer structure (every layer pattern
+# is exercised) at toy width, on synthetic data whose entropies are known (data/synthetic.py).
+PRESETS: dict[str, dict] = {
+    "medium": {},
+    "tiny": dict(
+        train_files="data/synthetic/synthetic_train_*.bin",
+        val_files="data/synthetic/synthetic_val_*.bin",
+        synthetic_data=True,
+        vocab_size=500, eot_token=499,  # padded head: 512
+        model_dim=64, num_heads=2, head_dim=32,
+        train_seq_len=512, val_seq_len=512, batch_slices=2, val_tokens=8192,
+        max_window_tokens=384,  # 3 blocks long, 1 short, of 4 per slice
+        num_iterations=200, val_every=50, warmup_steps=3,
+    ),
+}
+
+
+def make_config(preset: str = "medium", **overrides) -> Hyperparameters:
+    """The preset's hyperparameters with keyword overrides, validated."""
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    values = {**PRESETS[preset], **overrides, "preset": preset}
+    names = {f.name for f in fields(Hyperparameters)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {unknown}")
+    return Hyperparameters(**values).validate()
+
+
+def _convert(f: dataclasses.Field, text: Optional[str]):
+    """Parse a flag's text into the field's declared type; None text means a bare flag."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if "bool" in kind:
+        if text is None or text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        if kind.startswith("Optional") and text.lower() in ("auto", "none"):
+            return None
+        raise ConfigError(f"--{f.name}: expected true or false, got {text!r}")
+    if text is None:
+        raise ConfigError(f"--{f.name} needs a value: --{f.name}=VALUE")
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"--{f.name}: expected {kind}, got {text!r}")
+    return text
+
+
+def parse_args(argv: list[str]) -> Hyperparameters:
+    """`--field=value` / `--field value` overrides on top of `--preset NAME`."""
+    by_name = {f.name: f for f in fields(Hyperparameters)}
+    pairs: list[tuple[str, Optional[str]]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; flags look like --field=value")
+        name, eq, value = arg[2:].partition("=")
+        if name not in by_name:
+            valid = " ".join(f"--{n}" for n in by_name)
+            raise ConfigError(f"unknown flag --{name}. Valid flags: {valid}")
+        if not eq and "bool" not in str(by_name[name].type) and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 1
+        pairs.append((name, value if eq or value else None))
+        i += 1
+    overrides = {name: _convert(by_name[name], value) for name, value in pairs}
+    preset = overrides.pop("preset", "medium")
+    return make_config(preset, **overrides)
+
+
+# -----------------------------------------------------------------------------
+# Schedules: learning rate, Muon momentum, attention window
+
+
+def lr_multiplier(step: int, config: Hyperparameters) -> float:
+    """1.0, then a linear cooldown to 0 over the last cooldown_frac of the run."""
+    x = step / config.num_iterations
+    if x < 1 - config.cooldown_frac:
+        return 1.0
+    return max((1 - x) / config.cooldown_frac, 0.0)
+
+
+def muon_momentum(step: int, config: Hyperparameters) -> float:
+    frac = min(step / config.muon_momentum_warmup_steps, 1.0) if config.muon_momentum_warmup_steps else 1.0
+    return (1 - frac) * config.muon_momentum_start + frac * config.muon_momentum
+
+
+def window_blocks(step: int, config: Hyperparameters) -> int:
+    """Long sliding window in blocks: grows along 4x^3 - 6x^2 + 3x from 1 block to max_window_tokens."""
+    x = step / config.num_iterations
+    factor = 4 * x**3 - 6 * x**2 + 3 * x
+    bs = config.attn_block_size
+    tokens = max(math.ceil(config.max_window_tokens * factor / bs) * bs, bs)
+    return tokens // bs
+
+
+# -----------------------------------------------------------------------------
+# Muon: orthogonalized momentum for the matrices inside the blocks
+
+# (a, b, c) of each Newton-Schulz iteration: quintic steps tuned to pull singular values into
+# a band around 1 quickly rather than to converge exactly.
+NEWTON_SCHULZ_COEFFS = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+
+def orthogonalize(G: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """Approximate U V^T of G = U S V^T for each matrix in the last two dims, iterating in `dtype`."""
+    X = G.float()
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:  # iterate on the smaller Gram matrix
+        X = X.mT
+    for a, b, c in NEWTON_SCHULZ_COEFFS:
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+def fp32_from_halves(weight: torch.Tensor, low_bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 master value: bf16 bits are its high half, `low_bits` (int16) its low half."""
+    high = weight.view(torch.int16).to(torch.int32) << 16
+    return (high | (low_bits.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def store_halves(master: torch.Tensor, weight: torch.Tensor, low_bits: torch.Tensor) -> None:
+    """Split an fp32 master value back into the bf16 weight (truncated) and its low 16 bits."""
+    bits = master.view(torch.int32)
+    weight.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    low_bits.copy_(bits.to(torch.int16))  # int32 -> int16 keeps the low 16 bits
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz, for bf16 matrices with fp32-precise updates
+    (fp32 matrices, as on CPU, are simply updated in place and iterate in fp32).
+
+    Matrices are sorted by size and dealt round-robin to ranks within groups of one shape;
+    each rank updates its own (holding their momentum and low bits) and all-gathers the rest.
+    Gradients must already be averaged over ranks.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
+                 rank: int = 0, world_size: int = 1):
+        groups = []
+        for group in param_groups:  # split each group by shape so a gather moves one shape
+            params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
+            for shape in dict.fromkeys(p.shape for p in params):
+                groups.append({**group, "params": [p for p in params if p.shape == shape]})
+        super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0))
+        self.rank, self.world_size = rank, world_size
+        for group in self.param_groups:
+            for p in self.owned(group):
+                self.state[p] = dict(momentum_buffer=torch.zeros_like(p, dtype=torch.float32))
+                if p.dtype == torch.bfloat16:
+                    self.state[p]["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
+
+    def owned(self, group: dict) -> list[nn.Parameter]:
+        return group["params"][self.rank::self.world_size]
+
+    @torch.no_grad()
+    def step(self):
+        pending = []
+        for group in self.param_groups:
+            params, W = group["params"], self.world_size
+            for base in range(0, len(params), W):
+                chunk = params[base:base + W]
+                mine = chunk[self.rank] if self.rank < len(chunk) else None
+                if mine is not None:
+                    self._update(mine, group)
+                if W > 1:  # everyone sends its updated matrix (or padding) and receives the rest
+                    send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
+                    outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
+                               for r in range(W)]
+                    pending.append(dist.all_gather(outputs, send, async_op=True))
+        for work in pending:
+            work.wait()
+
+    def _update(self, p: nn.Parameter, group: dict) -> None:
+        state, m, lr = self.state[p], group["momentum"], group["lr"]
+        grad = p.grad.float()
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - m)
+        update = orthogonalize(grad.lerp_(buf, m), p.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
+        rows, cols = p.shape[-2:]
+        halves = "low_bits" in state
+        master = fp32_from_halves(p.data, state["low_bits"]) if halves else p.data
+        master.mul_(1 - lr * group["weight_decay"] * group["wd_mul"])
+        master.add_(update.float(), alpha=-lr * max(1.0, rows / cols) ** 0.5)
+        if halves:
+            store_halves(master, p.data, state["low_bits"])
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-truncated rotary: head_dim/4 frequencies then head_dim/4 zeros (those dims don't rotate)."""
+    quarter = head_dim // 4
+    freqs = (1 / base) ** torch.linspace(0, 1, quarter, dtype=torch.float32, device=device)
+    freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
+    theta = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), freqs)  # (T, D/2)
+    return theta.cos(), theta.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); rotates the halves (x1, x2) in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+# ---- document-causal sliding-window masks (block level first, then what each backend consumes)
+
+def candidate_blocks(ids: torch.Tensor, block_size: int, eot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-level structure of document-causal attention over a packed sequence.
+
+    Returns (docs (T,), full (nb, nb), partial (nb, nb)): key block j is a candidate of query
+    block i if j <= i and their documents overlap; it is full if j < i and both blocks lie in one
+    document (no token-level mask needed), partial otherwise.
+    """
+    docs = (ids == eot).cumsum(0)
+    nb = ids.numel() // block_size
+    first_doc = docs.view(nb, block_size)[:, 0]
+    last_doc = docs.view(nb, block_size)[:, -1]
+    q, k = torch.arange(nb, device=ids.device)[:, None], torch.arange(nb, device=ids.device)[None, :]
+    candidate = (k <= q) & (first_doc[:, None] <= last_doc[None, :])
+    one_doc = first_doc == last_doc
+    full = (k < q) & one_doc[:, None] & one_doc[None, :] & (first_doc[:, None] == first_doc[None, :])
+    return docs, full, candidate & ~full
+
+
+def most_recent_first(blocks: torch.Tensor) -> torch.Tensor:
+    """Per query row, the selected key block indices in descending order, then the rest. (nb, nb) int32"""
+    nb = blocks.size(-1)
+    key = blocks.to(torch.int32) * nb + torch.arange(nb, device=blocks.device, dtype=torch.int32)
+    return key.argsort(dim=-1, descending=True).to(torch.int32)
+
+
+def windowed_counts(full: torch.Tensor, partial: torch.Tensor, window: torch.Tensor):
+    """How many full and partial blocks each query block keeps under a window of `window` blocks."""
+    n_full, n_partial = full.sum(-1, dtype=torch.int32), partial.sum(-1, dtype=torch.int32)
+    keep_full = torch.minimum(n_full, window - 1).clamp_min(0)
+    keep_partial = torch.minimum(n_partial, (window - n_full).clamp_min(1))
+    return keep_full.to(torch.int32), keep_partial.to(torch.int32)
+
+
+def selected_blocks(counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Dense (nb, nb) bool of the first `counts[i]` blocks of `order[i]`."""
+    nb = order.size(-1)
+    keep = torch.arange(nb, device=order.device)[None, :] < counts[:, None]
+    return torch.zeros_like(keep).scatter(1, order.long(), keep)
+
+
+def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparameters, backend: str):
+    """(long, short) masks for one packed sequence: FlexAttention BlockMasks, or dense (T, T) bools.
+
+    Both describe the same thing: the selected full blocks entirely, and inside the selected
+    partial blocks the token rule (key_pos <= query_pos, same document).
+    """
+    bs = config.attn_block_size
+    docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
+    full_order, partial_order = most_recent_first(full), most_recent_first(partial)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+
+    def build(w):
+        keep_full, keep_partial = windowed_counts(full, partial, w)
+        if backend == "flex":
+            return BlockMask.from_kv_blocks(keep_partial[None, None], partial_order[None, None],
+                                            keep_full[None, None], full_order[None, None],
+                                            BLOCK_SIZE=bs, mask_mod=document_causal)
+        pos = torch.arange(ids.numel(), device=ids.device)
+        token_rule = (pos[:, None] >= pos[None, :]) & (docs[:, None] == docs[None, :])
+        expand = lambda m: m.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+        return expand(selected_blocks(keep_full, full_order)) | (
+            expand(selected_blocks(keep_partial, partial_order)) & token_rule)
+
+    return build(window), build(window // 2)
+
+
+def attend(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Causal attention of (B, T, H, D) tensors under a BlockMask (flex) or a dense bool mask (SDPA)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if isinstance(mask, BlockMask):
+        y = flex_attention(q, k, v, block_mask=mask, scale=scale)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return y.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = config.num_heads, config.head_dim, config.attn_scale
+        # q, k, v, o merged; Muon orthogonalizes the four (attn_dim, model_dim) matrices separately
+        self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim, dtype=dtype))
+
+    def forward(self, x, ve, lambdas, cos, sin, mask):
+        B, T = x.shape[:2]
+        q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1)).view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
+        q, k, v = rms_norm(q), rms_norm(k), rms_norm(v)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        y = attend(q, k, v, mask, self.scale).reshape(B, T, -1)
+        return F.linear(y, self.qkvo_w[3].mT)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        hidden = config.mlp_ratio * config.model_dim
+        self.fc_w = nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype))
+        self.proj_w = nn.Parameter(torch.empty(config.model_dim, hidden, dtype=dtype))
+
+    def forward(self, x):
+        return F.linear(F.relu(F.linear(x, self.fc_w)).square(), self.proj_w)
+
+
+class Block(nn.Module):
+    def __init__(self, config: Hyperparameters, has_attention: bool, dtype: torch.dtype):
+        super().__init__()
+        self.attn = Attention(config, dtype) if has_attention else None
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x, x0s, block_lambdas, ve, attn_lambdas, cos, sin, mask):
+        # mix the residual stream with every input embedding: x = l0*x + l1*x00 + l2*x01 + ...
+        x = block_lambdas[0] * x
+        for lam, x0 in zip(block_lambdas[1:], x0s):
+            x = x + lam * x0
+        if self.attn is not None:
+            x = x + self.attn(x, ve, attn_lambdas, cos, sin, mask)
+        return x + self.mlp(rms_norm(x))
+
+
+class GPT(nn.Module):
+    """The record model. All structure comes from `config`; parameters are created empty and
+    filled by `init_parameters` (or left unfilled on the meta device). `dtype` (bf16 in the
+    record) is the storage of embeddings and block matrices and so of the activations."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        V, d, L = config.vocab_size, config.model_dim, config.num_layers
+        self.embeds = nn.ModuleList(nn.Embedding(V, d, dtype=dtype) for _ in range(1 + config.num_extra_embeds))
+        self.value_embeds = nn.ModuleList(nn.Embedding(V, d, dtype=dtype) for _ in range(config.num_value_embeds))
+        attention_layers = set(config.attention_layers)
+        self.blocks = nn.ModuleList(Block(config, i in attention_layers, dtype) for i in range(L))
+        # only the head is padded (to a multiple of 128); fp32 storage, matmul in `dtype`
+        self.head = nn.Linear(d, config.padded_vocab_size, bias=False, dtype=torch.float32)
+        # one fp32 vector: skip weights (L), block lambdas (L x (2 + extra)), attention lambdas (L x 2)
+        self.num_mix = 2 + config.num_extra_embeds
+        self.scalars = nn.Parameter(torch.empty(L * (1 + self.num_mix + 2), dtype=torch.float32))
+
+    def scalar_views(self):
+        L = self.config.num_layers
+        skip_w, block_lambdas, attn_lambdas = self.scalars.split([L, L * self.num_mix, 2 * L])
+        return skip_w, block_lambdas.view(L, self.num_mix), attn_lambdas.view(L, 2)
+
+    def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of one packed sequence. input_seq (T,) int32, target_seq (T,) int64,
+        window: 0-dim int tensor, the long window in blocks (a tensor so a new value needs no recompile)."""
+        cfg = self.config
+        T = input_seq.numel()
+        backend = cfg.attention if cfg.attention != "auto" else ("flex" if input_seq.is_cuda else "sdpa")
+        long_mask, short_mask = attention_masks(input_seq, window, cfg, backend)
+        cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
+        x0s = [rms_norm(embed(input_seq))[None] for embed in self.embeds]  # each (1, T, d)
+        tables = cfg.value_embed_tables
+        ves = [table(input_seq) for table in self.value_embeds]  # each (T, d)
+        skip_w, block_lambdas, attn_lambdas = self.scalar_views()
+        skips, long_layers = cfg.skips, cfg.long_layers
+        x, outputs = x0s[0], []
+        for i, block in enumerate(self.blocks):
+            if i in skips:
+                x = x + skip_w[skips[i]] * outputs[skips[i]]
+            ve = ves[tables[i]] if tables[i] is not None else None
+            mask = long_mask if i in long_layers else short_mask
+            x = block(x, x0s, block_lambdas[i], ve, attn_lambdas[i], cos, sin, mask)
+            outputs.append(x)
+        x = rms_norm(x[0])  # (T, d)
+        return self.loss(x, target_seq, num_chunks=1 if self.training else 4)
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int) -> torch.Tensor:
+        """Soft-capped fp32 logits and cross-entropy; chunks bound the (T, V) logits' memory."""
+        cap, total = self.config.logit_softcap, 0
+        for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks)):
+            z = F.linear(xc, self.head.weight.to(self.dtype)).float()
+            z = cap * z * torch.rsqrt(z.square() + cap * cap)
+            total = total + F.cross_entropy(z, tc, reduction="sum")
+        return total / targets.numel()
+
+
+def _param_generator(seed: int, name: str) -> torch.Generator:
+    """A random stream of its own for each parameter: adding or removing other modules never
+    changes this parameter's initial values (matched initialization across configurations)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+@torch.no_grad()
+def init_parameters(model: GPT, seed: int) -> None:
+    """SPEC §2 init, drawn in fp32 on the CPU from per-parameter streams, then cast and copied."""
+    cfg = model.config
+    skip_w, block_lambdas, attn_lambdas = (t.detach() for t in model.scalar_views())
+    for name, p in model.named_parameters():
+        gen = _param_generator(seed, name)
+        if name.startswith(("embeds.", "value_embeds.")):
+            value = torch.randn(p.shape, generator=gen)
+        elif name.endswith(("qkvo_w", "fc_w")):
+            bound = 3**0.5 * 0.5 / p.size(-1) ** 0.5  # uniform with std 0.5/sqrt(fan_in)
+            value = torch.empty(p.shape).uniform_(-bound, bound, generator=gen)
+            if name.endswith("qkvo_w"):
+                value[3] = 0  # o projection starts at zero
+        elif name.endswith("proj_w") or name == "head.weight":
+            value = torch.zeros(p.shape)
+        elif name == "scalars":
+            continue
+        else:
+            raise RuntimeError(f"init_parameters: no rule for parameter {name!r}")
+        p.copy_(value)
+    skip_w.fill_(1.0)
+    block_lambdas.zero_()
+    block_lambdas[:, 0] = 1.0  # x passes through; every embedding starts at weight 0
+    attn_lambdas.fill_(0.5)
+
+
+def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
+    """bf16 is the record; CPUs without bf16 matrix units run it 10-15x slower than fp32, so
+    `auto` picks fp32 there (the bf16 paths stay covered by the tests)."""
+    if config.dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return getattr(torch, config.dtype)
+
+
+def build_model(config: Hyperparameters, device="cpu") -> GPT:
+    """The model on `device`, initialized; on the meta device, shapes only."""
+    with torch.device("meta"):
+        model = GPT(config, weight_dtype(config, device))
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    init_parameters(model, config.seed)
+    return model
+
+
+# ---- parameter groups, counts and FLOPs (shared by the optimizers, --dry_run and the log)
+
+def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
+    """Every parameter in exactly one optimizer group, by name."""
+    groups = {
+        "head": [model.head.weight],
+        "embed": list(model.embeds.parameters()),
+        "value_embed": list(model.value_embeds.parameters()),
+        "scalar": [model.scalars],
+        "muon_attn": [b.attn.qkvo_w for b in model.blocks if b.attn is not None],
+        "muon_mlp": [p for b in model.blocks for p in b.mlp.parameters()],
+    }
+    assert sum(len(ps) for ps in groups.values()) == len(list(model.parameters()))
+    return groups
+
+
+def parameter_counts(model: GPT) -> dict[str, int]:
+    counts = {name: sum(p.numel() for p in ps) for name, ps in parameter_groups(model).items()}
+    return {**counts, "total": sum(counts.values())}
+
+
+def keys_per_query(window: int, block_size: int) -> float:
+    """Keys a query attends under a causal window of `window` blocks, away from the sequence start
+    (documents ignored): the window's earlier blocks whole, plus its own block up to itself."""
+    return max(window - 1, 0) * block_size + (block_size + 1) / 2
+
+
+def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
+    """Model FLOPs per training token (SPEC §5): 6 x matmul weights + attention scores and values
+    (12 x attn_dim x keys per query) averaged over the run's window schedule."""
+    groups = parameter_groups(model)
+    matmul_weights = sum(p.numel() for name in ("head", "muon_attn", "muon_mlp") for p in groups[name])
+    windows = [window_blocks(s, config) for s in range(config.num_iterations)]
+    long_layers = config.long_layers
+    attention = 0.0
+    for w, n in zip(*np.unique(windows, return_counts=True)):
+        per_layer = [keys_per_query(w if i in long_layers else w // 2, config.attn_block_size)
+                     for i in config.attention_layers]
+        attention += n * 12 * config.attn_dim * sum(per_layer)
+    attention /= len(windows)
+    return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
+
+
+# -----------------------------------------------------------------------------
+# Data: shards of uint16 GPT-2 tokens behind a 256 x int32 header
+
+SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
+
+
+class ShardError(ValueError):
+    """A shard file that cannot be used; the message names the file and the problem."""
+
+
+def write_shard(path, tokens) -> None:
+    """Write tokens (values < 65536) as a shard, atomically (temporary name, then rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: tokens must be in [0, 65536) to be stored as uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
+
+
+def shard_token_count(path) -> int:
+    """Validate a shard's header against its size; return its token count."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_INTS * 4:
+        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_INTS * 4}-byte header (truncated file?)")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise ShardError(f"{path}: bad magic number {header[0]} (expected {SHARD_MAGIC}); not a token shard")
+    if header[1] != SHARD_VERSION:
+        raise ShardError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+    claimed, present = int(header[2]), (size - HEADER_INTS * 4) // 2
+    if present < claimed:
+        raise ShardError(f"{path}: header claims {claimed} tokens but the file holds {present} (truncated download?); "
+                         "delete it and download it again")
+    return claimed
+
+
+def read_shard(path) -> torch.Tensor:
+    """All tokens of a validated shard as a uint16 CPU tensor."""
+    n = shard_token_count(path)
+    tokens = np.fromfile(path, dtype=np.uint16, count=n, offset=HEADER_INTS * 4)
+    return torch.from_numpy(tokens)
+
+
+def shard_files(pattern: str, flag: str) -> list[str]:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"--{flag}: no files match {pattern!r}")
+    return files
+
+
+class DataLoader:
+    """Consecutive steps of `batch_slices` contiguous slices of `seq_len` tokens (+1 for the last
+    target) across sorted shards; a shard's tail that cannot hold a whole step is skipped.
+
+    This rank yields its slices rank*k .. rank*k + k-1 (k = batch_slices // world_size) as the
+    (inputs int32, targets int64) micro-batches it accumulates; every world size sees the
+    same tokens per step as the 8-GPU record.
+    """
+
+    def __init__(self, files: list[str], seq_len: int, batch_slices: int, rank: int, world_size: int, device):
+        self.files, self.seq_len, self.device = files, seq_len, torch.device(device)
+        self.step_tokens = batch_slices * seq_len
+        k = batch_slices // world_size
+        self.slices = range(rank * k, (rank + 1) * k)
+        self.file_index, self.position, self.tokens = 0, 0, None
+
+    def _load(self):
+        self.tokens = read_shard(self.files[self.file_index])
+        if self.device.type == "cuda":
+            self.tokens = self.tokens.pin_memory()
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.tokens is None:
+            self._load()
+        while self.position + self.step_tokens + 1 > self.tokens.numel():
+            self.file_index, self.position = self.file_index + 1, 0
+            if self.file_index >= len(self.files):
+                raise RuntimeError(f"ran out of data: {len(self.files)} shard(s) hold fewer steps than requested")
+            self._load()
+        batches = []
+        for s in self.slices:
+            start = self.position + s * self.seq_len
+            buf = self.tokens[start:start + self.seq_len + 1].to(self.device, non_blocking=True).to(torch.int32)
+            batches.append((buf[:-1], buf[1:].to(torch.int64)))
+        self.position += self.step_tokens
+        return batches
+
+
+def steps_available(files: list[str], step_tokens: int) -> int:
+    """How many training steps the shards can feed (headers only)."""
+    return sum((shard_token_count(f) - 1) // step_tokens for f in files)
+
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+
+def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int) -> list[torch.optim.Optimizer]:
+    """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks."""
+    groups = parameter_groups(model)
+    adam_lrs = dict(head=config.head_lr, embed=config.embed_lr, value_embed=config.embed_lr, scalar=config.scalar_lr)
+    fused = next(model.parameters()).is_cuda
+    adam = torch.optim.Adam([dict(params=groups[name], lr=lr, name=name) for name, lr in adam_lrs.items() if groups[name]],
+                            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=0.0,
+                            fused=fused)
+    muon = Muon([dict(params=groups["muon_attn"], name="muon_attn"),
+                 dict(params=groups["muon_mlp"], name="muon_mlp", wd_mul=config.mlp_weight_decay_mul)],
+                lr=config.muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
+                rank=rank, world_size=world_size)
+    optimizers = [adam, muon]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
+    mult = lr_multiplier(step, config)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * mult
+            if isinstance(opt, Muon):
+                group["momentum"] = muon_momentum(step, config)
+
+
+def capture_state(model: nn.Module, optimizers) -> dict:
+    """Copies of every parameter and optimizer state tensor, keyed by parameter name."""
+    names = {p: n for n, p in model.named_parameters()}
+    return dict(
+        model={k: v.detach().clone() for k, v in model.state_dict().items()},
+        optimizers=[dict(state={names[p]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                                for p, s in opt.state.items()},
+                         groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+                    for opt in optimizers])
+
+
+def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
+    """Put back exactly what `capture_state` saw (states created since are dropped)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(saved["model"][k])
+    for opt, opt_saved in zip(optimizers, saved["optimizers"]):
+        opt.state.clear()
+        for name, s in opt_saved["state"].items():
+            opt.state[params[name]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        for group, g in zip(opt.param_groups, opt_saved["groups"]):
+            group.update(g)
+
+
+class GradientAverager:
+    """Sums gradients over ranks as soon as each is final (overlapping the backward pass);
+    the loss is pre-divided by world size x micro-steps, so the sum is the global mean."""
+
+    def __init__(self, model: nn.Module, world_size: int):
+        self.world_size, self.armed, self.pending = world_size, False, []
+        if world_size > 1:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        if self.armed:
+            self.pending.append(dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True))
+
+    def wait(self):
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class Runner:
+    """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks."""
+
+    def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1):
+        if config.batch_slices % world_size:
+            raise ConfigError(f"--batch_slices={config.batch_slices} is not divisible by the world size {world_size}; "
+                              "use a GPU count that divides it (1, 2, 4, 8 for the record)")
+        self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
+        self.micro_steps = config.batch_slices // world_size
+        self.model = build_model(config, device)
+        if world_size > 1:
+            for p in self.model.parameters():
+                dist.broadcast(p.detach(), 0)
+        self.optimizers = build_optimizers(self.model, config, rank, world_size)
+        use_compile = config.compile if config.compile is not None else device.type == "cuda"
+        self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
+        self.averager = GradientAverager(self.model, world_size)
+
+    def window(self, step: int) -> torch.Tensor:
+        return torch.tensor(window_blocks(step, self.config), dtype=torch.int32, device=self.device)
+
+    def train_step(self, step: int, batches) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss."""
+        window, scale = self.window(step), 1.0 / (self.micro_steps * self.world_size)
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            self.averager.armed = i == len(batches) - 1
+            loss = self.forward(inputs, targets, window)
+            (loss * scale).backward()
+            total += loss.detach() / len(batches)
+        self.averager.wait()
+        set_schedules(self.optimizers, step, self.config)
+        for opt in self.optimizers:
+            opt.step()
+        self.model.zero_grad(set_to_none=True)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, step: int, val_tokens: torch.Tensor) -> float:
+        """Mean loss over the fixed validation tokens (same tokens for every world size)."""
+        cfg, window = self.config, self.window(step)
+        self.model.eval()
+        step_tokens = cfg.batch_slices * cfg.val_seq_len
+        total = torch.zeros((), device=self.device)
+        count = 0
+        for start in range(0, cfg.val_tokens, step_tokens):
+            for s in range(self.rank * self.micro_steps, (self.rank + 1) * self.micro_steps):
+                buf = val_tokens[start + s * cfg.val_seq_len: start + (s + 1) * cfg.val_seq_len + 1]
+                buf = buf.to(self.device, non_blocking=True).to(torch.int32)
+                total += self.forward(buf[:-1], buf[1:].to(torch.int64), window)
+                count += 1
+        if self.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        self.model.train()
+        return total.item() / (count * self.world_size)
+
+    def warmup(self) -> None:
+        """Untimed steps on random tokens to compile kernels, then restore the exact initial state."""
+        cfg = self.config
+        saved = capture_state(self.model, self.optimizers)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        for step in range(cfg.warmup_steps):
+            batches = []
+            for _ in range(self.micro_steps):
+                tokens = torch.randint(0, cfg.vocab_size, (cfg.train_seq_len + 1,), generator=gen).to(self.device)
+                batches.append((tokens[:-1].to(torch.int32), tokens[1:].to(torch.int64)))
+            self.train_step(step, batches)
+        restore_state(self.model, self.optimizers, saved)
+
+
+class RunLog:
+    """Rank 0's log file and console; other ranks stay silent."""
+
+    def __init__(self, path: Optional[Path], echo: bool = True):
+        self.path, self.echo = path, echo
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, text: str, console: bool = True) -> None:
+        if self.path is None:
+            return
+        if console and self.echo:
+            print(text, flush=True)
+        with open(self.path, "a") as f:
+            f.write(text + "\n")
+
+
+def hardware_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"nvidia-smi failed: {e}"
+    return f"CPU run: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
+    counts, flops = parameter_counts(model), flops_per_token(config, model)
+    lines = [f"params {name}: {n:,}" for name, n in counts.items()]
+    lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
+    return lines
+
+
+def peak_memory_mib(device: torch.device) -> tuple[int, int]:
+    """CUDA: allocator peaks. CPU: the process's peak resident set size for both numbers."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() // 2**20, torch.cuda.max_memory_reserved() // 2**20
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return rss, rss
+
+
+def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
+          log: Optional[RunLog] = None) -> dict:
+    """The timed run: validate every val_every steps and at the end, log in the SPEC §5 format."""
+    log = log or RunLog(None)
+    cfg, N = config, config.num_iterations
+    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
+    available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
+    if available < N:
+        raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
+                         f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {N}; download more shards")
+    val_tokens = torch.cat([read_shard(f) for f in val_files])
+    if val_tokens.numel() < cfg.val_tokens + 1:
+        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
+    val_tokens = val_tokens[:cfg.val_tokens + 1]
+
+    runner = Runner(cfg, device, rank, world_size)
+    for line in accounting_lines(runner.model, cfg):
+        log.write(line)
+    runner.warmup()
+    loader = DataLoader(train_files, cfg.train_seq_len, cfg.batch_slices, rank, world_size, device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if world_size > 1:
+            dist.barrier()
+
+    history, train_time_ms = [], 0.0
+    sync()
+    t0 = time.perf_counter()
+    for step in range(N + 1):
+        last = step == N
+        if last or (cfg.val_every > 0 and step % cfg.val_every == 0):
+            sync()
+            train_time_ms += 1000 * (time.perf_counter() - t0)
+            val_loss = runner.evaluate(step, val_tokens)
+            history.append(dict(step=step, val_loss=val_loss, train_time_ms=train_time_ms))
+            log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
+                      f"step_avg:{train_time_ms / max(step, 1):.2f}ms")
+            sync()
+            t0 = time.perf_counter()
+        if last:
+            break
+        loss = runner.train_step(step, loader.next_batch())
+        if step == 0:  # the step-0 training loss, needed to compare inits; one sync, outside the steady state
+            log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
+        approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
+        log.write(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
+                  console=(step + 1) % 10 == 0 or step + 1 == N)
+    allocated, reserved = peak_memory_mib(device)
+    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
+    return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
+                model=runner.model)
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def dry_run(config: Hyperparameters) -> int:
+    """Config, parameter counts and FLOPs from a meta-device model: no data, no GPU."""
+    model = build_model(config, "meta")
+    print("\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in fields(config)))
+    print("\n".join(accounting_lines(model, config)))
+    counts, flops = parameter_counts(model), flops_per_token(config, model)
+    print(json.dumps(dict(total_params=counts["total"], params_by_group={k: v for k, v in counts.items() if k != "total"},
+                          flops_per_token=flops["total"], flops_per_token_weights=flops["weights"],
+                          flops_per_token_attention=flops["attention"])))
+    return 0
+
+
+def resolve_device(config: Hyperparameters, local_rank: int) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device=cuda but no CUDA GPU is visible; use --device=cpu with --preset tiny")
+        return torch.device("cuda", local_rank)
+    if config.device == "auto" and config.preset == "medium":
+        raise ConfigError("no CUDA GPU found: the record recipe needs GPUs. For a CPU run use "
+                          "`./run.sh --preset tiny` (or force --device=cpu)")
+    return torch.device("cpu")
+
+
+def ensure_synthetic_data(config: Hyperparameters) -> None:
+    """Generate the tiny preset's shards on first use (data/synthetic.py next to this script)."""
+    if glob.glob(config.train_files) and glob.glob(config.val_files):
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
+    import synthetic
+    synthetic.write_dataset(Path(config.train_files).parent, vocab_size=config.vocab_size, eot_token=config.eot_token)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config = parse_args(argv)
+        if config.dry_run:
+            return dry_run(config)
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        device = resolve_device(config, int(os.environ.get("LOCAL_RANK", 0)))
+        if config.batch_slices % world_size:
+            raise ConfigError(f"--batch_slices={config.batch_slices} is not divisible by the world size {world_size}; "
+                              "use a GPU count that divides it (1, 2, 4 or 8 for the record)")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    distributed = "RANK" in os.environ
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = True
+    if distributed:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    try:
+        if config.synthetic_data and rank == 0:
+            ensure_synthetic_data(config)
+        if distributed:
+            dist.barrier()
+        log_path = Path(config.log_dir) / f"{config.run_id or config.preset}_{uuid.uuid4()}.txt" if rank == 0 else None
+        log = RunLog(log_path)
+        if log_path is not None:
+            log.write(Path(__file__).read_text(), console=False)
+            log.write("=" * 100, console=False)
+            log.write(f"Running Python {sys.version}\nRunning PyTorch {torch.__version__}\n{hardware_description(device)}",
+                      console=False)
+            log.write("=" * 100, console=False)
+            log.write("\n".join(f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)), console=False)
+            log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
+        try:
+            result = train(config, device, rank, world_size, log)
+        except (ShardError, FileNotFoundError) as e:
+            hint = ("download shards with `python data/cached_fineweb10B.py 9`" if config.preset == "medium" else "")
+            print(f"error: {e}{'. ' + hint if hint else ''}", file=sys.stderr)
+            return 2
+        if rank == 0:
+            summary = f"final val_loss {result['final_val_loss']:.4f}"
+            meta = Path(config.val_files).parent / "synthetic_meta.json"
+            if config.synthetic_data and meta.exists():
+                m = json.loads(meta.read_text())
+                summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
+                            f"unigram entropy {m['unigram_entropy']:.4f})")
+            log.write(summary)
+            print(f"log: {log_path}")
+        return 0
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
