@@ -865,13 +865,17 @@ class GradientAverager:
         self.pending.clear()
 
 
+def check_world_size(config: Hyperparameters, world_size: int) -> None:
+    if config.batch_slices % world_size:
+        raise ConfigError(f"world size {world_size} does not divide --batch_slices={config.batch_slices}: "
+                          f"run on a number of processes that divides it (1, 2, 4 or 8 for the record)")
+
+
 class Runner:
     """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks."""
 
     def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1):
-        if config.batch_slices % world_size:
-            raise ConfigError(f"--batch_slices={config.batch_slices} is not divisible by the world size {world_size}; "
-                              "use a GPU count that divides it (1, 2, 4, 8 for the record)")
+        check_world_size(config, world_size)
         self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
         self.micro_steps = config.batch_slices // world_size
         self.model = build_model(config, device)
@@ -977,21 +981,28 @@ def peak_memory_mib(device: torch.device) -> tuple[int, int]:
     return rss, rss
 
 
-def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
-          log: Optional[RunLog] = None) -> dict:
-    """The timed run: validate every val_every steps and at the end, log in the SPEC §5 format."""
-    log = log or RunLog(None)
-    cfg, N = config, config.num_iterations
+def load_data(config: Hyperparameters) -> tuple[list[str], torch.Tensor]:
+    """The train shard list and the validation tokens, checked against what the run needs
+    before anything is built or written."""
+    cfg = config
     train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
     available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
-    if available < N:
+    if available < cfg.num_iterations:
         raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
-                         f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {N}; download more shards")
+                         f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
+                         "add shards or lower --num_iterations")
     val_tokens = torch.cat([read_shard(f) for f in val_files])
     if val_tokens.numel() < cfg.val_tokens + 1:
         raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
-    val_tokens = val_tokens[:cfg.val_tokens + 1]
+    return train_files, val_tokens[:cfg.val_tokens + 1]
 
+
+def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
+          log: Optional[RunLog] = None, data: Optional[tuple] = None) -> dict:
+    """The timed run: validate every val_every steps and at the end, log in the SPEC §5 format."""
+    log = log or RunLog(None)
+    cfg, N = config, config.num_iterations
+    train_files, val_tokens = data or load_data(config)
     runner = Runner(cfg, device, rank, world_size)
     for line in accounting_lines(runner.model, cfg):
         log.write(line)
@@ -1075,10 +1086,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if config.dry_run:
             return dry_run(config)
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        check_world_size(config, world_size)
         device = resolve_device(config, int(os.environ.get("LOCAL_RANK", 0)))
-        if config.batch_slices % world_size:
-            raise ConfigError(f"--batch_slices={config.batch_slices} is not divisible by the world size {world_size}; "
-                              "use a GPU count that divides it (1, 2, 4 or 8 for the record)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1094,6 +1103,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             ensure_synthetic_data(config)
         if distributed:
             dist.barrier()
+        try:
+            data = load_data(config)
+        except (ShardError, FileNotFoundError) as e:
+            hint = "; download shards with `python data/cached_fineweb10B.py 9`" if config.preset == "medium" else ""
+            print(f"error: {e}{hint}", file=sys.stderr)
+            return 2
         log_path = Path(config.log_dir) / f"{config.run_id or config.preset}_{uuid.uuid4()}.txt" if rank == 0 else None
         log = RunLog(log_path)
         if log_path is not None:
@@ -1104,12 +1119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             log.write("=" * 100, console=False)
             log.write("\n".join(f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)), console=False)
             log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
-        try:
-            result = train(config, device, rank, world_size, log)
-        except (ShardError, FileNotFoundError) as e:
-            hint = ("download shards with `python data/cached_fineweb10B.py 9`" if config.preset == "medium" else "")
-            print(f"error: {e}{'. ' + hint if hint else ''}", file=sys.stderr)
-            return 2
+        result = train(config, device, rank, world_size, log, data)
         if rank == 0:
             summary = f"final val_loss {result['final_val_loss']:.4f}"
             meta = Path(config.val_files).parent / "synthetic_meta.json"
@@ -1117,8 +1127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 m = json.loads(meta.read_text())
                 summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
                             f"unigram entropy {m['unigram_entropy']:.4f})")
-            log.write(summary)
-            print(f"log: {log_path}")
+            print(f"{summary}\nlog: {log_path}")
         return 0
     finally:
         if distributed:

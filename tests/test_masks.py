@@ -6,34 +6,13 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
+from reference import literal_mask as spec_mask
 
 BS, EOT = 128, 99
 
 
-def literal_mask(ids: np.ndarray, window: int) -> np.ndarray:
-    """SPEC §2 read word by word: per query block, list candidates, split full / partial, keep the
-    most recent min(n_full, W-1) full and min(n_partial, max(W - n_full, 1)) partial blocks."""
-    T = ids.size
-    docs = np.cumsum(ids == EOT)
-    nb = T // BS
-    blocks = [docs[b * BS:(b + 1) * BS] for b in range(nb)]
-    mask = np.zeros((T, T), dtype=bool)
-    for i in range(nb):
-        full, partial = [], []
-        for j in range(i + 1):
-            if not blocks[i][0] <= blocks[j][-1]:
-                continue  # no document in common
-            one_doc = len(set(blocks[i]) | set(blocks[j])) == 1
-            (full if j < i and one_doc else partial).append(j)
-        keep_full = sorted(full, reverse=True)[:max(min(len(full), window - 1), 0)]
-        keep_partial = sorted(partial, reverse=True)[:min(len(partial), max(window - len(full), 1))]
-        for j in keep_full:
-            mask[i * BS:(i + 1) * BS, j * BS:(j + 1) * BS] = True
-        for j in keep_partial:  # inside a partial block: key_pos <= query_pos and same document
-            q = np.arange(i * BS, (i + 1) * BS)[:, None]
-            k = np.arange(j * BS, (j + 1) * BS)[None, :]
-            mask[i * BS:(i + 1) * BS, j * BS:(j + 1) * BS] = (k <= q) & (docs[q] == docs[k])
-    return mask
+def literal_mask(ids, window):
+    return spec_mask(ids, window, BS, EOT)
 
 
 def random_layout(rng, num_blocks: int, docs_per_block: float) -> np.ndarray:

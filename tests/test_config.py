@@ -1,0 +1,184 @@
+"""Configuration and command line: the --dry_run accounting against SPEC §2/§5 numbers recomputed
+here from the shapes, flag parsing, errors that name the flag (exit code 2), and an import
+without side effects. Everything runs in-process through tg.main / tg.parse_args."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt_medium as tg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# SPEC §2 shapes of the record model
+V, V_PAD, D, L, HIDDEN = 50257, 50304, 1024, 16, 4096
+ATTENTION_LAYERS = [i for i in range(L) if i != 7]
+LONG_LAYERS = {0, 4, 11, 15}
+SPEC_GROUPS = dict(
+    head=V_PAD * D,
+    embed=2 * V * D,
+    value_embed=5 * V * D,
+    scalar=L * (1 + 3 + 2),
+    muon_attn=len(ATTENTION_LAYERS) * 4 * D * D,
+    muon_mlp=L * 2 * HIDDEN * D,
+)
+
+
+def dry_run_summary(capsys) -> dict:
+    assert tg.main(["--dry_run"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def error_of(argv, capsys) -> str:
+    """Run main, require exit code 2, return what it wrote to stderr."""
+    assert tg.main(argv) == 2
+    return capsys.readouterr().err
+
+
+# ---- --dry_run
+
+
+def test_dry_run_parameter_count_is_the_spec_total(capsys):
+    summary = dry_run_summary(capsys)
+    assert summary["total_params"] == 608_885_856 == sum(SPEC_GROUPS.values())
+    assert sum(summary["params_by_group"].values()) == summary["total_params"]
+    assert summary["params_by_group"] == SPEC_GROUPS
+
+
+def test_dry_run_flops_per_token_is_the_spec_figure(capsys):
+    """SPEC §5: about 1.686e9 = 1.492e9 (6 x matmul weights) + 0.194e9 (attention)."""
+    summary = dry_run_summary(capsys)
+    assert summary["flops_per_token"] == pytest.approx(1.686e9, rel=1e-3)
+    assert summary["flops_per_token_weights"] == pytest.approx(1.492e9, rel=1e-3)
+    assert summary["flops_per_token_attention"] == pytest.approx(0.194e9, rel=3e-3)  # 3 significant digits
+    assert summary["flops_per_token"] == pytest.approx(
+        summary["flops_per_token_weights"] + summary["flops_per_token_attention"], rel=1e-12)
+
+
+def test_dry_run_flops_equal_a_recount_from_the_shapes_and_the_window_schedule(capsys):
+    """Weights: 6 x (head + attention + MLP matrices). Attention: per step, per attention layer,
+    12 x attn_dim x (mean keys per query over the 128 offsets in a block: the window's earlier
+    blocks whole plus the own block up to the query), averaged over the 5690 steps."""
+    summary = dry_run_summary(capsys)
+    weights = 6 * (SPEC_GROUPS["head"] + SPEC_GROUPS["muon_attn"] + SPEC_GROUPS["muon_mlp"])
+    assert summary["flops_per_token_weights"] == weights
+    config = tg.make_config()
+    total = 0.0
+    for step in range(config.num_iterations):
+        W = tg.window_blocks(step, config)
+        for layer in ATTENTION_LAYERS:
+            w = W if layer in LONG_LAYERS else W // 2
+            keys = sum(max(w - 1, 0) * 128 + offset + 1 for offset in range(128)) / 128
+            total += 12 * D * keys
+    assert summary["flops_per_token_attention"] == pytest.approx(total / config.num_iterations, rel=1e-9)
+
+
+# ---- errors: exit code 2 and a message naming the flag
+
+
+def test_unknown_flag_exits_2_naming_it_and_listing_valid_flags(capsys):
+    err = error_of(["--num_iteration=5"], capsys)
+    assert "--num_iteration" in err
+    assert "--num_iterations" in err and "--train_files" in err and "--dry_run" in err
+
+
+@pytest.mark.parametrize("argv,flag,bad", [
+    (["--num_iterations=abc"], "--num_iterations", "abc"),
+    (["--embed_lr=x"], "--embed_lr", "x"),
+    (["--dry_run=maybe"], "--dry_run", "maybe"),
+    (["--num_iterations", "1.5"], "--num_iterations", "1.5"),
+])
+def test_badly_typed_value_exits_2_naming_the_flag_and_the_value(capsys, argv, flag, bad):
+    err = error_of(argv, capsys)
+    assert flag in err and repr(bad) in err
+
+
+def test_unknown_preset_exits_2_naming_the_flag_and_the_presets(capsys):
+    err = error_of(["--preset", "nope"], capsys)
+    assert "--preset" in err and "nope" in err and "tiny" in err and "medium" in err
+
+
+def test_value_flag_without_a_value_exits_2(capsys):
+    assert "--num_iterations" in error_of(["--num_iterations"], capsys)
+
+
+# ---- parsing
+
+
+def test_equals_and_space_forms_are_the_same():
+    assert tg.parse_args(["--num_iterations=7"]).num_iterations == 7
+    assert tg.parse_args(["--num_iterations", "7"]).num_iterations == 7
+    assert tg.parse_args(["--embed_lr", "0.5", "--run_id=abc"]) == tg.parse_args(["--embed_lr=0.5", "--run_id", "abc"])
+
+
+def test_bare_boolean_flag_is_true_and_takes_no_value():
+    config = tg.parse_args(["--dry_run", "--num_iterations", "9"])
+    assert config.dry_run is True and config.num_iterations == 9
+    assert tg.parse_args([]).dry_run is False
+
+
+@pytest.mark.parametrize("text,value", [("false", False), ("0", False), ("true", True), ("on", True),
+                                        ("auto", None)])
+def test_compile_is_tri_state(text, value):
+    assert tg.parse_args([f"--compile={text}"]).compile is value
+
+
+def test_compile_defaults_to_none_and_bare_compile_is_true():
+    assert tg.parse_args([]).compile is None
+    assert tg.parse_args(["--compile"]).compile is True
+
+
+def test_overrides_apply_on_top_of_the_preset_in_any_order():
+    tiny = tg.make_config("tiny")
+    for argv in (["--preset", "tiny", "--num_iterations=7"], ["--num_iterations=7", "--preset=tiny"]):
+        config = tg.parse_args(argv)
+        assert config.preset == "tiny" and config.num_iterations == 7
+        assert config.model_dim == tiny.model_dim == 64 and config.vocab_size == 500  # the rest: the preset
+    assert tg.make_config().num_iterations == 5690 and tiny.num_iterations == 200
+
+
+@pytest.mark.parametrize("override,flag", [
+    (dict(train_seq_len=500), "--train_seq_len"),
+    (dict(val_seq_len=0), "--val_seq_len"),
+    (dict(eot_token=500), "--eot_token"),
+    (dict(value_embed_layout="0,1,2,3,4,-,-,-,-,-,-,0,1,2,3"), "--value_embed_layout"),
+    (dict(value_embed_layout="0,1,2,3,4,-,-,0,-,-,-,0,1,2,3,4"), "--value_embed_layout"),  # layer 7: no attention
+    (dict(skip_connections="9<10"), "--skip_connections"),
+    (dict(val_tokens=1000), "--val_tokens"),
+])
+def test_make_config_validation_names_the_flag(override, flag):
+    with pytest.raises(tg.ConfigError) as err:
+        tg.make_config("tiny", **override)
+    assert str(err.value).startswith(flag)
+
+
+def test_validation_errors_from_the_command_line_exit_2(capsys):
+    assert "--train_seq_len" in error_of(["--preset=tiny", "--train_seq_len=500"], capsys)
+
+
+# ---- process-level behaviour
+
+
+def test_importing_the_module_prints_nothing_and_writes_nothing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", "import train_gpt_medium"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_medium_preset_without_a_gpu_exits_2_pointing_to_the_tiny_preset(capsys):
+    assert "--preset tiny" in error_of([], capsys)
+
+
+def test_missing_train_shards_exit_2_naming_the_flag(tmp_path, capsys):
+    pattern = str(tmp_path / "nothing_*.bin")
+    err = error_of(["--preset", "tiny", f"--train_files={pattern}", f"--val_files={pattern}",
+                    "--synthetic_data=false", f"--log_dir={tmp_path}"], capsys)
+    assert "--train_files" in err

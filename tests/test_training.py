@@ -1,0 +1,116 @@
+"""The training loop: warm-up leaves no trace, runs are reproducible, the tiny preset learns and
+writes a log in the SPEC §5 format."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt_medium as tg
+
+ROOT = Path(__file__).resolve().parent.parent
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{6}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
+TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
+
+
+def small_run_config(synthetic_dir, **overrides):
+    values = dict(train_files=str(synthetic_dir / "synthetic_train_*.bin"),
+                  val_files=str(synthetic_dir / "synthetic_val_*.bin"), synthetic_data=False,
+                  num_iterations=4, val_every=2, val_tokens=2048, warmup_steps=1)
+    return tg.make_config("tiny", **{**values, **overrides})
+
+
+def random_batches(config, seed):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(config.batch_slices):
+        tokens = torch.randint(0, config.vocab_size, (config.train_seq_len + 1,), generator=gen)
+        out.append((tokens[:-1].to(torch.int32), tokens[1:].to(torch.int64)))
+    return out
+
+
+def all_state(runner):
+    """Every tensor that defines the run's future: parameters and optimizer states, by name."""
+    names = {p: n for n, p in runner.model.named_parameters()}
+    state = {f"param/{n}": p.detach().clone() for n, p in runner.model.named_parameters()}
+    for i, opt in enumerate(runner.optimizers):
+        for p, s in opt.state.items():
+            for k, v in s.items():
+                state[f"opt{i}/{names[p]}/{k}"] = v.clone() if torch.is_tensor(v) else v
+    return state
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])), k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_warmup_then_restore_equals_a_fresh_build(dtype):
+    config = tg.make_config("tiny", dtype=dtype, warmup_steps=3)
+    fresh, warmed = tg.Runner(config, torch.device("cpu")), tg.Runner(config, torch.device("cpu"))
+    before = all_state(warmed)
+    warmed.warmup()
+    assert_same_state(all_state(warmed), all_state(fresh))
+    assert_same_state(all_state(warmed), before)
+    for g_fresh, g_warm in zip(fresh.optimizers[1].param_groups, warmed.optimizers[1].param_groups):
+        assert g_fresh["lr"] == g_warm["lr"] and g_fresh["momentum"] == g_warm["momentum"]
+    # and the next steps are the same steps
+    for step in range(2):
+        batches = random_batches(config, seed=step)
+        assert torch.equal(fresh.train_step(step, batches), warmed.train_step(step, batches))
+    assert_same_state(all_state(warmed), all_state(fresh))
+
+
+def test_warmup_changes_state_before_the_restore(monkeypatch):
+    """Guards the test above: the warm-up really trains (so the restore is what undoes it)."""
+    config = tg.make_config("tiny", dtype="float32", warmup_steps=2)
+    runner = tg.Runner(config, torch.device("cpu"))
+    before = all_state(runner)
+    monkeypatch.setattr(tg, "restore_state", lambda *args: None)
+    runner.warmup()
+    after = all_state(runner)
+    assert any(not torch.equal(torch.as_tensor(before[k]), torch.as_tensor(after[k])) for k in before if k in after)
+
+
+def test_same_seed_gives_bit_identical_runs(synthetic_dir):
+    config = small_run_config(synthetic_dir)
+    runs = [tg.train(config, torch.device("cpu")) for _ in range(2)]
+    assert [h["val_loss"] for h in runs[0]["val_history"]] == [h["val_loss"] for h in runs[1]["val_history"]]
+    for (name, a), b in zip(runs[0]["model"].named_parameters(), runs[1]["model"].parameters()):
+        assert torch.equal(a, b), name
+    other = tg.train(small_run_config(synthetic_dir, seed=1), torch.device("cpu"))
+    assert other["final_val_loss"] != runs[0]["final_val_loss"]
+
+
+def test_too_little_training_data_is_refused_before_training(synthetic_dir):
+    config = small_run_config(synthetic_dir, num_iterations=10_000)
+    with pytest.raises(tg.ShardError, match=r"--train_files: 2 shard\(s\) feed \d+ steps .* needs 10000"):
+        tg.load_data(config)
+
+
+@pytest.mark.slow
+def test_tiny_preset_learns_and_logs_in_spec_format(tmp_path, monkeypatch, capsys):
+    """The README's first command, in-process: the full tiny preset on its synthetic data."""
+    monkeypatch.chdir(ROOT)
+    assert tg.main(["--preset", "tiny", f"--log_dir={tmp_path}"]) == 0
+    meta = json.loads((ROOT / "data/synthetic/synthetic_meta.json").read_text())
+    (log_file,) = tmp_path.glob("tiny_*.txt")
+    text = log_file.read_text()
+    source, versions, body = text.split("=" * 100 + "\n")
+    assert source.rstrip("\n") == (ROOT / "train_gpt_medium.py").read_text().rstrip("\n")
+    assert "PyTorch 2.13.0" in versions
+    step_lines = [line for line in body.splitlines() if line.startswith("step:")]
+    vals = [VAL_LINE.match(line) for line in step_lines if "val_loss" in line]
+    trains = [TRAIN_LINE.match(line) for line in step_lines if "val_loss" not in line]
+    assert all(vals) and all(trains)
+    assert [int(m[1]) for m in vals] == [0, 50, 100, 150, 200]
+    assert [int(m[1]) for m in trains] == list(range(1, 201))
+    assert re.fullmatch(r"peak memory allocated: \d+ MiB reserved: \d+ MiB", body.splitlines()[-1])
+    first, final = float(vals[0][3]), float(vals[-1][3])
+    assert first == pytest.approx(torch.log(torch.tensor(512.0)).item(), abs=1e-4)
+    # clearly learned: past the midpoint between "ignores context" and "perfect"
+    assert final < (meta["unigram_entropy"] + meta["conditional_entropy"]) / 2, (final, meta)
+    assert "final val_loss" in capsys.readouterr().out
