@@ -1106,7 +1106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             data = load_data(config)
         except (ShardError, FileNotFoundError) as e:
-            hint = "; download shards with `python data/cached_fineweb10B.py 9`" if config.preset == "medium" else ""
+            hint = "; download shards with `python data/cached_fineweb10B.py 30`" if config.preset == "medium" else ""
             print(f"error: {e}{hint}", file=sys.stderr)
             return 2
         log_path = Path(config.log_dir) / f"{config.run_id or config.preset}_{uuid.uuid4()}.txt" if rank == 0 else None

@@ -1,6 +1,6 @@
 """Download the speedrun's GPT-2-tokenized FineWeb shards from the Hugging Face Hub.
 
-    python data/cached_fineweb10B.py 9     # validation shard + first 9 train shards (~2 GB): one record run
+    python data/cached_fineweb10B.py 30    # validation shard + first 30 train shards (~6 GB): one record run
     python data/cached_fineweb10B.py 103   # the whole 10B-token sample
 
 Files land in data/fineweb10B/ (the trainer's default --train_files/--val_files). A file that is
@@ -54,8 +54,8 @@ def download(num_train: int, out_dir: Path, fetch=None) -> list[Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("num_train", nargs="?", type=int, default=9,
-                        help=f"train shards to fetch, 1..{TRAIN_SHARDS_IN_REPO} (100M tokens each; default 9)")
+    parser.add_argument("num_train", nargs="?", type=int, default=30,
+                        help=f"train shards to fetch, 1..{TRAIN_SHARDS_IN_REPO} (100M tokens each; default 30 = one record run)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "fineweb10B")
     args = parser.parse_args(argv)
     if not 0 <= args.num_train <= TRAIN_SHARDS_IN_REPO:
