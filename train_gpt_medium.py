@@ -377,7 +377,7 @@ class Muon(torch.optim.Optimizer):
         grad = p.grad.float()
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - m)
-        update = orthogonalize(grad.lerp_(buf, m), p.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
+        update = orthogonalize(grad.lerp(buf, m), p.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
         rows, cols = p.shape[-2:]
         halves = "low_bits" in state
         master = fp32_from_halves(p.data, state["low_bits"]) if halves else p.data
@@ -785,7 +785,7 @@ class DataLoader:
 
 def steps_available(files: list[str], step_tokens: int) -> int:
     """How many training steps the shards can feed (headers only)."""
-    return sum((shard_token_count(f) - 1) // step_tokens for f in files)
+    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)
 
 
 # -----------------------------------------------------------------------------
