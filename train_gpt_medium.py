@@ -68,7 +68,6 @@ class Hyperparameters:
     num_heads: int = 8
     head_dim: int = 128
     mlp_ratio: int = 4
-    num_extra_embeds: int = 1  # input embeddings beyond x00 (the record: x01)
     value_embed_layout: str = "0,1,2,3,4,-,-,-,-,-,-,0,1,2,3,4"  # table per layer, '-' = none
     skip_connections: str = "9<6,10<4,11<2"  # target<source: add skip_w[source]*out[source]
     attention_free_layers: str = "7"
@@ -78,6 +77,19 @@ class Hyperparameters:
     attn_scale: float = 0.12
     logit_softcap: float = 15.0
     rope_base: float = 1024.0
+    # seed ideas (SPEC §7); the defaults are the record, and an idea that is off builds nothing
+    num_extra_embeds: int = 1  # input embeddings beyond x00 (0..4; the record: x01)
+    x00_at_output: bool = False  # mix x00 into the final normed x before the head
+    lore_rank: int = 128  # LoRE rank r, used by lore_input / lore_output
+    lore_input: bool = False  # input embedding tables as V x r table + r -> d projection
+    lore_output: bool = False  # head as d -> r -> V_pad
+    lore_init: str = "corrected"  # none | original | corrected
+    ve_mode: str = "native"  # value embeddings: native | grouped (one-hot layout) | learned | frozen (coefficients)
+    ve_tables: int = 0  # K basis tables for learned/frozen (0: as many as value_embed_layout names)
+    ve_coeff_init: str = "canonical"  # canonical | assignment (one-hot of value_embed_layout)
+    ve_coeff_lr: float = 0.5  # Adam lr of learned coefficients (no decay)
+    ve_exec: str = "direct"  # learned/frozen: direct (mix gathered rows) | materialized (mix tables, then look up)
+    token_bytes_file: str = "data/gpt2_token_bytes.npy"  # bytes per token id, for val_bpb ('' = off)
     # optimization
     num_iterations: int = 5690
     cooldown_frac: float = 0.7
@@ -111,6 +123,9 @@ class Hyperparameters:
 
     @property
     def num_value_embeds(self) -> int:
+        """K, the number of value-embedding tables."""
+        if self.ve_mode in ("learned", "frozen") and self.ve_tables > 0:
+            return self.ve_tables
         used = [t for t in self.value_embed_tables if t is not None]
         return max(used) + 1 if used else 0
 
@@ -155,7 +170,19 @@ class Hyperparameters:
         need(self.batch_slices > 0, "batch_slices", "must be positive")
         need(self.val_tokens > 0 and self.val_tokens % (self.batch_slices * self.val_seq_len) == 0, "val_tokens",
              f"must be a positive multiple of batch_slices*val_seq_len = {self.batch_slices * self.val_seq_len}")
+        need(self.lore_init in ("none", "original", "corrected"), "lore_init", "must be none, original or corrected")
+        need(self.lore_rank > 0 or not (self.lore_input or self.lore_output), "lore_rank", "must be positive")
+        need(self.ve_mode in ("native", "grouped", "learned", "frozen"), "ve_mode",
+             "must be native, grouped, learned or frozen")
+        need(self.ve_coeff_init in ("canonical", "assignment"), "ve_coeff_init", "must be canonical or assignment")
+        need(self.ve_exec in ("direct", "materialized"), "ve_exec", "must be direct or materialized")
+        need(self.ve_tables >= 0, "ve_tables", "must be >= 0 (0: from value_embed_layout)")
+        need(self.ve_tables == 0 or self.ve_mode in ("learned", "frozen"), "ve_tables",
+             "only learned/frozen take a basis size; for native/grouped the layout names the tables")
         tables = self.value_embed_tables
+        if self.ve_mode in ("learned", "frozen") and self.ve_coeff_init == "assignment":
+            need(all(t is None or t < self.num_value_embeds for t in tables), "value_embed_layout",
+                 f"assignment init needs every table index < --ve_tables={self.num_value_embeds}")
         need(len(tables) == self.num_layers, "value_embed_layout",
              f"has {len(tables)} entries, needs one per layer ({self.num_layers})")
         if self.num_value_embeds:
@@ -194,10 +221,12 @@ PRESETS: dict[str, dict] = {
         train_files="data/synthetic/synthetic_train_*.bin",
         val_files="data/synthetic/synthetic_val_*.bin",
         synthetic_data=True,
+        token_bytes_file="data/synthetic/synthetic_token_bytes.npy",
         vocab_size=500, eot_token=499,  # padded head: 512
         model_dim=64, num_heads=2, head_dim=32,
         train_seq_len=512, val_seq_len=512, batch_slices=2, val_tokens=8192,
         max_window_tokens=384,  # 3 blocks long, 1 short, of 4 per slice
+        lore_rank=16,
         num_iterations=200, val_every=50, warmup_steps=3,
     ),
 }
@@ -498,6 +527,11 @@ class Attention(nn.Module):
         # q, k, v, o merged; Muon orthogonalizes the four (attn_dim, model_dim) matrices separately
         self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim, dtype=dtype))
 
+    def initial_value(self, name, shape, gen):
+        value = uniform(shape, gen, 3**0.5 * 0.5 / shape[-1] ** 0.5)  # std 0.5/sqrt(fan_in)
+        value[3] = 0  # the output projection starts at zero
+        return value
+
     def forward(self, x, ve, lambdas, cos, sin, mask):
         B, T = x.shape[:2]
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1)).view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
@@ -514,6 +548,11 @@ class MLP(nn.Module):
         hidden = config.mlp_ratio * config.model_dim
         self.fc_w = nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype))
         self.proj_w = nn.Parameter(torch.empty(config.model_dim, hidden, dtype=dtype))
+
+    def initial_value(self, name, shape, gen):
+        if name == "fc_w":
+            return uniform(shape, gen, 3**0.5 * 0.5 / shape[-1] ** 0.5)
+        return torch.zeros(shape)  # proj starts at zero
 
     def forward(self, x):
         return F.linear(F.relu(F.linear(x, self.fc_w)).square(), self.proj_w)
@@ -535,6 +574,115 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x))
 
 
+# ---- the seed ideas' modules (SPEC §7), each switched by its Hyperparameters field
+
+class LowRankEmbedding(nn.Module):
+    """LoRE, input side (--lore_input): a V x r table followed by an r -> d projection."""
+
+    def __init__(self, vocab_size: int, rank: int, dim: int, init: str, dtype: torch.dtype):
+        super().__init__()
+        self.init = init
+        self.table = nn.Embedding(vocab_size, rank, dtype=dtype)
+        self.proj = nn.Parameter(torch.empty(dim, rank, dtype=dtype))  # Linear(r -> d) weight
+
+    def initial_value(self, name, shape, gen):
+        rank = shape[1]  # proj: fan_in r. `original` and `corrected` both draw it N(0, 1/r)
+        return normal(shape, gen, rank**-0.5) if self.init != "none" else uniform(shape, gen, rank**-0.5)
+
+    def forward(self, ids):
+        return F.linear(self.table(ids), self.proj)
+
+
+class Head(nn.Module):
+    """The record's output head: d -> V_pad, fp32 storage, zero init, matmul in the model dtype."""
+
+    def __init__(self, dim: int, padded_vocab: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(padded_vocab, dim, dtype=torch.float32))
+
+    def initial_value(self, name, shape, gen):
+        return torch.zeros(shape)
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class LowRankHead(nn.Module):
+    """LoRE, output side (--lore_output): d -> r (`down`) then r -> V_pad (`up`), fp32 storage.
+    Only `up` carries the vocabulary padding. Both factors start random (SPEC §7.2 init modes):
+    two zero factors would never receive a gradient."""
+
+    def __init__(self, dim: int, rank: int, padded_vocab: int, init: str):
+        super().__init__()
+        self.init = init
+        self.down = nn.Parameter(torch.empty(rank, dim, dtype=torch.float32))  # Linear(d -> r) weight
+        self.up = nn.Parameter(torch.empty(padded_vocab, rank, dtype=torch.float32))  # Linear(r -> V) weight
+
+    def initial_value(self, name, shape, gen):
+        fan_in, rank = shape[1], min(shape)
+        gaussian = (self.init, name) in {("original", "down"), ("corrected", "up")}
+        return normal(shape, gen, rank**-0.5) if gaussian else uniform(shape, gen, fan_in**-0.5)
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.down.to(x.dtype)), self.up.to(x.dtype))
+
+
+class ValueEmbeddings(nn.Module):
+    """The per-layer value embeddings, from K tables B_k (SPEC §7.3).
+
+    native / grouped: layer l looks up table layout[l] (the record: K=5, 012..012).
+    learned / frozen: a coefficient matrix A (L x K, fp32) makes layer l's table
+    V_l = sum_k A[l, k] B_k; learned trains A (Adam, --ve_coeff_lr), frozen keeps it fixed (a
+    buffer: no gradient, no optimizer state). --ve_exec: `direct` gathers the K rows of each
+    token and mixes them, `materialized` builds each V_l (differentiably), then looks it up.
+    """
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.layout = config.value_embed_tables  # table per layer or None
+        self.tables = nn.ModuleList(nn.Embedding(config.vocab_size, config.model_dim, dtype=dtype)
+                                    for _ in range(config.num_value_embeds))
+        self.coeffs = None
+        if config.ve_mode in ("learned", "frozen"):
+            coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
+            if config.ve_mode == "learned":
+                self.coeffs = nn.Parameter(coeffs)
+            else:
+                self.register_buffer("coeffs", coeffs)
+
+    def initial_value(self, name="coeffs", shape=None, gen=None) -> torch.Tensor:
+        """The coefficients, deterministic: canonical: the first K sites one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot
+        of the layout's table. Rows of layers without a value embedding are zero (unused)."""
+        L, K = self.config.num_layers, self.config.num_value_embeds
+        A = torch.zeros(L, K)
+        sites = [layer for layer, table in enumerate(self.layout) if table is not None]
+        for s, layer in enumerate(sites):
+            if self.config.ve_coeff_init == "assignment":
+                A[layer, self.layout[layer]] = 1.0
+            elif s < K:
+                A[layer, s] = 1.0
+            else:
+                A[layer] = K**-0.5
+        return A
+
+    def forward(self, ids) -> list[Optional[torch.Tensor]]:
+        """One (T, d) tensor per layer, or None where the layer has no value embedding."""
+        if self.coeffs is None:
+            rows = [table(ids) for table in self.tables]
+            return [rows[t] if t is not None else None for t in self.layout]
+        A = self.coeffs
+        if self.config.ve_exec == "direct":
+            dtype = self.tables[0].weight.dtype
+            rows = torch.stack([table(ids) for table in self.tables]).float()  # (K, T, d)
+            return [torch.einsum("k,ktd->td", A[layer], rows).to(dtype) if t is not None else None
+                    for layer, t in enumerate(self.layout)]
+        dtype = self.tables[0].weight.dtype
+        weights = torch.stack([table.weight for table in self.tables]).float()  # (K, V, d)
+        return [F.embedding(ids, torch.einsum("k,kvd->vd", A[layer], weights).to(dtype)) if t is not None else None
+                for layer, t in enumerate(self.layout)]
+
+
 class GPT(nn.Module):
     """The record model. All structure comes from `config`; parameters are created empty and
     filled by `init_parameters` (or left unfilled on the meta device). `dtype` (bf16 in the
@@ -544,53 +692,81 @@ class GPT(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         V, d, L = config.vocab_size, config.model_dim, config.num_layers
-        self.embeds = nn.ModuleList(nn.Embedding(V, d, dtype=dtype) for _ in range(1 + config.num_extra_embeds))
-        self.value_embeds = nn.ModuleList(nn.Embedding(V, d, dtype=dtype) for _ in range(config.num_value_embeds))
+        r = config.lore_rank
+        self.embeds = nn.ModuleList(
+            LowRankEmbedding(V, r, d, config.lore_init, dtype) if config.lore_input else nn.Embedding(V, d, dtype=dtype)
+            for _ in range(1 + config.num_extra_embeds))
+        self.value_embeds = ValueEmbeddings(config, dtype)
         attention_layers = set(config.attention_layers)
         self.blocks = nn.ModuleList(Block(config, i in attention_layers, dtype) for i in range(L))
-        # only the head is padded (to a multiple of 128); fp32 storage, matmul in `dtype`
-        self.head = nn.Linear(d, config.padded_vocab_size, bias=False, dtype=torch.float32)
+        # only the head is padded (to a multiple of 128)
+        self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init) if config.lore_output
+                     else Head(d, config.padded_vocab_size))
         # one fp32 vector: skip weights (L), block lambdas (L x (2 + extra)), attention lambdas (L x 2)
         self.num_mix = 2 + config.num_extra_embeds
         self.scalars = nn.Parameter(torch.empty(L * (1 + self.num_mix + 2), dtype=torch.float32))
+        # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (SPEC §7.1, rejected upstream)
+        self.output_mix = nn.Parameter(torch.empty(2, dtype=torch.float32)) if config.x00_at_output else None
+
+    def initial_value(self, name, shape, gen):
+        if name == "output_mix":
+            return torch.tensor([1.0, 0.0])  # starts as the record: x00 weighted 0
+        L = self.config.num_layers
+        skip_w, block_lambdas, attn_lambdas = torch.empty(shape).split([L, L * self.num_mix, 2 * L])
+        skip_w.fill_(1.0)
+        block_lambdas.view(L, self.num_mix).copy_(torch.tensor([1.0] + [0.0] * (self.num_mix - 1)))
+        attn_lambdas.fill_(0.5)
+        return torch.cat([skip_w, block_lambdas, attn_lambdas])
 
     def scalar_views(self):
         L = self.config.num_layers
         skip_w, block_lambdas, attn_lambdas = self.scalars.split([L, L * self.num_mix, 2 * L])
         return skip_w, block_lambdas.view(L, self.num_mix), attn_lambdas.view(L, 2)
 
-    def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of one packed sequence. input_seq (T,) int32, target_seq (T,) int64,
-        window: 0-dim int tensor, the long window in blocks (a tensor so a new value needs no recompile)."""
+    def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window: torch.Tensor,
+                reduction: str = "mean") -> torch.Tensor:
+        """Next-token cross-entropy of one packed sequence: the mean, or per token (T,) with
+        reduction="none". input_seq (T,) int32, target_seq (T,) int64, window: 0-dim int tensor,
+        the long window in blocks (a tensor so a new value needs no recompile)."""
         cfg = self.config
         T = input_seq.numel()
         backend = cfg.attention if cfg.attention != "auto" else ("flex" if input_seq.is_cuda else "sdpa")
         long_mask, short_mask = attention_masks(input_seq, window, cfg, backend)
         cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
         x0s = [rms_norm(embed(input_seq))[None] for embed in self.embeds]  # each (1, T, d)
-        tables = cfg.value_embed_tables
-        ves = [table(input_seq) for table in self.value_embeds]  # each (T, d)
+        ves = self.value_embeds(input_seq)  # per layer (T, d) or None
         skip_w, block_lambdas, attn_lambdas = self.scalar_views()
         skips, long_layers = cfg.skips, cfg.long_layers
         x, outputs = x0s[0], []
         for i, block in enumerate(self.blocks):
             if i in skips:
                 x = x + skip_w[skips[i]] * outputs[skips[i]]
-            ve = ves[tables[i]] if tables[i] is not None else None
             mask = long_mask if i in long_layers else short_mask
-            x = block(x, x0s, block_lambdas[i], ve, attn_lambdas[i], cos, sin, mask)
+            x = block(x, x0s, block_lambdas[i], ves[i], attn_lambdas[i], cos, sin, mask)
             outputs.append(x)
         x = rms_norm(x[0])  # (T, d)
-        return self.loss(x, target_seq, num_chunks=1 if self.training else 4)
+        if self.output_mix is not None:
+            x = self.output_mix[0] * x + self.output_mix[1] * x0s[0][0]
+        return self.loss(x, target_seq, num_chunks=1 if self.training else 4, reduction=reduction)
 
-    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int, reduction: str) -> torch.Tensor:
         """Soft-capped fp32 logits and cross-entropy; chunks bound the (T, V) logits' memory."""
-        cap, total = self.config.logit_softcap, 0
+        cap, losses = self.config.logit_softcap, []
         for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks)):
-            z = F.linear(xc, self.head.weight.to(self.dtype)).float()
+            z = self.head(xc).float()
             z = cap * z * torch.rsqrt(z.square() + cap * cap)
-            total = total + F.cross_entropy(z, tc, reduction="sum")
-        return total / targets.numel()
+            losses.append(F.cross_entropy(z, tc, reduction="none" if reduction == "none" else "sum"))
+        if reduction == "none":
+            return torch.cat(losses)
+        return sum(losses) / targets.numel()
+
+
+def normal(shape, gen, std: float) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * std
+
+
+def uniform(shape, gen, bound: float) -> torch.Tensor:
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
 
 
 def _param_generator(seed: int, name: str) -> torch.Generator:
@@ -602,29 +778,17 @@ def _param_generator(seed: int, name: str) -> torch.Generator:
 
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> None:
-    """SPEC §2 init, drawn in fp32 on the CPU from per-parameter streams, then cast and copied."""
-    cfg = model.config
-    skip_w, block_lambdas, attn_lambdas = (t.detach() for t in model.scalar_views())
-    for name, p in model.named_parameters():
-        gen = _param_generator(seed, name)
-        if name.startswith(("embeds.", "value_embeds.")):
-            value = torch.randn(p.shape, generator=gen)
-        elif name.endswith(("qkvo_w", "fc_w")):
-            bound = 3**0.5 * 0.5 / p.size(-1) ** 0.5  # uniform with std 0.5/sqrt(fan_in)
-            value = torch.empty(p.shape).uniform_(-bound, bound, generator=gen)
-            if name.endswith("qkvo_w"):
-                value[3] = 0  # o projection starts at zero
-        elif name.endswith("proj_w") or name == "head.weight":
-            value = torch.zeros(p.shape)
-        elif name == "scalars":
-            continue
-        else:
-            raise RuntimeError(f"init_parameters: no rule for parameter {name!r}")
-        p.copy_(value)
-    skip_w.fill_(1.0)
-    block_lambdas.zero_()
-    block_lambdas[:, 0] = 1.0  # x passes through; every embedding starts at weight 0
-    attn_lambdas.fill_(0.5)
+    """SPEC §2 / §7 init: each module says how its parameters start (`initial_value`); values are
+    drawn in fp32 on the CPU from per-parameter streams, then cast and copied."""
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            gen = _param_generator(seed, f"{module_name}.{name}".lstrip("."))
+            if isinstance(module, nn.Embedding):
+                p.copy_(normal(p.shape, gen, 1.0))
+            else:
+                p.copy_(module.initial_value(name, p.shape, gen))
+    if model.value_embeds.coeffs is not None:
+        model.value_embeds.coeffs.copy_(model.value_embeds.initial_value())  # a buffer when frozen
 
 
 def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
@@ -649,15 +813,22 @@ def build_model(config: Hyperparameters, device="cpu") -> GPT:
 # ---- parameter groups, counts and FLOPs (shared by the optimizers, --dry_run and the log)
 
 def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
-    """Every parameter in exactly one optimizer group, by name."""
+    """Every parameter in exactly one optimizer group, by name (groups with nothing are left out).
+    LoRE: tables join the embeddings, the head's up factor the head; the small dense factors
+    (input r -> d projections, the head's d -> r) are matrices for Muon."""
+    head = model.head
     groups = {
-        "head": [model.head.weight],
-        "embed": list(model.embeds.parameters()),
-        "value_embed": list(model.value_embeds.parameters()),
-        "scalar": [model.scalars],
+        "head": [head.up if isinstance(head, LowRankHead) else head.weight],
+        "embed": [e.table.weight if isinstance(e, LowRankEmbedding) else e.weight for e in model.embeds],
+        "value_embed": list(model.value_embeds.tables.parameters()),
+        "ve_coeff": [p for p in [model.value_embeds.coeffs] if isinstance(p, nn.Parameter)],
+        "scalar": [p for p in (model.scalars, model.output_mix) if p is not None],
         "muon_attn": [b.attn.qkvo_w for b in model.blocks if b.attn is not None],
         "muon_mlp": [p for b in model.blocks for p in b.mlp.parameters()],
+        "muon_lore": [e.proj for e in model.embeds if isinstance(e, LowRankEmbedding)]
+                     + ([head.down] if isinstance(head, LowRankHead) else []),
     }
+    groups = {name: ps for name, ps in groups.items() if ps}
     assert sum(len(ps) for ps in groups.values()) == len(list(model.parameters()))
     return groups
 
@@ -677,7 +848,8 @@ def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
     """Model FLOPs per training token (SPEC §5): 6 x matmul weights + attention scores and values
     (12 x attn_dim x keys per query) averaged over the run's window schedule."""
     groups = parameter_groups(model)
-    matmul_weights = sum(p.numel() for name in ("head", "muon_attn", "muon_mlp") for p in groups[name])
+    matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
+                         for p in ps)
     windows = [window_blocks(s, config) for s in range(config.num_iterations)]
     long_layers = config.long_layers
     attention = 0.0
@@ -795,13 +967,17 @@ def steps_available(files: list[str], step_tokens: int) -> int:
 def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int) -> list[torch.optim.Optimizer]:
     """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks."""
     groups = parameter_groups(model)
-    adam_lrs = dict(head=config.head_lr, embed=config.embed_lr, value_embed=config.embed_lr, scalar=config.scalar_lr)
+    adam_lrs = dict(head=config.head_lr, embed=config.embed_lr, value_embed=config.embed_lr,
+                    ve_coeff=config.ve_coeff_lr, scalar=config.scalar_lr)
     fused = next(model.parameters()).is_cuda
-    adam = torch.optim.Adam([dict(params=groups[name], lr=lr, name=name) for name, lr in adam_lrs.items() if groups[name]],
+    adam = torch.optim.Adam([dict(params=groups[name], lr=lr, name=name) for name, lr in adam_lrs.items() if name in groups],
                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=0.0,
                             fused=fused)
-    muon = Muon([dict(params=groups["muon_attn"], name="muon_attn"),
-                 dict(params=groups["muon_mlp"], name="muon_mlp", wd_mul=config.mlp_weight_decay_mul)],
+    muon_groups = [dict(params=groups["muon_attn"], name="muon_attn"),
+                   dict(params=groups["muon_mlp"], name="muon_mlp", wd_mul=config.mlp_weight_decay_mul)]
+    if "muon_lore" in groups:
+        muon_groups.append(dict(params=groups["muon_lore"], name="muon_lore"))
+    muon = Muon(muon_groups,
                 lr=config.muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
                 rank=rank, world_size=world_size)
     optimizers = [adam, muon]
@@ -907,23 +1083,32 @@ class Runner:
         return total
 
     @torch.no_grad()
-    def evaluate(self, step: int, val_tokens: torch.Tensor) -> float:
-        """Mean loss over the fixed validation tokens (same tokens for every world size)."""
+    @torch.no_grad()
+    def evaluate(self, step: int, val_tokens: torch.Tensor, token_bytes: Optional[torch.Tensor] = None
+                 ) -> tuple[float, Optional[float]]:
+        """(mean loss, bits per byte) over the fixed validation tokens, the same for every world
+        size. BPB = nats / (ln 2 x bytes) over targets with a byte length (end-of-text has none
+        and is left out of both sums); None without a byte table."""
         cfg, window = self.config, self.window(step)
         self.model.eval()
         step_tokens = cfg.batch_slices * cfg.val_seq_len
-        total = torch.zeros((), device=self.device)
-        count = 0
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, nats with bytes, bytes
         for start in range(0, cfg.val_tokens, step_tokens):
             for s in range(self.rank * self.micro_steps, (self.rank + 1) * self.micro_steps):
                 buf = val_tokens[start + s * cfg.val_seq_len: start + (s + 1) * cfg.val_seq_len + 1]
-                buf = buf.to(self.device, non_blocking=True).to(torch.int32)
-                total += self.forward(buf[:-1], buf[1:].to(torch.int64), window)
-                count += 1
+                buf = buf.to(self.device, non_blocking=True).to(torch.int64)
+                targets = buf[1:]
+                losses = self.forward(buf[:-1].to(torch.int32), targets, window, reduction="none")
+                sums[0] += losses.sum()
+                if token_bytes is not None:
+                    nbytes = token_bytes[targets]
+                    sums[1] += (losses * (nbytes > 0)).sum()
+                    sums[2] += nbytes.sum()
         if self.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         self.model.train()
-        return total.item() / (count * self.world_size)
+        nats, nats_with_bytes, nbytes = sums.tolist()
+        return nats / cfg.val_tokens, (nats_with_bytes / (math.log(2) * nbytes) if token_bytes is not None else None)
 
     def warmup(self) -> None:
         """Untimed steps on random tokens to compile kernels, then restore the exact initial state."""
@@ -965,9 +1150,26 @@ def hardware_description(device: torch.device) -> str:
     return f"CPU run: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
+def optimizer_state_bytes(group: str, p: nn.Parameter) -> int:
+    """Adam: two moments in the parameter's dtype. Muon: an fp32 momentum, plus the 16 low bits of
+    the fp32 master for bf16 weights (held once, by the rank that owns the matrix)."""
+    if group.startswith("muon"):
+        return p.numel() * (4 + (2 if p.dtype == torch.bfloat16 else 0))
+    return 2 * p.numel() * p.element_size()
+
+
 def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
+    """Parameters, their MiB in storage dtype, and optimizer-state MiB, per group and in total."""
     counts, flops = parameter_counts(model), flops_per_token(config, model)
-    lines = [f"params {name}: {n:,}" for name, n in counts.items()]
+    mib = lambda b: b / 2**20
+    lines, total_param_b, total_state_b = [], 0, 0
+    for name, params in parameter_groups(model).items():
+        param_b = sum(p.numel() * p.element_size() for p in params)
+        state_b = sum(optimizer_state_bytes(name, p) for p in params)
+        total_param_b, total_state_b = total_param_b + param_b, total_state_b + state_b
+        dtypes = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        lines.append(f"params {name}: {counts[name]:,} ({dtypes}) {mib(param_b):.1f} MiB, optimizer state {mib(state_b):.1f} MiB")
+    lines.append(f"params total: {counts['total']:,} {mib(total_param_b):.1f} MiB, optimizer state {mib(total_state_b):.1f} MiB")
     lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
     return lines
 
@@ -997,6 +1199,20 @@ def load_data(config: Hyperparameters) -> tuple[list[str], torch.Tensor]:
     return train_files, val_tokens[:cfg.val_tokens + 1]
 
 
+def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
+    """Bytes per token id (int64, padded ids 0) for val_bpb, or None (said in the log) if absent."""
+    path = Path(config.token_bytes_file) if config.token_bytes_file else None
+    if path is None or not path.exists():
+        log.write(f"val_bpb: not reported (no token byte table{f' at {path}' if path else ''})")
+        return None
+    table = np.load(path)
+    if table.shape != (config.vocab_size,):
+        raise ConfigError(f"--token_bytes_file: {path} has {table.size} entries, the vocabulary has {config.vocab_size}")
+    out = torch.zeros(config.padded_vocab_size, dtype=torch.int64)
+    out[:config.vocab_size] = torch.from_numpy(table.astype(np.int64))
+    return out.to(device)
+
+
 def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
           log: Optional[RunLog] = None, data: Optional[tuple] = None) -> dict:
     """The timed run: validate every val_every steps and at the end, log in the SPEC §5 format."""
@@ -1006,6 +1222,7 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     runner = Runner(cfg, device, rank, world_size)
     for line in accounting_lines(runner.model, cfg):
         log.write(line)
+    token_bytes = load_token_bytes(cfg, device, log)
     runner.warmup()
     loader = DataLoader(train_files, cfg.train_seq_len, cfg.batch_slices, rank, world_size, device)
 
@@ -1023,11 +1240,14 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
         if last or (cfg.val_every > 0 and step % cfg.val_every == 0):
             sync()
             train_time_ms += 1000 * (time.perf_counter() - t0)
-            val_loss = runner.evaluate(step, val_tokens)
-            history.append(dict(step=step, val_loss=val_loss, train_time_ms=train_time_ms))
+            eval_start = time.perf_counter()
+            val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
+            history.append(dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms))
+            bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""  # after the SPEC fields: parsers keep working
             log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
-                      f"step_avg:{train_time_ms / max(step, 1):.2f}ms")
+                      f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
             sync()
+            package_ms = train_time_ms + 1000 * (time.perf_counter() - eval_start)
             t0 = time.perf_counter()
         if last:
             break
@@ -1037,6 +1257,9 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
         approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
         log.write(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
                   console=(step + 1) % 10 == 0 or step + 1 == N)
+    bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""
+    log.write(f"final val_loss:{val_loss:.6f} perplexity:{math.exp(val_loss):.4f}{bpb} "
+              f"package_time:{package_ms:.0f}ms (training + final evaluation)")
     allocated, reserved = peak_memory_mib(device)
     log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
     return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
@@ -1072,7 +1295,7 @@ def resolve_device(config: Hyperparameters, local_rank: int) -> torch.device:
 
 def ensure_synthetic_data(config: Hyperparameters) -> None:
     """Generate the tiny preset's shards on first use (data/synthetic.py next to this script)."""
-    if glob.glob(config.train_files) and glob.glob(config.val_files):
+    if glob.glob(config.train_files) and glob.glob(config.val_files) and Path(config.token_bytes_file).exists():
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
     import synthetic

@@ -80,7 +80,8 @@ def sample(P: np.ndarray, eot_token: int, num_tokens: int, seed: int, chains: in
 
 def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: int = 1234,
                   train_shards: int = 2, shard_tokens: int = 400_000, val_tokens: int = 65_536) -> dict:
-    """Write synthetic_train_00000{1..}.bin, synthetic_val_000000.bin and synthetic_meta.json."""
+    """Write synthetic_train_00000{1..}.bin, synthetic_val_000000.bin, synthetic_token_bytes.npy
+    and synthetic_meta.json (the entropies)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     P = markov_chain(vocab_size, eot_token, seed)
@@ -89,6 +90,10 @@ def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: in
     for i in range(train_shards):
         start = val_tokens + i * shard_tokens
         write_shard(out_dir / f"synthetic_train_{i + 1:06d}.bin", stream[start:start + shard_tokens])
+    # a byte length per token (1..6, end-of-text 0) so the tiny preset reports val_bpb as GPT-2 runs do
+    lengths = np.random.default_rng(seed + 2).integers(1, 7, size=vocab_size).astype(np.uint8)
+    lengths[eot_token] = 0
+    np.save(out_dir / "synthetic_token_bytes.npy", lengths)
     meta = dict(vocab_size=vocab_size, eot_token=eot_token, seed=seed, **entropies(P))
     (out_dir / "synthetic_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"synthetic data in {out_dir}: conditional entropy {meta['conditional_entropy']:.4f}, "

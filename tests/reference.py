@@ -47,7 +47,7 @@ def reference_loss(model, ids: torch.Tensor, targets: torch.Tensor, window: int)
 
     ids_l, T = ids.long(), ids.numel()
     x0 = [norm(P[f"embeds.{e}.weight"][ids_l]) for e in range(n_embeds)]
-    ve_table = [0, 1, 2, 3, 4, None, None, None, None, None, None, 0, 1, 2, 3, 4]
+    ve_table = cfg.value_embed_tables
     masks = {w: torch.from_numpy(literal_mask(ids.numpy(), w, cfg.attn_block_size, cfg.eot_token))
              for w in (window, window // 2)}
     quarter = D // 4
@@ -73,7 +73,7 @@ def reference_loss(model, ids: torch.Tensor, targets: torch.Tensor, window: int)
             q, k = rotate(q), rotate(k)
             v = attn_lambdas[i, 0] * v
             if ve_table[i] is not None:
-                v = v + attn_lambdas[i, 1] * P[f"value_embeds.{ve_table[i]}.weight"][ids_l].view(T, H, D)
+                v = v + attn_lambdas[i, 1] * P[f"value_embeds.tables.{ve_table[i]}.weight"][ids_l].view(T, H, D)
             mask = masks[window if i in (0, 4, 11, 15) else window // 2]
             y = torch.empty_like(q)
             for h in range(H):

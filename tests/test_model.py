@@ -62,7 +62,7 @@ def test_medium_parameter_count_and_layout():
     assert counts["total"] == 608_885_856
     assert model.head.weight.shape == (50304, 1024) and model.head.weight.dtype == torch.float32
     assert [b.attn is None for b in model.blocks] == [i == 7 for i in range(16)]
-    assert len(model.embeds) == 2 and len(model.value_embeds) == 5
+    assert len(model.embeds) == 2 and len(model.value_embeds.tables) == 5
     assert all(e.weight.shape == (50257, 1024) and e.weight.dtype == torch.bfloat16 for e in model.embeds)
     assert model.blocks[0].attn.qkvo_w.shape == (4, 1024, 1024)
     assert model.scalars.numel() == 16 + 16 * 3 + 16 * 2
