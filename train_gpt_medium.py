@@ -643,13 +643,13 @@ class ValueEmbeddings(nn.Module):
         self.layout = config.value_embed_tables  # table per layer or None
         self.tables = nn.ModuleList(nn.Embedding(config.vocab_size, config.model_dim, dtype=dtype)
                                     for _ in range(config.num_value_embeds))
-        self.coeffs = None
-        if config.ve_mode in ("learned", "frozen"):
-            coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
-            if config.ve_mode == "learned":
-                self.coeffs = nn.Parameter(coeffs)
-            else:
-                self.register_buffer("coeffs", coeffs)
+        coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
+        if config.ve_mode == "learned":
+            self.coeffs = nn.Parameter(coeffs)
+        elif config.ve_mode == "frozen":
+            self.register_buffer("coeffs", coeffs)
+        else:
+            self.coeffs = None
 
     def initial_value(self, name="coeffs", shape=None, gen=None) -> torch.Tensor:
         """The coefficients, deterministic: canonical: the first K sites one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot
