@@ -290,3 +290,14 @@ def test_val_bpb_is_nats_over_ln2_bytes_without_end_of_text(tmp_path):
     want = counted.sum() * math.log(512) / (math.log(2) * byte_table[targets].sum())
     assert loss == pytest.approx(math.log(512), abs=1e-5)
     assert bpb == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("switch", SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_every_switch_trains_on_the_tiny_preset(switch):
+    config = tiny(**switch)
+    runner = tg.Runner(config, torch.device("cpu"))
+    randomize(runner.model, seed=2)
+    inputs, targets = packed_tokens(config)
+    first = runner.train_step(0, [(inputs, targets)] * 2)
+    second = runner.train_step(1, [(inputs, targets)] * 2)
+    assert torch.isfinite(first) and second < first  # the same batch again: the step helped
