@@ -182,3 +182,11 @@ def test_missing_train_shards_exit_2_naming_the_flag(tmp_path, capsys):
     err = error_of(["--preset", "tiny", f"--train_files={pattern}", f"--val_files={pattern}",
                     "--synthetic_data=false", f"--log_dir={tmp_path}"], capsys)
     assert "--train_files" in err
+
+
+def test_readme_documents_every_flag():
+    """The README's switch table names every Hyperparameters field."""
+    import dataclasses
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f"| `--{f.name}` |" not in readme]
+    assert not missing, f"README switch table lacks: {missing}"
