@@ -2,6 +2,7 @@
 writes a log in the SPEC §5 format."""
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 import train_gpt_medium as tg
 
 ROOT = Path(__file__).resolve().parent.parent
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{6}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{6}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms"
+                      r" val_bpb:(\d+\.\d{6})$")  # val_bpb is appended after the SPEC fields
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
 
 
@@ -114,3 +116,9 @@ def test_tiny_preset_learns_and_logs_in_spec_format(tmp_path, monkeypatch, capsy
     # clearly learned: past the midpoint between "ignores context" and "perfect"
     assert final < (meta["unigram_entropy"] + meta["conditional_entropy"]) / 2, (final, meta)
     assert "final val_loss" in capsys.readouterr().out
+    # and the records tool reads the same numbers back
+    sys.path.insert(0, str(ROOT / "records"))
+    import stats
+    parsed = stats.parse_log(log_file)
+    assert parsed.warnings == [] and parsed.result.val_loss == final
+    assert parsed.result.train_time_s == int(vals[-1][4]) / 1000
