@@ -698,6 +698,7 @@ class GPT(nn.Module):
             for _ in range(1 + config.num_extra_embeds))
         self.value_embeds = ValueEmbeddings(config, dtype)
         attention_layers = set(config.attention_layers)
+        self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
         self.blocks = nn.ModuleList(Block(config, i in attention_layers, dtype) for i in range(L))
         # only the head is padded (to a multiple of 128)
         self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init) if config.lore_output
@@ -736,7 +737,7 @@ class GPT(nn.Module):
         x0s = [rms_norm(embed(input_seq))[None] for embed in self.embeds]  # each (1, T, d)
         ves = self.value_embeds(input_seq)  # per layer (T, d) or None
         skip_w, block_lambdas, attn_lambdas = self.scalar_views()
-        skips, long_layers = cfg.skips, cfg.long_layers
+        skips, long_layers = self.skips, self.long_layers
         x, outputs = x0s[0], []
         for i, block in enumerate(self.blocks):
             if i in skips:
@@ -949,7 +950,7 @@ class DataLoader:
         batches = []
         for s in self.slices:
             start = self.position + s * self.seq_len
-            buf = self.tokens[start:start + self.seq_len + 1].to(self.device, non_blocking=True).to(torch.int32)
+            buf = self.tokens[start:start + self.seq_len + 1].to(device=self.device, dtype=torch.int32, non_blocking=True)
             batches.append((buf[:-1], buf[1:].to(torch.int64)))
         self.position += self.step_tokens
         return batches
@@ -1062,9 +1063,12 @@ class Runner:
         use_compile = config.compile if config.compile is not None else device.type == "cuda"
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
+        self.window_blocks = torch.ones((), dtype=torch.int32, device=device)
 
     def window(self, step: int) -> torch.Tensor:
-        return torch.tensor(window_blocks(step, self.config), dtype=torch.int32, device=self.device)
+        # one device tensor refilled in place: torch.tensor(..., device="cuda") each step would be
+        # a blocking host-to-device copy; fill_ is an ordinary kernel launch
+        return self.window_blocks.fill_(window_blocks(step, self.config))
 
     def train_step(self, step: int, batches) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss."""
@@ -1096,9 +1100,9 @@ class Runner:
         for start in range(0, cfg.val_tokens, step_tokens):
             for s in range(self.rank * self.micro_steps, (self.rank + 1) * self.micro_steps):
                 buf = val_tokens[start + s * cfg.val_seq_len: start + (s + 1) * cfg.val_seq_len + 1]
-                buf = buf.to(self.device, non_blocking=True).to(torch.int64)
-                targets = buf[1:]
-                losses = self.forward(buf[:-1].to(torch.int32), targets, window, reduction="none")
+                buf = buf.to(device=self.device, dtype=torch.int32, non_blocking=True)
+                targets = buf[1:].to(torch.int64)
+                losses = self.forward(buf[:-1], targets, window, reduction="none")
                 sums[0] += losses.sum()
                 if token_bytes is not None:
                     nbytes = token_bytes[targets]
