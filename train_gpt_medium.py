@@ -785,7 +785,7 @@ class DataLoader:
 
 def steps_available(files: list[str], step_tokens: int) -> int:
     """How many training steps the shards can feed (headers only)."""
-    return sum((shard_token_count(f) - 1) // step_tokens for f in files)
+    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
 
 
 # -----------------------------------------------------------------------------
