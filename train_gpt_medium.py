@@ -374,7 +374,7 @@ class Muon(torch.optim.Optimizer):
 
     def _update(self, p: nn.Parameter, group: dict) -> None:
         state, m, lr = self.state[p], group["momentum"], group["lr"]
-        grad = p.grad.float()
+        grad = p.grad.to(torch.float32, copy=True)  # a copy even for fp32 grads: the lerp_ below must not rewrite p.grad
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - m)
         update = orthogonalize(grad.lerp_(buf, m), p.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
