@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
 # Hyperparameters: the defaults ARE the record recipe (SPEC §2-§5)
@@ -52,6 +53,8 @@ class Hyperparameters:
     dtype: str = "auto"  # weights and activations: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float32
     log_dir: str = "logs"
     dry_run: bool = False  # build on the meta device, print counts and FLOPs, exit
+    # memory and checkpoints (none of these changes training)
+    activation_checkpointing: bool = False  # recompute each block (and the loss in chunks) in backward
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
@@ -390,6 +393,10 @@ class Muon(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------
 # Model
 
+# With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
+# logits of 8192 tokens x 50304 are 1.6 GB instead of 13 GB for a 65,536-token sequence.
+LOSS_CHUNK_TOKENS = 8192
+
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),))
@@ -572,25 +579,35 @@ class GPT(nn.Module):
         ves = [table(input_seq) for table in self.value_embeds]  # each (T, d)
         skip_w, block_lambdas, attn_lambdas = self.scalar_views()
         skips, long_layers = cfg.skips, cfg.long_layers
+        # activation checkpointing keeps only each block's input and recomputes the block in backward
+        recompute = cfg.activation_checkpointing and torch.is_grad_enabled()
         x, outputs = x0s[0], []
         for i, block in enumerate(self.blocks):
             if i in skips:
                 x = x + skip_w[skips[i]] * outputs[skips[i]]
             ve = ves[tables[i]] if tables[i] is not None else None
             mask = long_mask if i in long_layers else short_mask
-            x = block(x, x0s, block_lambdas[i], ve, attn_lambdas[i], cos, sin, mask)
+            args = (x, x0s, block_lambdas[i], ve, attn_lambdas[i], cos, sin, mask)
+            x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             outputs.append(x)
         x = rms_norm(x[0])  # (T, d)
+        if recompute:  # the fp32 (T, V) logits would dominate memory: one recomputed chunk at a time
+            return self.loss(x, target_seq, num_chunks=max(T // LOSS_CHUNK_TOKENS, 1), recompute=True)
         return self.loss(x, target_seq, num_chunks=1 if self.training else 4)
 
-    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int, recompute: bool = False) -> torch.Tensor:
         """Soft-capped fp32 logits and cross-entropy; chunks bound the (T, V) logits' memory."""
-        cap, total = self.config.logit_softcap, 0
+        total = 0
         for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks)):
-            z = F.linear(xc, self.head.weight.to(self.dtype)).float()
-            z = cap * z * torch.rsqrt(z.square() + cap * cap)
-            total = total + F.cross_entropy(z, tc, reduction="sum")
+            total = total + (checkpoint(self.chunk_loss, xc, tc, use_reentrant=False) if recompute
+                             else self.chunk_loss(xc, tc))
         return total / targets.numel()
+
+    def chunk_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        cap = self.config.logit_softcap
+        z = F.linear(x, self.head.weight.to(self.dtype)).float()
+        z = cap * z * torch.rsqrt(z.square() + cap * cap)
+        return F.cross_entropy(z, targets, reduction="sum")
 
 
 def _param_generator(seed: int, name: str) -> torch.Generator:
