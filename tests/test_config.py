@@ -182,3 +182,14 @@ def test_missing_train_shards_exit_2_naming_the_flag(tmp_path, capsys):
     err = error_of(["--preset", "tiny", f"--train_files={pattern}", f"--val_files={pattern}",
                     "--synthetic_data=false", f"--log_dir={tmp_path}"], capsys)
     assert "--train_files" in err
+
+
+# ---- notes in the log
+
+
+def test_a_shorter_sequence_is_logged_as_a_change_of_training():
+    assert tg.recipe_notes(tg.make_config("tiny")) == []
+    assert tg.recipe_notes(tg.make_config("tiny", activation_checkpointing=True)) == []
+    (note,) = tg.recipe_notes(tg.make_config("medium", train_seq_len=16384))
+    assert "--train_seq_len=16384" in note and "65536" in note and "changes training" in note
+    assert "131,072 tokens instead of 524,288" in note and "--activation_checkpointing" in note
