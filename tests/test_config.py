@@ -3,6 +3,7 @@ here from the shapes, flag parsing, errors that name the flag (exit code 2), and
 without side effects. Everything runs in-process through tg.main / tg.parse_args."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,7 +185,15 @@ def test_missing_train_shards_exit_2_naming_the_flag(tmp_path, capsys):
     assert "--train_files" in err
 
 
-# ---- notes in the log
+# ---- documentation and notes in the log
+
+
+def test_every_field_is_a_row_of_the_readme_switch_table():
+    readme = (ROOT / "README.md").read_text()
+    rows = set(re.findall(r"^\| `--(\w+)` \|", readme, re.M))
+    missing = [f.name for f in tg.fields(tg.Hyperparameters) if f.name not in rows]
+    assert not missing, f"README switch table lacks {missing}"
+    assert rows <= {f.name for f in tg.fields(tg.Hyperparameters)}, "README lists flags that do not exist"
 
 
 def test_a_shorter_sequence_is_logged_as_a_change_of_training():
