@@ -17,6 +17,9 @@ import json
 import math
 import os
 import platform
+import random
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
 # Hyperparameters: the defaults ARE the record recipe (SPEC §2-§5)
@@ -52,6 +56,12 @@ class Hyperparameters:
     dtype: str = "auto"  # weights and activations: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float32
     log_dir: str = "logs"
     dry_run: bool = False  # build on the meta device, print counts and FLOPs, exit
+    # memory and checkpoints (none of these changes training)
+    activation_checkpointing: bool = False  # recompute each block (and the loss in chunks) in backward
+    save_every: int = 0  # checkpoint every N steps and at the end; 0: never
+    checkpoint_dir: str = "checkpoints"  # checkpoints go to <checkpoint_dir>/<run_id or preset>/step_<N>/
+    resume: str = ""  # a checkpoint folder, or "latest" (the newest valid one of this run name)
+    force_resume: bool = False  # resume even if the checkpoint's config differs in fields that change training
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
@@ -168,6 +178,7 @@ class Hyperparameters:
                  f"must be a positive multiple of attn_block_size={self.attn_block_size}")
         need(self.num_iterations > 0, "num_iterations", "must be positive")
         need(self.batch_slices > 0, "batch_slices", "must be positive")
+        need(self.save_every >= 0, "save_every", "must be >= 0 (0: no checkpoints)")
         need(self.val_tokens > 0 and self.val_tokens % (self.batch_slices * self.val_seq_len) == 0, "val_tokens",
              f"must be a positive multiple of batch_slices*val_seq_len = {self.batch_slices * self.val_seq_len}")
         need(self.lore_init in ("none", "original", "corrected"), "lore_init", "must be none, original or corrected")
@@ -403,7 +414,7 @@ class Muon(torch.optim.Optimizer):
 
     def _update(self, p: nn.Parameter, group: dict) -> None:
         state, m, lr = self.state[p], group["momentum"], group["lr"]
-        grad = p.grad.float()
+        grad = p.grad.to(torch.float32, copy=True)  # a copy even of fp32 grads: lerp_ below must not rewrite p.grad
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - m)
         update = orthogonalize(grad.lerp(buf, m), p.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
@@ -418,6 +429,10 @@ class Muon(torch.optim.Optimizer):
 
 # -----------------------------------------------------------------------------
 # Model
+
+# With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
+# logits of 8192 tokens x 50304 are 1.6 GB instead of 13 GB for a 65,536-token sequence.
+LOSS_CHUNK_TOKENS = 8192
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -738,28 +753,37 @@ class GPT(nn.Module):
         ves = self.value_embeds(input_seq)  # per layer (T, d) or None
         skip_w, block_lambdas, attn_lambdas = self.scalar_views()
         skips, long_layers = self.skips, self.long_layers
+        # activation checkpointing keeps only each block's input and recomputes the block in backward
+        recompute = cfg.activation_checkpointing and torch.is_grad_enabled()
         x, outputs = x0s[0], []
         for i, block in enumerate(self.blocks):
             if i in skips:
                 x = x + skip_w[skips[i]] * outputs[skips[i]]
             mask = long_mask if i in long_layers else short_mask
-            x = block(x, x0s, block_lambdas[i], ves[i], attn_lambdas[i], cos, sin, mask)
+            args = (x, x0s, block_lambdas[i], ves[i], attn_lambdas[i], cos, sin, mask)
+            x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             outputs.append(x)
         x = rms_norm(x[0])  # (T, d)
         if self.output_mix is not None:
             x = self.output_mix[0] * x + self.output_mix[1] * x0s[0][0]
-        return self.loss(x, target_seq, num_chunks=1 if self.training else 4, reduction=reduction)
+        # with recomputation the fp32 (T, V) logits would dominate memory: one recomputed chunk at a time
+        num_chunks = max(T // LOSS_CHUNK_TOKENS, 1) if recompute else (1 if self.training else 4)
+        return self.loss(x, target_seq, num_chunks, reduction, recompute)
 
-    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int, reduction: str) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int, reduction: str = "mean",
+             recompute: bool = False) -> torch.Tensor:
         """Soft-capped fp32 logits and cross-entropy; chunks bound the (T, V) logits' memory."""
-        cap, losses = self.config.logit_softcap, []
-        for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks)):
-            z = self.head(xc).float()
-            z = cap * z * torch.rsqrt(z.square() + cap * cap)
-            losses.append(F.cross_entropy(z, tc, reduction="none" if reduction == "none" else "sum"))
-        if reduction == "none":
-            return torch.cat(losses)
-        return sum(losses) / targets.numel()
+        per_token = reduction == "none"
+        parts = [checkpoint(self.chunk_loss, xc, tc, per_token, use_reentrant=False) if recompute
+                 else self.chunk_loss(xc, tc, per_token)
+                 for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks))]
+        return torch.cat(parts) if per_token else sum(parts) / targets.numel()
+
+    def chunk_loss(self, x: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
+        cap = self.config.logit_softcap
+        z = self.head(x).float()
+        z = cap * z * torch.rsqrt(z.square() + cap * cap)
+        return F.cross_entropy(z, targets, reduction="none" if per_token else "sum")
 
 
 def normal(shape, gen, std: float) -> torch.Tensor:
@@ -955,10 +979,26 @@ class DataLoader:
         self.position += self.step_tokens
         return batches
 
+    def state(self) -> dict:
+        """Where the next step starts, the shard named (not numbered) so that added shards don't move it."""
+        path = self.files[self.file_index]
+        return dict(file=Path(path).name, file_tokens=shard_token_count(path), position=self.position)
+
+    def load_state(self, state: dict) -> None:
+        names = [Path(f).name for f in self.files]
+        if state["file"] not in names:
+            raise ShardError(f"the checkpoint's data position is in shard {state['file']}, which is not among "
+                             f"--train_files ({len(names)} shards)")
+        index = names.index(state["file"])
+        if shard_token_count(self.files[index]) != state["file_tokens"]:
+            raise ShardError(f"{self.files[index]}: {shard_token_count(self.files[index])} tokens, but the "
+                             f"checkpoint's shard of that name had {state['file_tokens']}; not the same data")
+        self.file_index, self.position, self.tokens = index, state["position"], None
+
 
 def steps_available(files: list[str], step_tokens: int) -> int:
     """How many training steps the shards can feed (headers only)."""
-    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)
+    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
 
 
 # -----------------------------------------------------------------------------
@@ -997,28 +1037,41 @@ def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
                 group["momentum"] = muon_momentum(step, config)
 
 
-def capture_state(model: nn.Module, optimizers) -> dict:
-    """Copies of every parameter and optimizer state tensor, keyed by parameter name."""
+def capture_state(model: nn.Module, optimizers, device=None) -> dict:
+    """Copies of every parameter and optimizer state tensor, keyed by parameter name (copied to
+    `device` if given: a checkpoint stages them on the CPU)."""
     names = {p: n for n, p in model.named_parameters()}
-    return dict(
-        model={k: v.detach().clone() for k, v in model.state_dict().items()},
-        optimizers=[dict(state={names[p]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                                for p, s in opt.state.items()},
-                         groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
-                    for opt in optimizers])
+    return dict(model={k: _copy(v, device) for k, v in model.state_dict().items()},
+                optimizers=[optimizer_state(opt, names, device) for opt in optimizers])
+
+
+def optimizer_state(opt: torch.optim.Optimizer, names: dict, device=None) -> dict:
+    """One optimizer's state by parameter name (a sharded Muon holds only the matrices it owns)."""
+    return dict(state={names[p]: {k: _copy(v, device) for k, v in s.items()} for p, s in opt.state.items()},
+                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def _copy(v, device=None):
+    if not torch.is_tensor(v):
+        return v
+    return v.detach().clone() if device is None else v.detach().to(device, copy=True)
 
 
 def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
-    """Put back exactly what `capture_state` saw (states created since are dropped)."""
+    """Put back exactly what `capture_state` saw (states created since are dropped). State tensors
+    go to their parameter's device; a saved state without "groups" (a checkpoint) leaves the groups
+    to the schedules, which depend on the step only."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k, v in model.state_dict().items():
             v.copy_(saved["model"][k])
     for opt, opt_saved in zip(optimizers, saved["optimizers"]):
+        step_on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # else Adam keeps it on the CPU
         opt.state.clear()
         for name, s in opt_saved["state"].items():
-            opt.state[params[name]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-        for group, g in zip(opt.param_groups, opt_saved["groups"]):
+            p = params[name]
+            opt.state[p] = {k: _copy(v, p.device if k != "step" or step_on_device else "cpu") for k, v in s.items()}
+        for group, g in zip(opt.param_groups, opt_saved.get("groups", [])):
             group.update(g)
 
 
@@ -1043,9 +1096,15 @@ class GradientAverager:
 
 
 def check_world_size(config: Hyperparameters, world_size: int) -> None:
+    """Every step must consume the same batch_slices slices whatever the world size, so W | batch_slices."""
     if config.batch_slices % world_size:
+        valid = [str(w) for w in range(1, config.batch_slices + 1) if config.batch_slices % w == 0]
+        valid = " or ".join([", ".join(valid[:-1]), valid[-1]] if len(valid) > 1 else valid)
         raise ConfigError(f"world size {world_size} does not divide --batch_slices={config.batch_slices}: "
-                          f"run on a number of processes that divides it (1, 2, 4 or 8 for the record)")
+                          f"run {valid} processes in all (nodes x processes per node)")
+
+
+NO_STEP = 2**62  # "no non-finite loss yet"; a step number larger than any run
 
 
 class Runner:
@@ -1064,6 +1123,9 @@ class Runner:
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
         self.window_blocks = torch.ones((), dtype=torch.int32, device=device)
+        # the first step whose loss was nan/inf, kept on the device: checking it costs a host sync,
+        # so the loop reads it only where it syncs anyway (validation, checkpoints, the end)
+        self.first_nonfinite = torch.full((), NO_STEP, dtype=torch.int64, device=device)
 
     def window(self, step: int) -> torch.Tensor:
         # one device tensor refilled in place: torch.tensor(..., device="cuda") each step would be
@@ -1079,12 +1141,21 @@ class Runner:
             loss = self.forward(inputs, targets, window)
             (loss * scale).backward()
             total += loss.detach() / len(batches)
+        self.first_nonfinite.masked_fill_(~torch.isfinite(total) & (self.first_nonfinite > step), step)
         self.averager.wait()
         set_schedules(self.optimizers, step, self.config)
         for opt in self.optimizers:
             opt.step()
         self.model.zero_grad(set_to_none=True)
         return total
+
+    def nonfinite_step(self) -> Optional[int]:
+        """The first step (0-based) whose training loss was not finite on any rank, or None. Syncs."""
+        first = self.first_nonfinite.clone()
+        if self.world_size > 1:
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        first = int(first.item())
+        return None if first == NO_STEP else first
 
     @torch.no_grad()
     @torch.no_grad()
@@ -1126,6 +1197,248 @@ class Runner:
                 batches.append((tokens[:-1].to(torch.int32), tokens[1:].to(torch.int64)))
             self.train_step(step, batches)
         restore_state(self.model, self.optimizers, saved)
+        self.first_nonfinite.fill_(NO_STEP)
+
+
+# ---- checkpoints: written atomically, validated on load, resumable on any world size
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """A nan/inf loss: the run stops, and nothing is saved over the last good checkpoint."""
+
+
+CHECKPOINT_FORMAT = 1
+# Fields that don't change what a resumed run computes: bookkeeping, where things live, the
+# switches proven to compute the same function (compile, attention backend, activation
+# checkpointing), the warm-up (undone exactly) and the seed (it only draws the initial values, which
+# the checkpoint replaces). Every other field must match the checkpoint unless --force_resume.
+RESUME_IGNORED_FIELDS = frozenset({
+    "preset", "run_id", "seed", "device", "compile", "attention", "log_dir", "dry_run", "activation_checkpointing",
+    "save_every", "checkpoint_dir", "resume", "force_resume", "train_files", "val_files", "synthetic_data",
+    "val_every", "warmup_steps", "token_bytes_file"})
+# Fields that fix the parameters' shapes or storage: a checkpoint cannot be loaded across them at all.
+STRUCTURE_FIELDS = ("vocab_size", "model_dim", "num_layers", "num_heads", "head_dim", "mlp_ratio",
+                    "num_extra_embeds", "value_embed_layout", "attention_free_layers", "dtype", "x00_at_output",
+                    "lore_rank", "lore_input", "lore_output", "ve_mode", "ve_tables")
+
+
+def checkpoint_run_dir(config: Hyperparameters) -> Path:
+    return Path(config.checkpoint_dir) / (config.run_id or config.preset)
+
+
+def config_record(config: Hyperparameters, dtype: torch.dtype) -> dict:
+    """The config as saved with a checkpoint, with `dtype` resolved (auto means different things on CPU and GPU)."""
+    return {**dataclasses.asdict(config), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def config_differences(saved: dict, now: dict) -> dict[str, tuple]:
+    """{field: (checkpoint value, current value)} over the fields that change training. A field the
+    checkpoint predates counts as its default."""
+    defaults = {f.name: f.default for f in fields(Hyperparameters)}
+    return {name: (saved.get(name, defaults.get(name)), value) for name, value in now.items()
+            if name not in RESUME_IGNORED_FIELDS and saved.get(name, defaults.get(name)) != value}
+
+
+def rng_states(device: torch.device) -> dict:
+    states = dict(torch=torch.get_rng_state(), python=random.getstate())
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states["numpy"] = dict(keys=torch.from_numpy(keys.astype(np.int64)), pos=pos, has_gauss=has_gauss, gauss=gauss)
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    n = states["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_durably(path: Path, obj) -> dict:
+    """torch.save (or JSON for a dict named *.json), flushed to disk; returns its size and hash."""
+    with open(path, "wb") as f:
+        if path.suffix == ".json":
+            f.write(json.dumps(obj, indent=1).encode())
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return dict(bytes=path.stat().st_size, sha256=file_sha256(path))
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float) -> Path:
+    """<checkpoint_dir>/<run>/step_<N>/: rank r writes rank_<r>.pt (the Muon momentum and low bits
+    of the matrices it owns, its RNG states), rank 0 also main.pt (model, Adam, step, train time,
+    data position, config) and, once every file is complete, meta.json (sizes and hashes of the
+    files, which file holds which matrix). All of it is written under step_<N>.partial and renamed
+    at the end, so an interrupted save is never taken for a checkpoint."""
+    cfg, rank, W = runner.config, runner.rank, runner.world_size
+    run_dir = checkpoint_run_dir(cfg)
+    final, partial = run_dir / f"step_{step:06d}", run_dir / f"step_{step:06d}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(W)
+    names = {p: n for n, p in runner.model.named_parameters()}
+    sharded = [opt for opt in runner.optimizers if isinstance(opt, Muon)]
+    muon = {k: v for opt in sharded for k, v in optimizer_state(opt, names, "cpu")["state"].items()}
+    own_file = f"rank_{rank:03d}.pt"
+    records = {own_file: _write_durably(partial / own_file, dict(muon=muon, rng=rng_states(runner.device)))}
+    if rank == 0:  # the model and the replicated optimizers (Adam) are the same on every rank
+        saved = capture_state(runner.model, [opt for opt in runner.optimizers if opt not in sharded], "cpu")
+        records["main.pt"] = _write_durably(partial / "main.pt", dict(
+            format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
+            model=saved["model"], optimizers=[o["state"] for o in saved["optimizers"]],
+            config=config_record(cfg, runner.model.dtype)))
+    mine = (records, {name: own_file for name in muon})
+    gathered = [mine]
+    if W > 1:
+        gathered = [None] * W
+        dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        meta = dict(format=CHECKPOINT_FORMAT, step=step, num_iterations=cfg.num_iterations, world_size=W,
+                    train_time_ms=train_time_ms, config=config_record(cfg, runner.model.dtype),
+                    files={k: v for recs, _ in gathered for k, v in recs.items()},
+                    muon_state={k: v for _, owners in gathered for k, v in owners.items()},
+                    torch_version=torch.__version__)
+        _write_durably(partial / "meta.json", meta)  # written last: its presence marks the files complete
+        if final.exists():  # the same step of an earlier run under this name: replace it
+            old = run_dir / f"step_{step:06d}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(partial, final)
+        fd = os.open(run_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the rename itself durable
+        finally:
+            os.close(fd)
+    _barrier(W)
+    return final
+
+
+def validate_checkpoint(path: Path) -> dict:
+    """meta.json of a complete, unmodified checkpoint; CheckpointError naming the file otherwise."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not meta_path.exists():
+        raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e})")
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{meta_path}: checkpoint format {meta.get('format')}, "
+                              f"this script reads {CHECKPOINT_FORMAT}")
+    for name, record in files.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{f}: missing (recorded in {meta_path})")
+        size = f.stat().st_size
+        if size != record["bytes"]:
+            raise CheckpointError(f"{f}: {size} bytes, but {record['bytes']} were written (truncated or modified)")
+        if file_sha256(f) != record["sha256"]:
+            raise CheckpointError(f"{f}: its SHA-256 differs from the one recorded when it was written (corrupted)")
+    return meta
+
+
+def find_checkpoint(config: Hyperparameters) -> tuple[Path, dict, list[str]]:
+    """The checkpoint --resume names (for `latest`, the newest valid one of this run name), validated,
+    and notes for the log about the newer ones it had to skip."""
+    if config.resume != "latest":
+        return Path(config.resume), validate_checkpoint(Path(config.resume)), []
+    run_dir = checkpoint_run_dir(config)
+    steps = sorted(((int(m[1]), d) for d in run_dir.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", d.name))),
+                   reverse=True)
+    skipped = []
+    for _, path in steps:
+        try:
+            return path, validate_checkpoint(path), skipped
+        except CheckpointError as e:
+            skipped.append(f"--resume latest: skipping {path}: {e}")
+    raise CheckpointError(f"--resume latest: no valid checkpoint in {run_dir}" + "".join(f"\n  {s}" for s in skipped))
+
+
+def check_resume_config(meta: dict, config: Hyperparameters, dtype: torch.dtype) -> list[str]:
+    """Refuse a resume whose config changes training (unless --force_resume; never across the model's
+    structure); returns the differences that were forced, for the log."""
+    diffs = config_differences(meta["config"], config_record(config, dtype))
+    listing = "".join(f"\n  --{name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in diffs.items())
+    structure = [name for name in diffs if name in STRUCTURE_FIELDS]
+    if structure:
+        raise CheckpointError(f"cannot resume: the model's shape or storage differs from the checkpoint's "
+                              f"({', '.join(structure)}), even with --force_resume:{listing}")
+    if diffs and not config.force_resume:
+        raise CheckpointError(f"refusing to resume: the config differs from the checkpoint's in fields that change "
+                              f"training:{listing}\nresume with the checkpoint's values, or pass --force_resume")
+    return [f"--force_resume: resuming with a different config:{listing}"] if diffs else []
+
+
+def _load(path: Path) -> dict:
+    try:  # memory-mapped: a rank reads only the tensors it takes
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})")
+
+
+def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) -> tuple[int, float]:
+    """Restore a validated checkpoint into a built runner and loader; returns (step, train_time_ms).
+    Each rank takes the Muon state of the matrices it owns under the *current* world size, from
+    whichever rank file holds it, so a run saved on 8 processes resumes on 4 (or 1)."""
+    path = Path(path)
+    main_file = _load(path / "main.pt")
+    current = runner.model.state_dict()
+    for name in sorted(set(current) | set(main_file["model"])):
+        got, want = main_file["model"].get(name), current.get(name)
+        if got is None or want is None or got.shape != want.shape or got.dtype != want.dtype:
+            describe = lambda t: "absent" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise CheckpointError(f"{path / 'main.pt'}: parameter {name} is {describe(got)} in the checkpoint, "
+                                  f"{describe(want)} in this model")
+    names = {p: n for n, p in runner.model.named_parameters()}
+    owned = {opt: [names[p] for group in opt.param_groups for p in opt.owned(group)]
+             for opt in runner.optimizers if isinstance(opt, Muon)}
+    by_file: dict[str, list[str]] = {}
+    for name in (n for names_of_opt in owned.values() for n in names_of_opt):
+        if name not in meta["muon_state"]:
+            raise CheckpointError(f"{path / 'meta.json'}: no Muon state recorded for {name}")
+        by_file.setdefault(meta["muon_state"][name], []).append(name)
+    muon_state = {}
+    for file_name, wanted in by_file.items():
+        saved = _load(path / file_name)["muon"]
+        muon_state.update({name: saved[name] for name in wanted})
+    replicated = iter(main_file["optimizers"])
+    states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=next(replicated))
+              for opt in runner.optimizers]
+    restore_state(runner.model, runner.optimizers, dict(model=main_file["model"], optimizers=states))
+    loader.load_state(main_file["loader"])
+    rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
+    set_rng_states(_load(path / rng_file)["rng"], runner.device)
+    return main_file["step"], main_file["train_time_ms"]
 
 
 class RunLog:
@@ -1218,8 +1531,9 @@ def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[t
 
 
 def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
-          log: Optional[RunLog] = None, data: Optional[tuple] = None) -> dict:
-    """The timed run: validate every val_every steps and at the end, log in the SPEC §5 format."""
+          log: Optional[RunLog] = None, data: Optional[tuple] = None, resume: Optional[tuple] = None) -> dict:
+    """The timed run: validate every val_every steps and at the end, log in the SPEC §5 format,
+    checkpoint every save_every steps and at the end; `resume` = (folder, meta) of a validated checkpoint."""
     log = log or RunLog(None)
     cfg, N = config, config.num_iterations
     train_files, val_tokens = data or load_data(config)
@@ -1229,6 +1543,12 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     token_bytes = load_token_bytes(cfg, device, log)
     runner.warmup()
     loader = DataLoader(train_files, cfg.train_seq_len, cfg.batch_slices, rank, world_size, device)
+    start, train_time_ms, last_checkpoint = 0, 0.0, None
+    if resume is not None:  # after the warm-up, which must not touch what the checkpoint restores
+        last_checkpoint, meta = resume
+        start, train_time_ms = load_checkpoint(runner, loader, last_checkpoint, meta)
+        log.write(f"resumed from {last_checkpoint} at step {start}/{N}, train_time {train_time_ms:.0f}ms "
+                  f"(saved by {meta['world_size']} process(es), now {world_size})")
 
     def sync():
         if device.type == "cuda":
@@ -1236,27 +1556,45 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
         if world_size > 1:
             dist.barrier()
 
-    history, train_time_ms = [], 0.0
+    history = []
     sync()
     t0 = time.perf_counter()
-    for step in range(N + 1):
+    for step in range(start, N + 1):
         last = step == N
-        if last or (cfg.val_every > 0 and step % cfg.val_every == 0):
+        validate = last or (cfg.val_every > 0 and step % cfg.val_every == 0)
+        save = cfg.save_every > 0 and step > start and (last or step % cfg.save_every == 0)
+        if validate or save:  # the clock stops for validation and checkpoints
             sync()
             train_time_ms += 1000 * (time.perf_counter() - t0)
-            eval_start = time.perf_counter()
-            val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
-            history.append(dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms))
-            bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""  # after the SPEC fields: parsers keep working
-            log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
-                      f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
+            bad = runner.nonfinite_step()
+            if bad is not None:
+                raise NonFiniteLossError(f"non-finite training loss (nan or inf) in step {bad + 1}/{N} (the step "
+                                         f"logged as step:{bad + 1}/{N}); stopped at step {step} without saving; "
+                                         f"last good checkpoint: {last_checkpoint or 'none'}")
+            if validate:
+                eval_start = time.perf_counter()
+                val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
+                if not math.isfinite(val_loss):
+                    raise NonFiniteLossError(f"non-finite validation loss {val_loss} at step {step}/{N}; stopped "
+                                             f"without saving; last good checkpoint: {last_checkpoint or 'none'}")
+                history.append(dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms))
+                bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""  # after the SPEC fields: parsers keep working
+                log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
+                          f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
+                package_ms = train_time_ms + 1000 * (time.perf_counter() - eval_start)
+            if save:
+                last_checkpoint = save_checkpoint(runner, loader, step, train_time_ms)
+                log.write(f"checkpoint: {last_checkpoint}")
             sync()
-            package_ms = train_time_ms + 1000 * (time.perf_counter() - eval_start)
             t0 = time.perf_counter()
         if last:
             break
         loss = runner.train_step(step, loader.next_batch())
         if step == 0:  # the step-0 training loss, needed to compare inits; one sync, outside the steady state
+            if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
+                loss = loss.clone()
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                loss /= world_size
             log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
         approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
         log.write(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
@@ -1267,7 +1605,7 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     allocated, reserved = peak_memory_mib(device)
     log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
     return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
-                model=runner.model)
+                model=runner.model, checkpoint=last_checkpoint)
 
 
 # -----------------------------------------------------------------------------
@@ -1306,6 +1644,45 @@ def ensure_synthetic_data(config: Hyperparameters) -> None:
     synthetic.write_dataset(Path(config.train_files).parent, vocab_size=config.vocab_size, eot_token=config.eot_token)
 
 
+def recipe_notes(config: Hyperparameters) -> list[str]:
+    """Log lines for choices that change training where a memory switch would not."""
+    preset_len = make_config(config.preset).train_seq_len
+    if config.train_seq_len == preset_len:
+        return []
+    return [f"note: --train_seq_len={config.train_seq_len} differs from the {config.preset} preset's {preset_len}: "
+            f"a step trains on {config.batch_slices * config.train_seq_len:,} tokens instead of "
+            f"{config.batch_slices * preset_len:,}, with shorter contexts. This changes training (results are not "
+            f"comparable with the preset's); --activation_checkpointing saves memory without changing it"]
+
+
+def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
+                        world_size: int) -> tuple[Optional[tuple], list[str]]:
+    """Before anything is built, rank 0 finds and validates the checkpoint to resume and checks the
+    config against it; a fresh run that would save into a run folder holding checkpoints already is
+    refused (`--resume latest` could later pick up the other run's). Every rank gets the verdict:
+    ((folder, meta) or None, notes for the log), or the CheckpointError."""
+    verdict = dict(resume=None, notes=[])
+    if rank == 0:
+        try:
+            if config.resume:
+                path, meta, notes = find_checkpoint(config)
+                verdict = dict(resume=(str(path), meta), notes=notes + check_resume_config(meta, config, dtype))
+            elif config.save_every and any(re.fullmatch(r"step_\d+", d.name)
+                                           for d in checkpoint_run_dir(config).glob("step_*")):
+                raise CheckpointError(f"{checkpoint_run_dir(config)} holds checkpoints of an earlier run: continue it "
+                                      "with --resume latest, or choose another --run_id or --checkpoint_dir")
+        except CheckpointError as e:
+            verdict = dict(error=str(e))
+    if world_size > 1:
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if "error" in verdict:
+        raise CheckpointError(verdict["error"])
+    resume = verdict["resume"] and (Path(verdict["resume"][0]), verdict["resume"][1])
+    return resume, verdict["notes"]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -1336,6 +1713,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             hint = "; download shards with `python data/cached_fineweb10B.py 30`" if config.preset == "medium" else ""
             print(f"error: {e}{hint}", file=sys.stderr)
             return 2
+        try:
+            resume, notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        except CheckpointError as e:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr)
+            return 2
+        notes = recipe_notes(config) + notes
         log_path = Path(config.log_dir) / f"{config.run_id or config.preset}_{uuid.uuid4()}.txt" if rank == 0 else None
         log = RunLog(log_path)
         if log_path is not None:
@@ -1346,7 +1730,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             log.write("=" * 100, console=False)
             log.write("\n".join(f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)), console=False)
             log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
-        result = train(config, device, rank, world_size, log, data)
+            for note in notes:
+                log.write(note)
+        try:
+            result = train(config, device, rank, world_size, log, data, resume)
+        except (CheckpointError, ShardError) as e:  # a checkpoint that validated but does not fit this run
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except NonFiniteLossError as e:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr)
+                log.write(f"error: {e}", console=False)
+            return 1
         if rank == 0:
             summary = f"final val_loss {result['final_val_loss']:.4f}"
             meta = Path(config.val_files).parent / "synthetic_meta.json"

@@ -3,6 +3,7 @@ here from the shapes, flag parsing, errors that name the flag (exit code 2), and
 without side effects. Everything runs in-process through tg.main / tg.parse_args."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,9 +185,20 @@ def test_missing_train_shards_exit_2_naming_the_flag(tmp_path, capsys):
     assert "--train_files" in err
 
 
-def test_readme_documents_every_flag():
-    """The README's switch table names every Hyperparameters field."""
-    import dataclasses
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    missing = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f"| `--{f.name}` |" not in readme]
-    assert not missing, f"README switch table lacks: {missing}"
+# ---- documentation and notes in the log
+
+
+def test_every_field_is_a_row_of_the_readme_switch_table():
+    readme = (ROOT / "README.md").read_text()
+    rows = set(re.findall(r"^\| `--(\w+)` \|", readme, re.M))
+    missing = [f.name for f in tg.fields(tg.Hyperparameters) if f.name not in rows]
+    assert not missing, f"README switch table lacks {missing}"
+    assert rows <= {f.name for f in tg.fields(tg.Hyperparameters)}, "README lists flags that do not exist"
+
+
+def test_a_shorter_sequence_is_logged_as_a_change_of_training():
+    assert tg.recipe_notes(tg.make_config("tiny")) == []
+    assert tg.recipe_notes(tg.make_config("tiny", activation_checkpointing=True)) == []
+    (note,) = tg.recipe_notes(tg.make_config("medium", train_seq_len=16384))
+    assert "--train_seq_len=16384" in note and "65536" in note and "changes training" in note
+    assert "131,072 tokens instead of 524,288" in note and "--activation_checkpointing" in note

@@ -1,0 +1,233 @@
+"""Several processes, gloo on the CPU, launched the way GPUs are (./run.sh -> torchrun): two
+processes train exactly like one process accumulating two micro-steps, a checkpoint resumes bit for
+bit on the same and on another world size, Muon's round-robin sharding is exact for any world size,
+and a world size that does not divide the step's slices is refused."""
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train_gpt_medium as tg
+
+ROOT = Path(__file__).resolve().parent.parent
+N = 8  # steps; validation every 2, checkpoints at 4 and 8
+VAL_LINE = re.compile(r"^step:(\d+)/\d+ val_loss:(\d+\.\d{6}) train_time:(\d+)ms", re.M)
+# Validation sums 2 slice losses (each ~6) in fp32 in a different order on 2 processes (per-rank
+# sums, then an all-reduce) than on 1: the mean moves by at most a few fp32 ulps of ~24 / 2, and the
+# log rounds to 6 decimals, so the logged values may differ by one unit of the last place. Measured:
+# 1e-6 (5.884359 vs 5.884358). Asserted:
+VAL_TOLERANCE = 2e-6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    """This process's environment without launcher variables, one thread per process."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **extra}
+
+
+def run_args(synthetic_dir, out: Path, *extra) -> list[str]:
+    return ["--preset=tiny", "--device=cpu", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
+            f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false",
+            f"--num_iterations={N}", "--val_every=2", "--val_tokens=1024", "--warmup_steps=1", "--save_every=4",
+            f"--log_dir={out / 'logs'}", f"--checkpoint_dir={out / 'ck'}", *extra]
+
+
+def launch(commands: list[tuple[list[str], dict]], out: Path) -> Path:
+    """Run the commands concurrently (the nodes of one job), require success, return the run's folder."""
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, (cmd, env) in enumerate(commands):
+        with open(out / f"proc{i}.out", "w") as f:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+    for i, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (out / f"proc{i}.out").read_text()[-3000:]
+    return out
+
+
+def body(out: Path) -> str:
+    (log,) = (out / "logs").glob("*.txt")
+    return log.read_text().split("=" * 100 + "\n")[-1]
+
+
+def val_losses(out: Path) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in VAL_LINE.finditer(body(out))}
+
+
+def step0_train_loss(out: Path) -> float:
+    return float(re.search(r"^step0_train_loss:(\S+)$", body(out), re.M)[1])
+
+
+def checkpoint_tensors(folder: Path) -> dict:
+    """Everything a checkpoint restores, by name, independent of how it is split into rank files."""
+    main = torch.load(folder / "main.pt", weights_only=True)
+    out = {f"model/{k}": v for k, v in main["model"].items()}
+    for i, opt in enumerate(main["optimizers"]):  # the replicated ones (Adam)
+        out.update({f"opt{i}/{n}/{k}": v for n, s in opt.items() for k, v in s.items()})
+    for rank_file in sorted(folder.glob("rank_*.pt")):
+        for name, s in torch.load(rank_file, weights_only=True)["muon"].items():
+            out.update({f"muon/{name}/{k}": v for k, v in s.items()})
+    out["loader"], out["step"] = main["loader"], main["step"]
+    return out
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.fixture(scope="module")
+def one_process(synthetic_dir, tmp_path_factory):
+    """The reference: one plain process (no process group), 2 micro-steps per step."""
+    out = tmp_path_factory.mktemp("one_process")
+    return launch([([sys.executable, "train_gpt_medium.py", *run_args(synthetic_dir, out)], clean_env())], out)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(synthetic_dir, tmp_path_factory):
+    """World size 2 as two 'nodes' of one process each: ./run.sh's multi-node path (NNODES,
+    NODE_RANK, MASTER_ADDR, MASTER_PORT) through torchrun's static rendezvous, over localhost."""
+    out = tmp_path_factory.mktemp("two_nodes")
+    port = str(free_port())
+    nodes = [(["./run.sh", *run_args(synthetic_dir, out)],
+              clean_env(NNODES="2", NODE_RANK=str(r), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    return launch(nodes, out)
+
+
+# ---- world size 2 = world size 1 with 2 micro-steps
+
+
+@pytest.mark.slow
+def test_two_processes_log_the_same_losses_as_one_process_with_two_micro_steps(one_process, two_nodes):
+    one, two = val_losses(one_process), val_losses(two_nodes)
+    assert sorted(one) == sorted(two) == [0, 2, 4, 6, 8]
+    diffs = {s: abs(float(one[s]) - float(two[s])) for s in one}
+    assert max(diffs.values()) <= VAL_TOLERANCE, diffs
+    # the first step's training loss is the mean over both slices on both (the 2 ranks' means, averaged)
+    assert step0_train_loss(two_nodes) == pytest.approx(step0_train_loss(one_process), abs=VAL_TOLERANCE)
+    assert "world_size 2, micro-steps per rank 1" in body(two_nodes)
+    assert "world_size 1, micro-steps per rank 2" in body(one_process)
+
+
+@pytest.mark.slow
+def test_two_processes_train_to_bit_identical_parameters_and_optimizer_states(one_process, two_nodes):
+    """Stronger than the losses: the only cross-rank reduction in training is the gradient
+    all-reduce, a sum of two terms (g0/2 + g1/2), which is exact-commutative; one process adds the
+    same two terms while accumulating. So every parameter, Adam moment and Muon buffer is the same."""
+    for step in (4, 8):
+        assert_bit_identical(checkpoint_tensors(one_process / "ck/tiny" / f"step_{step:06d}"),
+                             checkpoint_tensors(two_nodes / "ck/tiny" / f"step_{step:06d}"))
+
+
+# ---- resume
+
+
+@pytest.mark.slow
+def test_resume_on_two_processes_is_bit_identical_to_the_uninterrupted_run(two_nodes, synthetic_dir, tmp_path):
+    """A new 2-process job (./run.sh with NPROC_PER_NODE=2: torchrun --standalone) resumes the
+    uninterrupted run's step-4 checkpoint and runs to step 8."""
+    saved = two_nodes / "ck/tiny/step_000004"
+    launch([(["./run.sh", *run_args(synthetic_dir, tmp_path, f"--resume={saved}")],
+             clean_env(NPROC_PER_NODE="2"))], tmp_path)
+    log = body(tmp_path)
+    saved_ms = torch.load(saved / "main.pt", weights_only=True)["train_time_ms"]
+    assert f"resumed from {saved} at step 4/8, train_time {saved_ms:.0f}ms (saved by 2 process(es), now 2)" in log
+    resumed, uninterrupted = val_losses(tmp_path), val_losses(two_nodes)
+    assert sorted(resumed) == [4, 6, 8]
+    assert resumed == {s: uninterrupted[s] for s in resumed}
+    assert int(VAL_LINE.search(log)[3]) >= int(saved_ms)  # the clock continues from the saved time
+    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000008"),
+                         checkpoint_tensors(two_nodes / "ck/tiny/step_000008"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_processes_resumes_on_one(one_process, two_nodes, synthetic_dir, tmp_path):
+    """The Muon state saved in two rank files is re-dealt to one process: the run ends exactly where
+    the uninterrupted 1-process run (bit-identical to the 2-process one, see above) ends."""
+    saved = two_nodes / "ck/tiny/step_000004"
+    launch([([sys.executable, "train_gpt_medium.py", *run_args(synthetic_dir, tmp_path, f"--resume={saved}")],
+             clean_env())], tmp_path)
+    assert "(saved by 2 process(es), now 1)" in body(tmp_path)
+    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000008"),
+                         checkpoint_tensors(one_process / "ck/tiny/step_000008"))
+
+
+# ---- Muon's round-robin sharding for any world size
+
+# Groups of 1, 3 and 6 matrices (one shape each): with 4 processes, two groups have fewer matrices
+# than processes and none is a multiple of 4, so every padding path of the all-gather runs.
+MUON_SHAPES = [(16, 32)] + [(24, 8)] * 3 + [(8, 8)] * 6
+
+
+def run_muon(rank: int = 0, world_size: int = 1):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16)) for s in MUON_SHAPES]
+    opt = tg.Muon([dict(params=params)], lr=0.02, momentum=0.9, weight_decay=0.01, rank=rank, world_size=world_size)
+    for step in range(3):
+        grads = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=grads).to(torch.bfloat16)
+        opt.step()
+    index = {p: i for i, p in enumerate(params)}
+    return [p.detach().clone() for p in params], {index[p]: s for p, s in opt.state.items()}
+
+
+def _muon_worker(rank: int, world_size: int, port: int, out: Path) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.save(run_muon(rank, world_size), out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_muon_sharded_over_four_processes_equals_one_process_bit_for_bit(tmp_path):
+    torch.multiprocessing.spawn(_muon_worker, args=(4, free_port(), tmp_path), nprocs=4)
+    want_params, want_state = run_muon()
+    owners: dict[int, list[int]] = {}
+    for rank in range(4):
+        params, state = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for i, (got, want) in enumerate(zip(params, want_params)):
+            assert torch.equal(got, want), f"rank {rank}, matrix {i}"
+        for i, s in state.items():
+            owners.setdefault(i, []).append(rank)
+            assert s.keys() == want_state[i].keys() == {"momentum_buffer", "low_bits"}
+            for k in s:
+                assert torch.equal(s[k], want_state[i][k]), f"rank {rank}, matrix {i}, {k}"
+    # every matrix has exactly one owner, dealt round-robin within its shape group
+    assert owners == {0: [0], 1: [0], 2: [1], 3: [2], 4: [0], 5: [1], 6: [2], 7: [3], 8: [0], 9: [1]}
+    initial = (torch.randn(MUON_SHAPES[0], generator=torch.Generator().manual_seed(0)) * 0.1).to(torch.bfloat16)
+    assert not torch.equal(want_params[0], initial)  # the steps did update the matrices
+
+
+# ---- world sizes that cannot work
+
+
+def test_world_size_3_is_refused_with_the_valid_sizes(synthetic_dir, tmp_path, monkeypatch, capsys):
+    """What each of 3 torchrun processes sees: refused before a process group or a log exists."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert tg.main(run_args(synthetic_dir, tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "world size 3 does not divide --batch_slices=2: run 1 or 2 processes in all" in err
+    assert not dist.is_initialized() and not (tmp_path / "logs").exists()
