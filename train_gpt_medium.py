@@ -1158,7 +1158,6 @@ class Runner:
         return None if first == NO_STEP else first
 
     @torch.no_grad()
-    @torch.no_grad()
     def evaluate(self, step: int, val_tokens: torch.Tensor, token_bytes: Optional[torch.Tensor] = None
                  ) -> tuple[float, Optional[float]]:
         """(mean loss, bits per byte) over the fixed validation tokens, the same for every world
