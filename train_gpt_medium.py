@@ -1733,7 +1733,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log.write(note)
         try:
             result = train(config, device, rank, world_size, log, data, resume)
-        except (CheckpointError, ShardError) as e:  # a checkpoint that validated but does not fit this run
+        except (CheckpointError, ShardError, ConfigError) as e:  # e.g. a checkpoint or byte table that does not fit
             print(f"error: {e}", file=sys.stderr)
             return 2
         except NonFiniteLossError as e:

@@ -301,3 +301,13 @@ def test_every_switch_trains_on_the_tiny_preset(switch):
     first = runner.train_step(0, [(inputs, targets)] * 2)
     second = runner.train_step(1, [(inputs, targets)] * 2)
     assert torch.isfinite(first) and second < first  # the same batch again: the step helped
+
+
+def test_a_byte_table_of_the_wrong_size_is_refused_naming_the_flag(synthetic_dir, tmp_path, capsys):
+    np.save(tmp_path / "bytes.npy", np.ones(10, dtype=np.uint8))
+    argv = ["--preset=tiny", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
+            f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=2",
+            f"--token_bytes_file={tmp_path / 'bytes.npy'}", f"--log_dir={tmp_path}", "--warmup_steps=0"]
+    assert tg.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--token_bytes_file" in err and "10 entries, the vocabulary has 500" in err
