@@ -1490,6 +1490,20 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
     return lines
 
 
+def learned_scalars_lines(model: GPT) -> list[str]:
+    """The learned mixing weights per layer (SPEC §7.1: which layers use which embedding)."""
+    skip_w, block_lambdas, attn_lambdas = (t.detach().float().cpu() for t in model.scalar_views())
+    names = ["x"] + [f"x0{e}" for e in range(block_lambdas.size(1) - 1)]
+    lines = []
+    for i in range(block_lambdas.size(0)):
+        mix = " ".join(f"{n}:{v:.4f}" for n, v in zip(names, block_lambdas[i].tolist()))
+        a0, a1 = attn_lambdas[i].tolist()
+        lines.append(f"lambdas layer {i}: {mix} attn_v:{a0:.4f} attn_ve:{a1:.4f} skip_w:{skip_w[i].item():.4f}")
+    if model.output_mix is not None:
+        lines.append("lambdas output: x:{:.4f} x00:{:.4f}".format(*model.output_mix.detach().float().tolist()))
+    return lines
+
+
 def peak_memory_mib(device: torch.device) -> tuple[int, int]:
     """CUDA: allocator peaks. CPU: the process's peak resident set size for both numbers."""
     if device.type == "cuda":
@@ -1601,6 +1615,8 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""
     log.write(f"final val_loss:{val_loss:.6f} perplexity:{math.exp(val_loss):.4f}{bpb} "
               f"package_time:{package_ms:.0f}ms (training + final evaluation)")
+    for line in learned_scalars_lines(runner.model):
+        log.write(line, console=False)
     allocated, reserved = peak_memory_mib(device)
     log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
     return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,

@@ -311,3 +311,12 @@ def test_a_byte_table_of_the_wrong_size_is_refused_naming_the_flag(synthetic_dir
     assert tg.main(argv) == 2
     err = capsys.readouterr().err
     assert "--token_bytes_file" in err and "10 entries, the vocabulary has 500" in err
+
+
+def test_the_log_ends_with_the_learned_lambdas_per_layer():
+    model = tg.build_model(tiny(num_extra_embeds=2, x00_at_output=True))
+    with torch.no_grad():
+        model.scalar_views()[1][3, 2] = 0.25  # layer 3's weight on x01
+    lines = tg.learned_scalars_lines(model)
+    assert len(lines) == 17 and lines[-1] == "lambdas output: x:1.0000 x00:0.0000"
+    assert lines[3].startswith("lambdas layer 3: x:1.0000 x00:0.0000 x01:0.2500 x02:0.0000 attn_v:0.5000")
