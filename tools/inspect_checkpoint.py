@@ -1,0 +1,162 @@
+"""Look inside a checkpoint (SPEC §7.1): the learned mixing weights of every layer, and logit
+lenses that decode the residual stream and the embeddings through the final norm and head.
+
+    python tools/inspect_checkpoint.py checkpoints/medium/step_005690
+    python tools/inspect_checkpoint.py CKPT --position 200 --top_k 5 --token 262
+
+Prints, on the CPU in fp32:
+1. per layer, the block lambdas (x, x00, x01, ...) and each embedding's lambda divided by the
+   RMS of x at the layer's input (the embeddings are unit-RMS, so this is the share each one adds),
+   measured on the first validation sequence;
+2. a logit lens at one position of that sequence: the top-k tokens (and the probability of the
+   true next token) read from x at each layer's input and after the last layer;
+3. an embedding lens for one token id: its input embeddings, its value embeddings, and each
+   value embedding passed through the o-projection of every layer that uses it.
+GPT-2 tokens are printed as text when data/gpt2_tokens.bin is present, other vocabularies as ids.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import train_gpt_medium as tg  # noqa: E402
+
+
+def load_model(path: Path) -> tuple[tg.GPT, tg.Hyperparameters, int]:
+    """The checkpoint's model in fp32 on the CPU, its config and its step."""
+    tg.validate_checkpoint(path)
+    saved = torch.load(Path(path) / "main.pt", map_location="cpu", weights_only=True)
+    known = {f.name for f in tg.fields(tg.Hyperparameters)}
+    values = {k: v for k, v in saved["config"].items() if k in known}
+    config = tg.make_config(values.pop("preset"), **{**values, "dtype": "float32", "resume": "", "save_every": 0})
+    model = tg.build_model(config, "cpu")
+    model.load_state_dict(saved["model"])  # bf16 values copy exactly into fp32
+    return model.eval(), config, saved["step"]
+
+
+class Vocabulary:
+    """Token text for GPT-2 (from the committed byte table), `<id>` for any other vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        lengths, blob = ROOT / "data/gpt2_token_bytes.npy", ROOT / "data/gpt2_tokens.bin"
+        self.offsets = None
+        if vocab_size == 50257 and lengths.exists() and blob.exists():
+            self.offsets = np.concatenate([[0], np.cumsum(np.load(lengths).astype(np.int64))])
+            self.blob = blob.read_bytes()
+
+    def __call__(self, token: int) -> str:
+        if self.offsets is None or token >= len(self.offsets) - 1:
+            return f"<{token}>"
+        raw = self.blob[self.offsets[token]:self.offsets[token + 1]]
+        return repr(raw.decode("utf-8", errors="backslashreplace")) if raw else "<|endoftext|>"
+
+
+@torch.no_grad()
+def lens(model: tg.GPT, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities over the real vocabulary of rows h (n, d) read through the final norm, the head
+    and the softcap, as the model reads its last layer. Returns (probs (n, V), top-k ids (n, k))."""
+    cap = model.config.logit_softcap
+    z = model.head(tg.rms_norm(h)).float()
+    z = cap * z * torch.rsqrt(z.square() + cap * cap)
+    probs = torch.softmax(z, dim=-1)[:, :model.config.vocab_size]
+    return probs, probs.topk(k, dim=-1).indices
+
+
+@torch.no_grad()
+def layer_inputs(model: tg.GPT, ids: torch.Tensor, window: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """x entering each block (after its skip), and x after the last block: each (T, d)."""
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(args[0][0])) for b in model.blocks]
+    hooks.append(model.blocks[-1].register_forward_hook(lambda m, args, out: seen.append(out[0])))
+    try:
+        model(ids[:-1].to(torch.int32), ids[1:].to(torch.int64), torch.tensor(window), reduction="none")
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen[:-1], seen[-1]
+
+
+def describe(model, h, k, vocab, target=None) -> str:
+    probs, top = lens(model, h[None], k)
+    words = " ".join(f"{vocab(t)}:{probs[0, t]:.3f}" for t in top[0].tolist())
+    return words + (f"   p(next={vocab(target)})={probs[0, target]:.6f}" if target is not None else "")
+
+
+def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, position: int, k: int,
+           token: int, seq_len: int) -> list[str]:
+    vocab, out = Vocabulary(config.vocab_size), []
+    skip_w, block_lambdas, attn_lambdas = (t.detach() for t in model.scalar_views())
+    names = ["x"] + [f"x0{e}" for e in range(block_lambdas.size(1) - 1)]
+    inputs = None
+    if val_tokens is not None:
+        ids = val_tokens[:seq_len + 1].long()
+        inputs, final = layer_inputs(model, ids, tg.window_blocks(step, config))
+    out.append(f"== lambdas per layer (step {step}); /rms: the embedding's lambda over the RMS of x at the layer's input")
+    for i in range(config.num_layers):
+        mix = " ".join(f"{n}:{v:+.4f}" for n, v in zip(names, block_lambdas[i].tolist()))
+        line = f"layer {i:2d}: {mix}  attn_v:{attn_lambdas[i, 0]:+.4f} attn_ve:{attn_lambdas[i, 1]:+.4f}"
+        if inputs is not None:
+            rms = inputs[i].square().mean().sqrt().item()
+            shares = " ".join(f"{n}/rms:{v / rms:+.4f}" for n, v in zip(names[1:], block_lambdas[i, 1:].tolist()))
+            line += f"  rms(x):{rms:.3f} {shares}"
+        out.append(line)
+    if inputs is not None:
+        position = min(position, len(inputs[0]) - 1)
+        context = " ".join(vocab(t) for t in ids[max(position - 7, 0):position + 1].tolist())
+        target = int(ids[position + 1])
+        out.append(f"== logit lens at position {position}: ... {context} -> next {vocab(target)}")
+        for i, x in enumerate(inputs):
+            out.append(f"input of layer {i:2d}: {describe(model, x[position], k, vocab, target)}")
+        out.append(f"after last layer:   {describe(model, final[position], k, vocab, target)}")
+    with torch.no_grad():
+        t = torch.tensor([token])
+        out.append(f"== embedding lens for token {token} {vocab(token)}")
+        for e, embed in enumerate(model.embeds):
+            out.append(f"x0{e}: {describe(model, tg.rms_norm(embed(t))[0], k, vocab)}")
+        tables = model.value_embeds(t)
+        for layer, ve in enumerate(tables):
+            if ve is None:
+                continue
+            o = model.blocks[layer].attn.qkvo_w[3]  # (attn_dim, d): the layer's output projection
+            out.append(f"value embedding of layer {layer:2d}: {describe(model, ve[0], k, vocab)}")
+            out.append(f"  through its o-projection:  {describe(model, ve[0] @ o, k, vocab)}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--val_files", help="validation shards (default: the checkpoint's config)")
+    parser.add_argument("--position", type=int, default=100, help="position of the logit lens in the first sequence")
+    parser.add_argument("--top_k", type=int, default=5)
+    parser.add_argument("--token", type=int, default=262, help="token id of the embedding lens (262 is ' the')")
+    parser.add_argument("--seq_len", type=int, default=2048,
+                        help="tokens of the first validation sequence to run (a multiple of 128; the CPU's dense mask is seq_len^2)")
+    args = parser.parse_args(argv)
+    try:
+        model, config, step = load_model(args.checkpoint)
+    except (tg.CheckpointError, tg.ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not 0 <= args.token < config.vocab_size:
+        parser.error(f"--token must be in [0, {config.vocab_size})")
+    if args.seq_len <= 0 or args.seq_len % config.attn_block_size:
+        parser.error(f"--seq_len must be a positive multiple of {config.attn_block_size}")
+    val_tokens = None
+    try:
+        files = tg.shard_files(args.val_files or config.val_files, "val_files")
+        val_tokens = torch.cat([tg.read_shard(f) for f in files])
+    except (FileNotFoundError, tg.ShardError) as e:
+        print(f"note: no logit lens over the residual stream ({e})", file=sys.stderr)
+    print("\n".join(report(model, config, step, val_tokens, args.position, args.top_k, args.token, args.seq_len)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
