@@ -414,7 +414,7 @@ class Muon(torch.optim.Optimizer):
 
     def _update(self, p: nn.Parameter, group: dict) -> None:
         state, m, lr = self.state[p], group["momentum"], group["lr"]
-        grad = p.grad.to(torch.float32, copy=True)  # a copy even of fp32 grads: lerp_ below must not rewrite p.grad
+        grad = p.grad.float()  # p.grad itself for fp32 weights: only read, never written
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - m)
         update = orthogonalize(grad.lerp(buf, m), p.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
