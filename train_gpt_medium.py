@@ -667,8 +667,9 @@ class ValueEmbeddings(nn.Module):
             self.coeffs = None
 
     def initial_value(self, name="coeffs", shape=None, gen=None) -> torch.Tensor:
-        """The coefficients, deterministic: canonical: the first K sites one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot
-        of the layout's table. Rows of layers without a value embedding are zero (unused)."""
+        """The coefficients (deterministic, so `gen` is unused). canonical: the first K sites
+        one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot of the layout's table. Rows of
+        layers without a value embedding are zero (unused)."""
         L, K = self.config.num_layers, self.config.num_value_embeds
         A = torch.zeros(L, K)
         sites = [layer for layer, table in enumerate(self.layout) if table is not None]
@@ -686,16 +687,14 @@ class ValueEmbeddings(nn.Module):
         if self.coeffs is None:
             rows = [table(ids) for table in self.tables]
             return [rows[t] if t is not None else None for t in self.layout]
-        A = self.coeffs
+        A, dtype = self.coeffs, self.tables[0].weight.dtype
         if self.config.ve_exec == "direct":
-            dtype = self.tables[0].weight.dtype
             rows = torch.stack([table(ids) for table in self.tables]).float()  # (K, T, d)
-            return [torch.einsum("k,ktd->td", A[layer], rows).to(dtype) if t is not None else None
-                    for layer, t in enumerate(self.layout)]
-        dtype = self.tables[0].weight.dtype
-        weights = torch.stack([table.weight for table in self.tables]).float()  # (K, V, d)
-        return [F.embedding(ids, torch.einsum("k,kvd->vd", A[layer], weights).to(dtype)) if t is not None else None
-                for layer, t in enumerate(self.layout)]
+            mix = lambda layer: torch.einsum("k,ktd->td", A[layer], rows).to(dtype)
+        else:
+            weights = torch.stack([table.weight for table in self.tables]).float()  # (K, V, d)
+            mix = lambda layer: F.embedding(ids, torch.einsum("k,kvd->vd", A[layer], weights).to(dtype))
+        return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
 class GPT(nn.Module):
@@ -780,10 +779,12 @@ class GPT(nn.Module):
         return torch.cat(parts) if per_token else sum(parts) / targets.numel()
 
     def chunk_loss(self, x: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
-        cap = self.config.logit_softcap
-        z = self.head(x).float()
-        z = cap * z * torch.rsqrt(z.square() + cap * cap)
-        return F.cross_entropy(z, targets, reduction="none" if per_token else "sum")
+        return F.cross_entropy(self.logits(x), targets, reduction="none" if per_token else "sum")
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Soft-capped fp32 logits (n, V_pad) of final-normed rows x: 15 z / sqrt(z^2 + 225)."""
+        cap, z = self.config.logit_softcap, self.head(x).float()
+        return cap * z * torch.rsqrt(z.square() + cap * cap)
 
 
 def normal(shape, gen, std: float) -> torch.Tensor:

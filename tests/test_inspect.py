@@ -30,10 +30,10 @@ def test_report_shows_the_lambdas_and_a_lens_that_agrees_with_the_model(syntheti
     path, model, config = saved_checkpoint(synthetic_dir, tmp_path)
     assert ic.main([str(path), "--seq_len=512", "--position=77", "--top_k=3", "--token=5"]) == 0
     out = capsys.readouterr().out
-    layer_lines = [line for line in out.splitlines() if line.startswith("layer ")]
+    layer_lines = [line for line in out.splitlines() if line.startswith("lambdas layer ")]
     assert len(layer_lines) == 16
     lam = model.scalar_views()[1][4].tolist()
-    assert layer_lines[4].startswith(f"layer  4: x:{lam[0]:+.4f} x00:{lam[1]:+.4f} x01:{lam[2]:+.4f}")
+    assert layer_lines[4].startswith(f"lambdas layer 4: x:{lam[0]:.4f} x00:{lam[1]:.4f} x01:{lam[2]:.4f}")
     # the lens after the last layer is the model's own prediction: p(next) = exp(-that token's loss)
     ids = tg.read_shard(synthetic_dir / "synthetic_val_000000.bin")[:513].long()
     model.eval()

@@ -61,10 +61,7 @@ class Vocabulary:
 def lens(model: tg.GPT, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities over the real vocabulary of rows h (n, d) read through the final norm, the head
     and the softcap, as the model reads its last layer. Returns (probs (n, V), top-k ids (n, k))."""
-    cap = model.config.logit_softcap
-    z = model.head(tg.rms_norm(h)).float()
-    z = cap * z * torch.rsqrt(z.square() + cap * cap)
-    probs = torch.softmax(z, dim=-1)[:, :model.config.vocab_size]
+    probs = torch.softmax(model.logits(tg.rms_norm(h)), dim=-1)[:, :model.config.vocab_size]
     return probs, probs.topk(k, dim=-1).indices
 
 
@@ -91,19 +88,16 @@ def describe(model, h, k, vocab, target=None) -> str:
 def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, position: int, k: int,
            token: int, seq_len: int) -> list[str]:
     vocab, out = Vocabulary(config.vocab_size), []
-    skip_w, block_lambdas, attn_lambdas = (t.detach() for t in model.scalar_views())
-    names = ["x"] + [f"x0{e}" for e in range(block_lambdas.size(1) - 1)]
+    block_lambdas = model.scalar_views()[1].detach()
     inputs = None
     if val_tokens is not None:
         ids = val_tokens[:seq_len + 1].long()
         inputs, final = layer_inputs(model, ids, tg.window_blocks(step, config))
     out.append(f"== lambdas per layer (step {step}); /rms: the embedding's lambda over the RMS of x at the layer's input")
-    for i in range(config.num_layers):
-        mix = " ".join(f"{n}:{v:+.4f}" for n, v in zip(names, block_lambdas[i].tolist()))
-        line = f"layer {i:2d}: {mix}  attn_v:{attn_lambdas[i, 0]:+.4f} attn_ve:{attn_lambdas[i, 1]:+.4f}"
+    for i, line in enumerate(tg.learned_scalars_lines(model)[:config.num_layers]):  # as the run log ends
         if inputs is not None:
             rms = inputs[i].square().mean().sqrt().item()
-            shares = " ".join(f"{n}/rms:{v / rms:+.4f}" for n, v in zip(names[1:], block_lambdas[i, 1:].tolist()))
+            shares = " ".join(f"x0{e}/rms:{v / rms:+.4f}" for e, v in enumerate(block_lambdas[i, 1:].tolist()))
             line += f"  rms(x):{rms:.3f} {shares}"
         out.append(line)
     if inputs is not None:
