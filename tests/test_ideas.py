@@ -10,6 +10,7 @@ import torch
 
 import train_gpt_medium as tg
 from reference import reference_loss
+from test_checkpoint import run_argv
 from test_model import packed_tokens, randomize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,10 +306,7 @@ def test_every_switch_trains_on_the_tiny_preset(switch):
 
 def test_a_byte_table_of_the_wrong_size_is_refused_naming_the_flag(synthetic_dir, tmp_path, capsys):
     np.save(tmp_path / "bytes.npy", np.ones(10, dtype=np.uint8))
-    argv = ["--preset=tiny", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
-            f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=2",
-            f"--token_bytes_file={tmp_path / 'bytes.npy'}", f"--log_dir={tmp_path}", "--warmup_steps=0"]
-    assert tg.main(argv) == 2
+    assert tg.main(run_argv(synthetic_dir, tmp_path, f"--token_bytes_file={tmp_path / 'bytes.npy'}")) == 2
     err = capsys.readouterr().err
     assert "--token_bytes_file" in err and "10 entries, the vocabulary has 500" in err
 

@@ -218,26 +218,28 @@ def test_unfinished_run_is_skipped_and_reported(tmp_path, capsys):
     assert_describe(data["val_loss"], PASS_LOSSES)
 
 
-def test_garbled_lines_are_listed_and_leave_numbers(tmp_path, capsys):
+def passing_set_with_a_garbled_line(tmp_path, line):
+    """The passing set, with `line` appended to its first log; returns (folder, "file:line")."""
     folder = make_set(tmp_path / "r", PASS_LOSSES)
     path = folder / "run00.txt"
     n_lines = len(path.read_text().splitlines())
     with open(path, "a") as f:
-        f.write("step:10/10 val_loss:nan train_time:1ms step_avg:1.00ms\n")
+        f.write(line + "\n")
+    return folder, f"{path}:{n_lines + 1}:"
+
+
+def test_garbled_lines_are_listed_and_leave_numbers(tmp_path, capsys):
+    folder, where = passing_set_with_a_garbled_line(tmp_path, "step:10/10 val_loss:nan train_time:1ms step_avg:1.00ms")
     code, data = run_json(capsys, folder)
     assert code == 0
-    assert [w.split(" ")[0] for w in data["warnings"]] == [f"{path}:{n_lines + 1}:"]
+    assert [w.split(" ")[0] for w in data["warnings"]] == [where]
     assert_describe(data["val_loss"], PASS_LOSSES)
 
 
 def test_garbled_line_warning_goes_to_stderr(tmp_path, capsys):
-    folder = make_set(tmp_path / "r", PASS_LOSSES)
-    path = folder / "run00.txt"
-    n_lines = len(path.read_text().splitlines())
-    with open(path, "a") as f:
-        f.write("step:10/10 val_loss:2.90 train_time:12\n")
+    folder, where = passing_set_with_a_garbled_line(tmp_path, "step:10/10 val_loss:2.90 train_time:12")
     stats_cli.main([str(folder)])
-    assert f"{path}:{n_lines + 1}:" in capsys.readouterr().err
+    assert where in capsys.readouterr().err
 
 
 def test_single_run_says_no_test_and_exits_1(tmp_path, capsys):
