@@ -26,27 +26,22 @@ import numpy as np
 VOCAB_SIZE, EOT = 50257, 50256
 
 
+# GPT-2's byte-level alphabet: these printable bytes stand for themselves, the other 68 bytes
+# for the characters chr(256), chr(257), ... in byte order. Ids 0..255 list the bytes in this order.
+PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+BYTE_ORDER = PRINTABLE + [b for b in range(256) if b not in PRINTABLE]
+
+
 def byte_of_char() -> dict[str, int]:
-    """GPT-2's table: printable bytes stand for themselves, the other 68 are shifted past 255."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    """The byte each character of the merges file stands for."""
+    shifted = [b for b in range(256) if b not in PRINTABLE]
+    return {**{chr(b): b for b in PRINTABLE}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
 
 
 def token_bytes(merges_path) -> list[bytes]:
     """The raw bytes of tokens 0..50255 (end-of-text excluded)."""
     to_byte = byte_of_char()
-    # ids 0..255: bytes in the order of the table's characters as GPT-2's encoder lists them
-    order = [b for b in range(ord("!"), ord("~") + 1)] + [b for b in range(ord("¡"), ord("¬") + 1)] + \
-            [b for b in range(ord("®"), ord("ÿ") + 1)]
-    order += [b for b in range(256) if b not in order]
-    tokens = [bytes([b]) for b in order]
+    tokens = [bytes([b]) for b in BYTE_ORDER]
     lines = Path(merges_path).read_text(encoding="utf-8").splitlines()
     merges = [line.split(" ") for line in lines if line and not line.startswith("#version")]
     if len(merges) != 50000:
