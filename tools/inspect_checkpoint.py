@@ -31,7 +31,7 @@ import train_gpt_medium as tg  # noqa: E402
 def load_model(path: Path) -> tuple[tg.GPT, tg.Hyperparameters, int]:
     """The checkpoint's model in fp32 on the CPU, its config and its step."""
     tg.validate_checkpoint(path)
-    saved = torch.load(Path(path) / "main.pt", map_location="cpu", weights_only=True)
+    saved = tg._load(Path(path) / "main.pt")  # the trainer's loader: CheckpointError naming the file
     known = {f.name for f in tg.fields(tg.Hyperparameters)}
     values = {k: v for k, v in saved["config"].items() if k in known}
     config = tg.make_config(values.pop("preset"), **{**values, "dtype": "float32", "resume": "", "save_every": 0})
