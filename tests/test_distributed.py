@@ -197,6 +197,13 @@ def _muon_worker(rank: int, world_size: int, port: int, out: Path) -> None:
         torch.save(run_muon(rank, world_size), out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # The result is on disk; leave without interpreter shutdown. A gloo worker thread may still be
+    # dropping its reference to an all-gather's tensors, which needs the GIL; on a loaded 2-core
+    # machine it can be descheduled until the interpreter is finalizing, and a thread that takes
+    # the GIL then is ended by pthread_exit inside a noexcept destructor: std::terminate, SIGABRT
+    # (seen in CI about once in 50 runs, core dump: ~AsyncAllgatherWork -> decref_pyobject ->
+    # take_gil -> PyThread_exit_thread). destroy_process_group does not join those threads here.
+    os._exit(0)
 
 
 @pytest.mark.slow
