@@ -1,16 +1,29 @@
 """GPT-2 Medium speedrun trainer: the record recipe in one file.
 
-Reads top to bottom in the order data flows:
-hyperparameters -> optimizers -> model -> data -> training loop -> main.
-Importing this module has no side effects; everything runs inside `main(argv)`.
+    torchrun --standalone --nproc_per_node=8 train_gpt_medium.py      # the record (or ./run.sh)
+    python train_gpt_medium.py --preset tiny                          # CPU, about a minute
+    python train_gpt_medium.py --help                                 # every flag, grouped
+    python train_gpt_medium.py --dry_run                              # counts and FLOPs, no data, no GPU
 
-    torchrun --standalone --nproc_per_node=8 train_gpt_medium.py      # the record
-    python train_gpt_medium.py --preset tiny                          # CPU, ~1 minute
-    python train_gpt_medium.py --dry_run                              # counts, no data, no GPU
+Map of the file. The recipe, in the order data flows (what a record diff touches):
+  1. Hyperparameters   the record's values as a table, and the presets
+  2. Schedules         learning rate, Muon momentum, attention window
+  3. Muon              Newton-Schulz orthogonalization, the sharded optimizer
+  4. Model             masks, rotary, attention, MLP, block, GPT; the seed ideas' modules in one
+                       section; initialization; optimizer groups
+  5. Data              token shards and the loader
+  6. Training          optimizers, one step, evaluation, warm-up, the timed loop
+  7. main
+Below main, off in a record run: the command line and config checks, checkpoints, accounting
+and logging helpers, dry run.
+
+Importing this module has no side effects; everything runs inside `main(argv)`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
 import glob
 import hashlib
 import json
@@ -24,7 +37,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -36,87 +49,109 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-# -----------------------------------------------------------------------------
-# Hyperparameters: the defaults ARE the record recipe (SPEC §2-§5)
+# =============================================================================
+# 1. Hyperparameters: the defaults ARE the record recipe (SPEC §2-§5)
+#
+# One line per flag: type, record default, meaning, allowed values. The group decides where
+# `--help` lists it and whether a resumed checkpoint must match it (recipe and seed ideas change
+# what a run computes; run control and scale do not).
 
 
-class ConfigError(ValueError):
-    """A bad flag or an inconsistent configuration; the message names the flag and the fix."""
+def _flag(group: str):
+    def make(default, meaning: str, *, choices=None, at_least=None, above=None, at_most=None, below=None):
+        return field(default=default, metadata=dict(group=group, meaning=meaning, choices=choices, at_least=at_least,
+                                                     above=above, at_most=at_most, below=below))
+    return make
+
+
+recipe, idea, scale, run = _flag("recipe"), _flag("seed ideas"), _flag("scale and checkpoints"), _flag("run control")
+TRAINING_GROUPS = ("recipe", "seed ideas")  # fields whose value changes what a run computes
 
 
 @dataclass
 class Hyperparameters:
-    # run
-    preset: str = "medium"
-    run_id: str = ""  # log file is <log_dir>/<run_id or preset>_<uuid>.txt
-    seed: int = 0  # every parameter's init stream derives from (seed, parameter name)
-    device: str = "auto"  # auto | cuda | cpu
-    compile: Optional[bool] = None  # None: on for CUDA, off for CPU
-    attention: str = "auto"  # auto | flex | sdpa (auto: flex on CUDA, sdpa with a dense mask on CPU)
-    dtype: str = "auto"  # weights and activations: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float32
-    log_dir: str = "logs"
-    dry_run: bool = False  # build on the meta device, print counts and FLOPs, exit
-    # memory and checkpoints (none of these changes training)
-    activation_checkpointing: bool = False  # recompute each block (and the loss in chunks) in backward
-    save_every: int = 0  # checkpoint every N steps and at the end; 0: never
-    checkpoint_dir: str = "checkpoints"  # checkpoints go to <checkpoint_dir>/<run_id or preset>/step_<N>/
-    resume: str = ""  # a checkpoint folder, or "latest" (the newest valid one of this run name)
-    force_resume: bool = False  # resume even if the checkpoint's config differs in fields that change training
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    synthetic_data: bool = False  # generate the synthetic shards (data/synthetic.py) if missing
-    val_tokens: int = 10_485_760
-    train_seq_len: int = 64 * 1024  # tokens per slice (one slice per GPU per step on 8 GPUs)
-    val_seq_len: int = 256 * 1024
-    batch_slices: int = 8  # slices per step; each rank accumulates batch_slices // world_size
-    # model
-    vocab_size: int = 50257
-    eot_token: int = 50256
-    model_dim: int = 1024
-    num_layers: int = 16
-    num_heads: int = 8
-    head_dim: int = 128
-    mlp_ratio: int = 4
-    value_embed_layout: str = "0,1,2,3,4,-,-,-,-,-,-,0,1,2,3,4"  # table per layer, '-' = none
-    skip_connections: str = "9<6,10<4,11<2"  # target<source: add skip_w[source]*out[source]
-    attention_free_layers: str = "7"
-    long_window_layers: str = "0,4,11,15"  # the others use half the window
-    attn_block_size: int = 128
-    max_window_tokens: int = 3456
-    attn_scale: float = 0.12
-    logit_softcap: float = 15.0
-    rope_base: float = 1024.0
-    # seed ideas (SPEC §7); the defaults are the record, and an idea that is off builds nothing
-    num_extra_embeds: int = 1  # input embeddings beyond x00 (0..4; the record: x01)
-    x00_at_output: bool = False  # mix x00 into the final normed x before the head
-    lore_rank: int = 128  # LoRE rank r, used by lore_input / lore_output
-    lore_input: bool = False  # input embedding tables as V x r table + r -> d projection
-    lore_output: bool = False  # head as d -> r -> V_pad
-    lore_init: str = "corrected"  # none | original | corrected
-    ve_mode: str = "native"  # value embeddings: native | grouped (one-hot layout) | learned | frozen (coefficients)
-    ve_tables: int = 0  # K basis tables for learned/frozen (0: as many as value_embed_layout names)
-    ve_coeff_init: str = "canonical"  # canonical | assignment (one-hot of value_embed_layout)
-    ve_coeff_lr: float = 0.5  # Adam lr of learned coefficients (no decay)
-    ve_exec: str = "direct"  # learned/frozen: direct (mix gathered rows) | materialized (mix tables, then look up)
-    token_bytes_file: str = "data/gpt2_token_bytes.npy"  # bytes per token id, for val_bpb ('' = off)
-    # optimization
-    num_iterations: int = 5690
-    cooldown_frac: float = 0.7
-    val_every: int = 125  # 0: validate only at the end
-    warmup_steps: int = 10  # untimed compile warm-up, state restored afterwards
-    head_lr: float = 1 / 320
-    embed_lr: float = 0.3
-    scalar_lr: float = 0.015
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
-    muon_lr: float = 0.025
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85
-    muon_momentum_warmup_steps: int = 300
-    muon_weight_decay: float = 0.01
-    mlp_weight_decay_mul: float = 2.0
+    # ---- data and batch (SPEC §4)
+    batch_slices: int = recipe(8, "slices of train_seq_len tokens per step; each rank takes batch_slices / world size",
+                               at_least=1)
+    train_seq_len: int = recipe(64 * 1024, "tokens per training slice (a multiple of attn_block_size)", at_least=1)
+    val_seq_len: int = recipe(256 * 1024, "tokens per validation slice (a multiple of attn_block_size)", at_least=1)
+    val_tokens: int = recipe(10_485_760, "validation tokens, from the start of the validation shard", at_least=1)
+    vocab_size: int = recipe(50257, "vocabulary (GPT-2); the head is padded to a multiple of 128",
+                             at_least=2, at_most=65536)
+    eot_token: int = recipe(50256, "end-of-text token: starts a new document in the masks", at_least=0)
+    # ---- model (SPEC §2)
+    model_dim: int = recipe(1024, "width of the residual stream", at_least=1)
+    num_layers: int = recipe(16, "transformer blocks", at_least=1)
+    num_heads: int = recipe(8, "attention heads", at_least=1)
+    head_dim: int = recipe(128, "width of one head (a multiple of 4: half-truncated rotary)", at_least=4)
+    mlp_ratio: int = recipe(4, "MLP hidden width / model_dim", at_least=1)
+    value_embed_layout: tuple[Optional[int], ...] = recipe(
+        (0, 1, 2, 3, 4, None, None, None, None, None, None, 0, 1, 2, 3, 4),
+        "value-embedding table of each layer, '-' for none (the record: 012..012)")
+    skip_connections: tuple[tuple[int, int], ...] = recipe(
+        ((9, 6), (10, 4), (11, 2)), "(target, source): before block target add skip_w[source] * output of source")
+    attention_free_layers: tuple[int, ...] = recipe((7,), "blocks with an MLP only")
+    long_window_layers: tuple[int, ...] = recipe((0, 4, 11, 15), "blocks with the long window; the others use half")
+    attn_block_size: int = recipe(128, "mask block size in tokens (windows count blocks)", at_least=1)
+    max_window_tokens: int = recipe(3456, "long window at the end of the schedule, in tokens", at_least=1)
+    attn_scale: float = recipe(0.12, "attention softmax scale (not 1/sqrt(head_dim))", above=0)
+    logit_softcap: float = recipe(15.0, "logits become cap * z / sqrt(z^2 + cap^2)", above=0)
+    rope_base: float = recipe(1024.0, "rotary base: frequencies (1/base)^linspace(0, 1, head_dim/4)", above=0)
+    dtype: str = recipe("auto", "weights and activations: auto = bfloat16 on CUDA, float32 on CPU",
+                        choices=("auto", "bfloat16", "float32"))
+    # ---- optimization (SPEC §3)
+    num_iterations: int = recipe(5690, "training steps", at_least=1)
+    cooldown_frac: float = recipe(0.7, "fraction of steps over which the lr decays linearly to 0", at_least=0, at_most=1)
+    head_lr: float = recipe(1 / 320, "Adam lr of the output head", at_least=0)
+    embed_lr: float = recipe(0.3, "Adam lr of the input and value embeddings", at_least=0)
+    scalar_lr: float = recipe(0.015, "Adam lr of the scalar vector (skip weights, lambdas)", at_least=0)
+    adam_beta1: float = recipe(0.8, "Adam beta1", at_least=0, below=1)
+    adam_beta2: float = recipe(0.95, "Adam beta2", at_least=0, below=1)
+    adam_eps: float = recipe(1e-10, "Adam epsilon", above=0)
+    muon_lr: float = recipe(0.025, "Muon lr (scaled by sqrt(max(1, rows/cols)))", at_least=0)
+    muon_momentum: float = recipe(0.95, "Muon momentum after the warm-up", at_least=0, below=1)
+    muon_momentum_start: float = recipe(0.85, "Muon momentum at step 0", at_least=0, below=1)
+    muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0)
+    muon_weight_decay: float = recipe(0.01, "Muon decoupled weight decay (w *= 1 - lr*wd*mul)", at_least=0)
+    mlp_weight_decay_mul: float = recipe(2.0, "weight decay multiplier of the MLP matrices", at_least=0)
+    # ---- seed ideas (SPEC §7): the defaults are the record; an idea that is off builds nothing
+    num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
+    x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
+    lore_input: bool = idea(False, "LoRE: input embeddings as a V x r table and an r -> d projection")
+    lore_output: bool = idea(False, "LoRE: head as d -> r -> V")
+    lore_rank: int = idea(128, "LoRE rank r", at_least=1)
+    lore_init: str = idea("corrected", "LoRE factor init", choices=("none", "original", "corrected"))
+    ve_mode: str = idea("native", "value embeddings: one table per layout index (native, grouped) or a basis of K "
+                        "tables mixed by coefficients (learned, frozen)", choices=("native", "grouped", "learned", "frozen"))
+    ve_tables: int = idea(0, "K basis tables for learned/frozen (0: as many as value_embed_layout names)", at_least=0)
+    ve_coeff_init: str = idea("canonical", "learned/frozen coefficient init", choices=("canonical", "assignment"))
+    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
+    ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
+                        choices=("direct", "materialized"))
+    # ---- scale and checkpoints (none of these changes what is computed)
+    activation_checkpointing: bool = scale(False, "recompute each block (and the loss in chunks) in backward")
+    save_every: int = scale(0, "checkpoint every N steps and at the end; 0: never", at_least=0)
+    checkpoint_dir: str = scale("checkpoints", "checkpoints go to <checkpoint_dir>/<run_id or preset>/step_<N>/")
+    resume: str = scale("", "a checkpoint folder, or 'latest' (the newest valid one of this run name)")
+    force_resume: bool = scale(False, "resume even if the config differs in fields that change training")
+    # ---- run control
+    preset: str = run("medium", "starting point the other flags override", choices=("medium", "tiny"))
+    run_id: str = run("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
+    seed: Optional[int] = run(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
+                              at_least=0)
+    device: str = run("auto", "where to run", choices=("auto", "cuda", "cpu"))
+    compile: Optional[bool] = run(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
+    attention: str = run("auto", "auto: flex on CUDA, sdpa with a dense mask on CPU", choices=("auto", "flex", "sdpa"))
+    threads: int = run(0, "CPU threads of a CPU run (0: OMP_NUM_THREADS if set, else 1)", at_least=0)
+    log_dir: str = run("logs", "folder of the run logs")
+    val_every: int = run(125, "validate every N steps (and at the end); 0: only at the end", at_least=0)
+    warmup_steps: int = run(10, "untimed compile warm-up steps, state restored afterwards", at_least=0)
+    nonfinite_check_every: int = run(25, "look for a nan/inf training loss every N steps (a host sync)", at_least=1)
+    train_files: str = run("data/fineweb10B/fineweb_train_*.bin", "training shards (a glob)")
+    val_files: str = run("data/fineweb10B/fineweb_val_*.bin", "validation shards (a glob)")
+    synthetic_data: bool = run(False, "generate the synthetic shards into their default folder if missing")
+    token_bytes_file: str = run("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off)")
+    dry_run: bool = run(False, "build on the meta device, print counts and FLOPs, exit")
 
     # ---- derived quantities (no state of their own)
     @property
@@ -128,100 +163,35 @@ class Hyperparameters:
         return self.num_heads * self.head_dim
 
     @property
+    def init_seed(self) -> int:
+        """The seed of the initial values and warm-up tokens: --seed, or 0 where no run drew one
+        (a library call; `main` draws a fresh seed for every run)."""
+        return 0 if self.seed is None else self.seed
+
+    @property
     def value_embed_tables(self) -> list[Optional[int]]:
-        return _parse_optional_ints(self.value_embed_layout, "value_embed_layout")
+        return list(self.value_embed_layout)
 
     @property
     def num_value_embeds(self) -> int:
         """K, the number of value-embedding tables."""
         if self.ve_mode in ("learned", "frozen") and self.ve_tables > 0:
             return self.ve_tables
-        used = [t for t in self.value_embed_tables if t is not None]
+        used = [t for t in self.value_embed_layout if t is not None]
         return max(used) + 1 if used else 0
 
     @property
     def skips(self) -> dict[int, int]:
         """{target layer: source layer}."""
-        out = {}
-        for item in filter(None, self.skip_connections.split(",")):
-            try:
-                target, source = (int(s) for s in item.split("<"))
-            except ValueError:
-                raise ConfigError(f"--skip_connections: cannot read {item!r}; write target<source, e.g. 9<6")
-            out[target] = source
-        return out
+        return dict(self.skip_connections)
 
     @property
     def attention_layers(self) -> list[int]:
-        free = set(_parse_ints(self.attention_free_layers, "attention_free_layers"))
-        return [i for i in range(self.num_layers) if i not in free]
+        return [i for i in range(self.num_layers) if i not in self.attention_free_layers]
 
     @property
     def long_layers(self) -> set[int]:
-        return set(_parse_ints(self.long_window_layers, "long_window_layers"))
-
-    def validate(self) -> "Hyperparameters":
-        """Raise ConfigError naming the flag if the configuration cannot work."""
-        def need(ok, flag, msg):
-            if not ok:
-                raise ConfigError(f"--{flag}: {msg}")
-        need(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}; choose from {sorted(PRESETS)}")
-        need(self.device in ("auto", "cuda", "cpu"), "device", "must be auto, cuda or cpu")
-        need(self.attention in ("auto", "flex", "sdpa"), "attention", "must be auto, flex or sdpa")
-        need(self.dtype in ("auto", "bfloat16", "float32"), "dtype", "must be auto, bfloat16 or float32")
-        need(0 <= self.eot_token < self.vocab_size, "eot_token", f"must be in [0, vocab_size={self.vocab_size})")
-        need(self.vocab_size <= 65536, "vocab_size", "shards store uint16 tokens, so at most 65536")
-        need(self.head_dim % 4 == 0, "head_dim", "must be a multiple of 4 (half-truncated rotary)")
-        need(0 <= self.num_extra_embeds <= 4, "num_extra_embeds", "must be 0..4")
-        for name in ("train_seq_len", "val_seq_len", "max_window_tokens"):
-            need(getattr(self, name) % self.attn_block_size == 0 and getattr(self, name) > 0, name,
-                 f"must be a positive multiple of attn_block_size={self.attn_block_size}")
-        need(self.num_iterations > 0, "num_iterations", "must be positive")
-        need(self.batch_slices > 0, "batch_slices", "must be positive")
-        need(self.save_every >= 0, "save_every", "must be >= 0 (0: no checkpoints)")
-        need(self.val_tokens > 0 and self.val_tokens % (self.batch_slices * self.val_seq_len) == 0, "val_tokens",
-             f"must be a positive multiple of batch_slices*val_seq_len = {self.batch_slices * self.val_seq_len}")
-        need(self.lore_init in ("none", "original", "corrected"), "lore_init", "must be none, original or corrected")
-        need(self.lore_rank > 0 or not (self.lore_input or self.lore_output), "lore_rank", "must be positive")
-        need(self.ve_mode in ("native", "grouped", "learned", "frozen"), "ve_mode",
-             "must be native, grouped, learned or frozen")
-        need(self.ve_coeff_init in ("canonical", "assignment"), "ve_coeff_init", "must be canonical or assignment")
-        need(self.ve_exec in ("direct", "materialized"), "ve_exec", "must be direct or materialized")
-        need(self.ve_tables >= 0, "ve_tables", "must be >= 0 (0: from value_embed_layout)")
-        need(self.ve_tables == 0 or self.ve_mode in ("learned", "frozen"), "ve_tables",
-             "only learned/frozen take a basis size; for native/grouped the layout names the tables")
-        tables = self.value_embed_tables
-        if self.ve_mode in ("learned", "frozen") and self.ve_coeff_init == "assignment":
-            need(all(t is None or t < self.num_value_embeds for t in tables), "value_embed_layout",
-                 f"assignment init needs every table index < --ve_tables={self.num_value_embeds}")
-        need(len(tables) == self.num_layers, "value_embed_layout",
-             f"has {len(tables)} entries, needs one per layer ({self.num_layers})")
-        if self.num_value_embeds:
-            need(self.attn_dim == self.model_dim, "value_embed_layout",
-                 "value embeddings need num_heads*head_dim == model_dim")
-        for target, source in self.skips.items():
-            need(0 <= source < target < self.num_layers, "skip_connections",
-                 f"{target}<{source} must satisfy 0 <= source < target < num_layers")
-        for layer in self.attention_layers:
-            need(0 <= layer < self.num_layers, "attention_free_layers", "layer out of range")
-        for layer, table in enumerate(tables):
-            need(table is None or layer in self.attention_layers, "value_embed_layout",
-                 f"layer {layer} has a value embedding but no attention")
-        return self
-
-
-def _parse_ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(f"--{flag}: expected comma-separated integers, got {text!r}")
-
-
-def _parse_optional_ints(text: str, flag: str) -> list[Optional[int]]:
-    try:
-        return [None if s.strip() == "-" else int(s) for s in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--{flag}: expected integers or '-' separated by commas, got {text!r}")
+        return set(self.long_window_layers)
 
 
 # Presets are overrides of the record. `tiny` keeps the 16-layer structure (every layer pattern
@@ -243,66 +213,8 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def make_config(preset: str = "medium", **overrides) -> Hyperparameters:
-    """The preset's hyperparameters with keyword overrides, validated."""
-    if preset not in PRESETS:
-        raise ConfigError(f"--preset: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    values = {**PRESETS[preset], **overrides, "preset": preset}
-    names = {f.name for f in fields(Hyperparameters)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ConfigError(f"unknown field(s) {unknown}")
-    return Hyperparameters(**values).validate()
-
-
-def _convert(f: dataclasses.Field, text: Optional[str]):
-    """Parse a flag's text into the field's declared type; None text means a bare flag."""
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
-    if "bool" in kind:
-        if text is None or text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        if kind.startswith("Optional") and text.lower() in ("auto", "none"):
-            return None
-        raise ConfigError(f"--{f.name}: expected true or false, got {text!r}")
-    if text is None:
-        raise ConfigError(f"--{f.name} needs a value: --{f.name}=VALUE")
-    try:
-        if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-    except ValueError:
-        raise ConfigError(f"--{f.name}: expected {kind}, got {text!r}")
-    return text
-
-
-def parse_args(argv: list[str]) -> Hyperparameters:
-    """`--field=value` / `--field value` overrides on top of `--preset NAME`."""
-    by_name = {f.name: f for f in fields(Hyperparameters)}
-    pairs: list[tuple[str, Optional[str]]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; flags look like --field=value")
-        name, eq, value = arg[2:].partition("=")
-        if name not in by_name:
-            valid = " ".join(f"--{n}" for n in by_name)
-            raise ConfigError(f"unknown flag --{name}. Valid flags: {valid}")
-        if not eq and "bool" not in str(by_name[name].type) and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 1
-        pairs.append((name, value if eq or value else None))
-        i += 1
-    overrides = {name: _convert(by_name[name], value) for name, value in pairs}
-    preset = overrides.pop("preset", "medium")
-    return make_config(preset, **overrides)
-
-
-# -----------------------------------------------------------------------------
-# Schedules: learning rate, Muon momentum, attention window
-
+# =============================================================================
+# 2. Schedules: learning rate, Muon momentum, attention window
 
 def lr_multiplier(step: int, config: Hyperparameters) -> float:
     """1.0, then a linear cooldown to 0 over the last cooldown_frac of the run."""
@@ -326,8 +238,8 @@ def window_blocks(step: int, config: Hyperparameters) -> int:
     return tokens // bs
 
 
-# -----------------------------------------------------------------------------
-# Muon: orthogonalized momentum for the matrices inside the blocks
+# =============================================================================
+# 3. Muon: orthogonalized momentum for the matrices inside the blocks
 
 # (a, b, c) of each Newton-Schulz iteration: quintic steps tuned to pull singular values into
 # a band around 1 quickly rather than to converge exactly.
@@ -427,8 +339,8 @@ class Muon(torch.optim.Optimizer):
             store_halves(master, p.data, state["low_bits"])
 
 
-# -----------------------------------------------------------------------------
-# Model
+# =============================================================================
+# 4. Model
 
 # With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
 # logits of 8192 tokens x 50304 are 1.6 GB instead of 13 GB for a 65,536-token sequence.
@@ -697,6 +609,8 @@ class ValueEmbeddings(nn.Module):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
+# ---- the model
+
 class GPT(nn.Module):
     """The record model. All structure comes from `config`; parameters are created empty and
     filled by `init_parameters` (or left unfilled on the meta device). `dtype` (bf16 in the
@@ -787,6 +701,8 @@ class GPT(nn.Module):
         return cap * z * torch.rsqrt(z.square() + cap * cap)
 
 
+# ---- initialization: one random stream per parameter (matched init across configurations)
+
 def normal(shape, gen, std: float) -> torch.Tensor:
     return torch.randn(shape, generator=gen) * std
 
@@ -832,11 +748,9 @@ def build_model(config: Hyperparameters, device="cpu") -> GPT:
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
-    init_parameters(model, config.seed)
+    init_parameters(model, config.init_seed)
     return model
 
-
-# ---- parameter groups, counts and FLOPs (shared by the optimizers, --dry_run and the log)
 
 def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
     """Every parameter in exactly one optimizer group, by name (groups with nothing are left out).
@@ -859,56 +773,18 @@ def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
-def parameter_counts(model: GPT) -> dict[str, int]:
-    counts = {name: sum(p.numel() for p in ps) for name, ps in parameter_groups(model).items()}
-    return {**counts, "total": sum(counts.values())}
-
-
-def keys_per_query(window: int, block_size: int) -> float:
-    """Keys a query attends under a causal window of `window` blocks, away from the sequence start
-    (documents ignored): the window's earlier blocks whole, plus its own block up to itself."""
-    return max(window - 1, 0) * block_size + (block_size + 1) / 2
-
-
-def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
-    """Model FLOPs per training token (SPEC §5): 6 x matmul weights + attention scores and values
-    (12 x attn_dim x keys per query) averaged over the run's window schedule."""
-    groups = parameter_groups(model)
-    matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
-                         for p in ps)
-    windows = [window_blocks(s, config) for s in range(config.num_iterations)]
-    long_layers = config.long_layers
-    attention = 0.0
-    for w, n in zip(*np.unique(windows, return_counts=True)):
-        per_layer = [keys_per_query(w if i in long_layers else w // 2, config.attn_block_size)
-                     for i in config.attention_layers]
-        attention += n * 12 * config.attn_dim * sum(per_layer)
-    attention /= len(windows)
-    return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
-
-
-# -----------------------------------------------------------------------------
-# Data: shards of uint16 GPT-2 tokens behind a 256 x int32 header
+# =============================================================================
+# 5. Data: shards of uint16 GPT-2 tokens behind a 256 x int32 header
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
 
 
-class ShardError(ValueError):
+class InputError(Exception):
+    """Bad input from the user (flags, data files, checkpoints): main prints the message, exit code 2."""
+
+
+class ShardError(InputError, ValueError):
     """A shard file that cannot be used; the message names the file and the problem."""
-
-
-def write_shard(path, tokens) -> None:
-    """Write tokens (values < 65536) as a shard, atomically (temporary name, then rename)."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: tokens must be in [0, 65536) to be stored as uint16")
-    header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
-    os.replace(tmp, path)
 
 
 def shard_token_count(path) -> int:
@@ -936,10 +812,15 @@ def read_shard(path) -> torch.Tensor:
     return torch.from_numpy(tokens)
 
 
+class ShardNotFoundError(ShardError, FileNotFoundError):
+    """No file matches a shard pattern."""
+
+
 def shard_files(pattern: str, flag: str) -> list[str]:
     files = sorted(glob.glob(pattern))
     if not files:
-        raise FileNotFoundError(f"--{flag}: no files match {pattern!r}")
+        hint = "; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else ""
+        raise ShardNotFoundError(f"--{flag}: no files match {pattern!r}{hint}")
     return files
 
 
@@ -1002,9 +883,24 @@ def steps_available(files: list[str], step_tokens: int) -> int:
     return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
 
 
-# -----------------------------------------------------------------------------
-# Training loop
+def load_data(config: Hyperparameters) -> tuple[list[str], torch.Tensor]:
+    """The train shard list and the validation tokens, checked against what the run needs
+    before anything is built or written."""
+    cfg = config
+    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
+    available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
+    if available < cfg.num_iterations:
+        raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
+                         f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
+                         "add shards or lower --num_iterations")
+    val_tokens = torch.cat([read_shard(f) for f in val_files])
+    if val_tokens.numel() < cfg.val_tokens + 1:
+        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
+    return train_files, val_tokens[:cfg.val_tokens + 1]
 
+
+# =============================================================================
+# 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
 
 def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int) -> list[torch.optim.Optimizer]:
     """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks."""
@@ -1038,44 +934,6 @@ def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
                 group["momentum"] = muon_momentum(step, config)
 
 
-def capture_state(model: nn.Module, optimizers, device=None) -> dict:
-    """Copies of every parameter and optimizer state tensor, keyed by parameter name (copied to
-    `device` if given: a checkpoint stages them on the CPU)."""
-    names = {p: n for n, p in model.named_parameters()}
-    return dict(model={k: _copy(v, device) for k, v in model.state_dict().items()},
-                optimizers=[optimizer_state(opt, names, device) for opt in optimizers])
-
-
-def optimizer_state(opt: torch.optim.Optimizer, names: dict, device=None) -> dict:
-    """One optimizer's state by parameter name (a sharded Muon holds only the matrices it owns)."""
-    return dict(state={names[p]: {k: _copy(v, device) for k, v in s.items()} for p, s in opt.state.items()},
-                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
-
-
-def _copy(v, device=None):
-    if not torch.is_tensor(v):
-        return v
-    return v.detach().clone() if device is None else v.detach().to(device, copy=True)
-
-
-def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
-    """Put back exactly what `capture_state` saw (states created since are dropped). State tensors
-    go to their parameter's device; a saved state without "groups" (a checkpoint) leaves the groups
-    to the schedules, which depend on the step only."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            v.copy_(saved["model"][k])
-    for opt, opt_saved in zip(optimizers, saved["optimizers"]):
-        step_on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # else Adam keeps it on the CPU
-        opt.state.clear()
-        for name, s in opt_saved["state"].items():
-            p = params[name]
-            opt.state[p] = {k: _copy(v, p.device if k != "step" or step_on_device else "cpu") for k, v in s.items()}
-        for group, g in zip(opt.param_groups, opt_saved.get("groups", [])):
-            group.update(g)
-
-
 class GradientAverager:
     """Sums gradients over ranks as soon as each is final (overlapping the backward pass);
     the loss is pre-divided by world size x micro-steps, so the sum is the global mean."""
@@ -1094,15 +952,6 @@ class GradientAverager:
         for work in self.pending:
             work.wait()
         self.pending.clear()
-
-
-def check_world_size(config: Hyperparameters, world_size: int) -> None:
-    """Every step must consume the same batch_slices slices whatever the world size, so W | batch_slices."""
-    if config.batch_slices % world_size:
-        valid = [str(w) for w in range(1, config.batch_slices + 1) if config.batch_slices % w == 0]
-        valid = " or ".join([", ".join(valid[:-1]), valid[-1]] if len(valid) > 1 else valid)
-        raise ConfigError(f"world size {world_size} does not divide --batch_slices={config.batch_slices}: "
-                          f"run {valid} processes in all (nodes x processes per node)")
 
 
 NO_STEP = 2**62  # "no non-finite loss yet"; a step number larger than any run
@@ -1189,7 +1038,7 @@ class Runner:
         """Untimed steps on random tokens to compile kernels, then restore the exact initial state."""
         cfg = self.config
         saved = capture_state(self.model, self.optimizers)
-        gen = torch.Generator().manual_seed(cfg.seed)
+        gen = torch.Generator().manual_seed(cfg.init_seed)
         for step in range(cfg.warmup_steps):
             batches = []
             for _ in range(self.micro_steps):
@@ -1200,30 +1049,622 @@ class Runner:
         self.first_nonfinite.fill_(NO_STEP)
 
 
-# ---- checkpoints: written atomically, validated on load, resumable on any world size
+class Stopwatch:
+    """Training time between barriers: `stop` and `start` sync the device (and the ranks), so the
+    clock never counts queued work of the untimed part or misses that of the timed part."""
+
+    def __init__(self, device: torch.device, world_size: int):
+        self.device, self.world_size, self.t0 = device, world_size, None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.barrier()
+
+    def start(self) -> None:
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Milliseconds since `start`."""
+        self._sync()
+        return 1000 * (time.perf_counter() - self.t0)
+
+    def peek(self) -> float:
+        """Milliseconds since `start`, without a sync (the step lines' approximate time)."""
+        return 1000 * (time.perf_counter() - self.t0)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
+def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
+          log: Optional[RunLog] = None, data: Optional[tuple] = None, resume: Optional[tuple] = None) -> dict:
+    """The timed run (SPEC §5): validate every val_every steps and at the end, log the step lines,
+    checkpoint every save_every steps; `resume` = (folder, meta) of a validated checkpoint."""
+    cfg, N, log = config, config.num_iterations, log or RunLog(None)
+    train_files, val_tokens = data or load_data(cfg)
+    runner = Runner(cfg, device, rank, world_size)
+    log.write_lines(accounting_lines(runner.model, cfg))
+    token_bytes = load_token_bytes(cfg, device, log)
+    runner.warmup()
+    loader = DataLoader(train_files, cfg.train_seq_len, cfg.batch_slices, rank, world_size, device)
+    start, train_time_ms, last_checkpoint = resume_from(resume, runner, loader, log)
+    history, clock = [], Stopwatch(device, world_size)
+    clock.start()
+    for step in range(start, N + 1):
+        last = step == N
+        validate = last or (cfg.val_every > 0 and step % cfg.val_every == 0)
+        save = cfg.save_every > 0 and step > start and (last or step % cfg.save_every == 0)
+        if validate or save:
+            train_time_ms += clock.stop()  # ---- the clock stops for validation and checkpoints
+            stop_if_nonfinite(runner, step, last_checkpoint)
+            if validate:
+                history.append(validate_and_log(runner, step, val_tokens, token_bytes, train_time_ms, log,
+                                                last_checkpoint))
+            if save:
+                last_checkpoint = save_checkpoint(runner, loader, step, train_time_ms)
+                log.write(f"checkpoint: {last_checkpoint}")
+            clock.start()  # ---- and starts again
+        if last:
+            break
+        loss = runner.train_step(step, loader.next_batch())
+        if step == 0:
+            log_step0_loss(loss, world_size, log)
+        if (step + 1) % cfg.nonfinite_check_every == 0:
+            stop_if_nonfinite(runner, step + 1, last_checkpoint)
+        approx_ms = train_time_ms + clock.peek()
+        log.write(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
+                  console=(step + 1) % 10 == 0 or step + 1 == N)
+    log_run_end(runner, history[-1], device, log)
+    return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
+                model=runner.model, checkpoint=last_checkpoint)
+
+
+# =============================================================================
+# 7. main
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the trainer with command-line flags. Exit codes: 0 done, 1 stopped on a non-finite loss,
+    2 bad input (flags, data files, checkpoints), 3 a checkpoint or log could not be written."""
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        if "-h" in argv or "--help" in argv:
+            print(help_text())
+            return 0
+        return run_training(parse_args(argv), rank)
+    except InputError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    except WriteError as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr)
+        return 3
+
+
+def run_training(config: Hyperparameters, rank: int) -> int:
+    """Everything between the parsed flags and the exit code: device, process group, data,
+    checkpoint checks, the log, the run."""
+    if config.dry_run:
+        return dry_run(config)
+    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    check_world_size(config, world_size)
+    device = resolve_device(config, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = True
+    else:
+        set_cpu_threads(config)
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        config = with_run_seed(config, world_size)
+        if config.synthetic_data and rank == 0:
+            ensure_synthetic_data(config)
+        if distributed:
+            dist.barrier()
+        data = load_data(config)
+        resume, notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        log = open_run_log(config, device, world_size, notes, rank)
+        try:
+            result = train(config, device, rank, world_size, log, data, resume)
+        except NonFiniteLossError as e:
+            log.write(f"error: {e}", console=False)
+            raise
+        if rank == 0:
+            print(run_summary(config, result, log))
+        return 0
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+
+
+# =============================================================================
+# Below main: what is off in a record run or serves tooling. The command line and config
+# checks, run setup, the loop's bookkeeping (resume, non-finite checks, log lines), state copies,
+# checkpoints, accounting, dry run.
+
+
+class ConfigError(InputError, ValueError):
+    """A bad flag or an inconsistent configuration; the message names the flag and the fix."""
 
 
 class NonFiniteLossError(RuntimeError):
     """A nan/inf loss: the run stops, and nothing is saved over the last good checkpoint."""
 
 
+class WriteError(RuntimeError):
+    """A checkpoint or log could not be written (disk full, permissions); the run stops (exit 3)."""
+
+
+# ---- flags <-> Hyperparameters: argparse driven by the dataclass fields
+
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _kind(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def from_text(f: dataclasses.Field, text: Optional[str]):
+    """A flag's text as the field's type (text None: a bare flag). ArgumentTypeError if it cannot be."""
+    kind = _kind(f)
+    if "bool" in kind:
+        if text is None or text.lower() in TRUE_WORDS:
+            return True
+        if text.lower() in FALSE_WORDS:
+            return False
+        if kind.startswith("Optional") and text.lower() in ("auto", "none"):
+            return None
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    if text is None:
+        raise argparse.ArgumentTypeError(f"needs a value: --{f.name}=VALUE")
+    try:
+        if kind == "Optional[int]" and text.lower() in ("none", "auto", ""):
+            return None
+        if kind in ("int", "Optional[int]"):
+            return int(text)
+        if kind == "float":
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+        if kind == "tuple[Optional[int], ...]":  # 0,1,2,-,...
+            return tuple(None if s.strip() == "-" else int(s) for s in text.split(","))
+        if kind == "tuple[tuple[int, int], ...]":  # 9<6,10<4
+            return tuple(tuple(int(s) for s in item.split("<", 1)) for item in filter(None, text.split(",")))
+        if kind == "tuple[int, ...]":  # 0,4,11
+            return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]"),
+                           ("integers or '-' separated by commas", "target<source pairs, e.g. 9<6,10<4",
+                            "comma-separated integers"))).get(kind, kind.removeprefix("Optional[").rstrip("]"))
+        raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
+    if kind == "str":
+        return text
+    raise TypeError(f"field {f.name}: no parser for type {kind}")  # a new field type needs a line above
+
+
+def to_text(value) -> str:
+    """A field value as one would type it on the command line."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return ",".join(f"{t}<{s}" for t, s in value)
+    if isinstance(value, tuple):
+        return ",".join("-" if v is None else str(v) for v in value)
+    return repr(value) if isinstance(value, str) and not value else str(value)
+
+
+def _as_field_value(f: dataclasses.Field, value):
+    """Accept a field's value as typed (a str from a command line or an old checkpoint, a list from
+    JSON) or as the value itself."""
+    if isinstance(value, str) and _kind(f) != "str":
+        try:
+            return from_text(f, value)
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"--{f.name}: {e}")
+    if isinstance(value, list):
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+def make_config(preset: str = "medium", **overrides) -> Hyperparameters:
+    """The preset's hyperparameters with keyword overrides, checked."""
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    by_name = {f.name: f for f in fields(Hyperparameters)}
+    unknown = sorted(set(overrides) - set(by_name))
+    if unknown:
+        raise ConfigError(f"unknown field(s) {unknown}")
+    values = {**PRESETS[preset], **overrides, "preset": preset}
+    return check_config(Hyperparameters(**{k: _as_field_value(by_name[k], v) for k, v in values.items()}))
+
+
+def range_text(f: dataclasses.Field) -> str:
+    m = f.metadata
+    if m.get("choices"):
+        return "one of " + ", ".join(m["choices"])
+    parts = [f"{op} {m[key]}" for key, op in (("at_least", ">="), ("above", ">"), ("at_most", "<="), ("below", "<"))
+             if m.get(key) is not None]
+    return " and ".join(parts)
+
+
+def check_config(cfg: Hyperparameters) -> Hyperparameters:
+    """Raise ConfigError naming the flag, the value and what is allowed, if the configuration
+    cannot work; every field's range first, then how fields fit together."""
+    for f in fields(cfg):
+        value, m = getattr(cfg, f.name), f.metadata
+        if value is None or isinstance(value, (str, tuple)) and not m.get("choices"):
+            continue
+        ok = (value in m["choices"]) if m.get("choices") else all((
+            m.get("at_least") is None or value >= m["at_least"], m.get("above") is None or value > m["above"],
+            m.get("at_most") is None or value <= m["at_most"], m.get("below") is None or value < m["below"]))
+        if not ok:
+            raise ConfigError(f"--{f.name}: {to_text(value)} is not allowed; it must be {range_text(f)}")
+
+    def need(ok, flag, msg):
+        if not ok:
+            raise ConfigError(f"--{flag}: {msg}")
+    need(cfg.eot_token < cfg.vocab_size, "eot_token", f"must be in [0, vocab_size={cfg.vocab_size})")
+    need(cfg.head_dim % 4 == 0, "head_dim", "must be a multiple of 4 (half-truncated rotary)")
+    for name in ("train_seq_len", "val_seq_len", "max_window_tokens"):
+        need(getattr(cfg, name) % cfg.attn_block_size == 0, name,
+             f"must be a positive multiple of attn_block_size={cfg.attn_block_size}")
+    need(cfg.val_tokens % (cfg.batch_slices * cfg.val_seq_len) == 0, "val_tokens",
+         f"must be a positive multiple of batch_slices*val_seq_len = {cfg.batch_slices * cfg.val_seq_len}")
+    need(cfg.ve_tables == 0 or cfg.ve_mode in ("learned", "frozen"), "ve_tables",
+         "only learned/frozen take a basis size; for native/grouped the layout names the tables")
+    tables = cfg.value_embed_layout
+    need(all(t is None or t >= 0 for t in tables), "value_embed_layout", "table indices must be >= 0")
+    if cfg.ve_mode in ("learned", "frozen") and cfg.ve_coeff_init == "assignment":
+        need(all(t is None or t < cfg.num_value_embeds for t in tables), "value_embed_layout",
+             f"assignment init needs every table index < --ve_tables={cfg.num_value_embeds}")
+    need(len(tables) == cfg.num_layers, "value_embed_layout",
+         f"has {len(tables)} entries, needs one per layer ({cfg.num_layers})")
+    if cfg.num_value_embeds:
+        need(cfg.attn_dim == cfg.model_dim, "value_embed_layout", "value embeddings need num_heads*head_dim == model_dim")
+    for pair in cfg.skip_connections:
+        need(len(pair) == 2 and 0 <= pair[1] < pair[0] < cfg.num_layers, "skip_connections",
+             f"{to_text((tuple(pair),))} must satisfy 0 <= source < target < num_layers")
+    for flag in ("attention_free_layers", "long_window_layers"):
+        need(all(0 <= layer < cfg.num_layers for layer in getattr(cfg, flag)), flag,
+             f"layers must be in 0..{cfg.num_layers - 1}")
+    for layer, table in enumerate(tables):
+        need(table is None or layer in cfg.attention_layers, "value_embed_layout",
+             f"layer {layer} has a value embedding but no attention")
+    return cfg
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print its usage and exit; main prints one line instead
+        raise ConfigError(re.sub(r"^argument (--\w+): ", r"\1: ", message))
+
+
+class _LastWins(argparse.Action):
+    """A flag given twice: the last value wins (wrappers append overrides), with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.dest in vars(namespace):
+            print(f"warning: {option_string} given twice ({to_text(getattr(namespace, self.dest))} and "
+                  f"{to_text(values)}); using the last", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per Hyperparameters field, in the field's group, with its type, default and range."""
+    parser = _ArgumentParser(
+        prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
+        description="GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium). "
+                    "Flags take --flag=value or --flag value; booleans may be bare (--flag means true).",
+        epilog="--preset tiny overrides: " + " ".join(f"--{k}={to_text(v)}" for k, v in PRESETS["tiny"].items()))
+    groups = {}
+    for f in fields(Hyperparameters):
+        group = f.metadata["group"]
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        kind = _kind(f)
+        allowed = range_text(f)
+        help_line = f"{f.metadata['meaning']} [default {to_text(f.default)}{'; ' + allowed if allowed else ''}]"
+        kwargs = dict(dest=f.name, action=_LastWins, type=lambda text, f=f: from_text(f, text),
+                      help=help_line.replace("%", "%%"), metavar=kind.upper().replace("OPTIONAL[", "").rstrip("]"))
+        if f.metadata.get("choices"):
+            kwargs.update(metavar="|".join(f.metadata["choices"]))
+        if "bool" in kind:
+            kwargs.update(nargs="?", const=True, metavar="true|false")
+        elif kind.startswith("tuple"):
+            kwargs.update(metavar="LIST")
+        groups[group].add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def help_text() -> str:
+    return build_parser().format_help()
+
+
+def parse_args(argv: list[str]) -> Hyperparameters:
+    """`--field=value` / `--field value` / bare booleans, on top of `--preset NAME`, checked."""
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        arg = unknown[0]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; flags look like --field=value (--help lists them)")
+        name = arg[2:].split("=", 1)[0]
+        close = difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
+        hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+        raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
+    overrides = vars(namespace)
+    return make_config(overrides.pop("preset", "medium"), **overrides)
+
+
+# ---- run setup
+
+def check_world_size(config: Hyperparameters, world_size: int) -> None:
+    """Every step must consume the same batch_slices slices whatever the world size, so W | batch_slices."""
+    if config.batch_slices % world_size:
+        valid = [str(w) for w in range(1, config.batch_slices + 1) if config.batch_slices % w == 0]
+        valid = " or ".join([", ".join(valid[:-1]), valid[-1]] if len(valid) > 1 else valid)
+        raise ConfigError(f"world size {world_size} does not divide --batch_slices={config.batch_slices}: "
+                          f"run {valid} processes in all (nodes x processes per node)")
+
+
+def resolve_device(config: Hyperparameters, local_rank: int) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device=cuda but no CUDA GPU is visible; use --device=cpu with --preset tiny")
+        return torch.device("cuda", local_rank)
+    if config.device == "auto" and config.preset == "medium":
+        raise ConfigError("no CUDA GPU found: the record recipe needs GPUs. For a CPU run use "
+                          "`./run.sh --preset tiny` (or force --device=cpu)")
+    return torch.device("cpu")
+
+
+def set_cpu_threads(config: Hyperparameters) -> str:
+    """A CPU run's threads: --threads, else OMP_NUM_THREADS, else 1. One thread is the default
+    because a single process with one thread per core collapses when another program takes a
+    core (README, "CPU threads"); returns the log's description."""
+    if config.threads:
+        threads, why = config.threads, "--threads"
+    elif os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        threads, why = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    else:
+        threads, why = 1, "the CPU default; --threads=N to change"
+    torch.set_num_threads(threads)
+    return f"CPU threads: {threads} ({why})"
+
+
+def with_run_seed(config: Hyperparameters, world_size: int) -> Hyperparameters:
+    """Independent runs: without --seed every run draws a fresh seed (the same on every rank),
+    written to the log's config so that --seed=<it> repeats the run exactly."""
+    if config.seed is not None:
+        return config
+    box = [int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return dataclasses.replace(config, seed=box[0])
+
+
+def ensure_synthetic_data(config: Hyperparameters) -> None:
+    """Generate the tiny preset's shards on first use (data/synthetic.py next to this script)."""
+    if glob.glob(config.train_files) and glob.glob(config.val_files) and Path(config.token_bytes_file).exists():
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
+    import synthetic
+    synthetic.write_dataset(Path(config.train_files).parent, vocab_size=config.vocab_size, eot_token=config.eot_token)
+
+
+def recipe_notes(config: Hyperparameters) -> list[str]:
+    """Log lines for choices that change training where a memory switch would not."""
+    preset_len = make_config(config.preset).train_seq_len
+    if config.train_seq_len == preset_len:
+        return []
+    return [f"note: --train_seq_len={config.train_seq_len} differs from the {config.preset} preset's {preset_len}: "
+            f"a step trains on {config.batch_slices * config.train_seq_len:,} tokens instead of "
+            f"{config.batch_slices * preset_len:,}, with shorter contexts. This changes training (results are not "
+            f"comparable with the preset's); --activation_checkpointing saves memory without changing it"]
+
+
+class RunLog:
+    """Rank 0's log file and console; other ranks stay silent."""
+
+    def __init__(self, path: Optional[Path], echo: bool = True):
+        self.path, self.echo = path, echo
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write_lines(self, lines: list[str], console: bool = True) -> None:
+        for line in lines:
+            self.write(line, console)
+
+    def write(self, text: str, console: bool = True) -> None:
+        if self.path is None:
+            return
+        if console and self.echo:
+            print(text, flush=True)
+        with open(self.path, "a") as f:
+            f.write(text + "\n")
+
+
+def hardware_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"nvidia-smi failed: {e}"
+    return f"CPU run: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def open_run_log(config: Hyperparameters, device: torch.device, world_size: int, notes: list[str],
+                 rank: int) -> RunLog:
+    """Rank 0's log (SPEC §5): the script's source, versions and hardware, the resolved config
+    (seed included), then the run's notes; the other ranks get a silent log."""
+    if rank != 0:
+        return RunLog(None)
+    log = RunLog(Path(config.log_dir) / f"{config.run_id or config.preset}_{uuid.uuid4()}.txt")
+    log.write(Path(__file__).read_text(), console=False)
+    log.write("=" * 100, console=False)
+    log.write(f"Running Python {sys.version}\nRunning PyTorch {torch.__version__}\n{hardware_description(device)}",
+              console=False)
+    log.write("=" * 100, console=False)
+    log.write("\n".join(f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)), console=False)
+    log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
+    log.write(f"seed {config.seed} (repeat this run with --seed={config.seed})")
+    for note in notes:
+        log.write(note)
+    return log
+
+
+def run_summary(config: Hyperparameters, result: dict, log: RunLog) -> str:
+    summary = f"final val_loss {result['final_val_loss']:.4f}"
+    meta = Path(config.val_files).parent / "synthetic_meta.json"
+    if config.synthetic_data and meta.exists():
+        m = json.loads(meta.read_text())
+        summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
+                    f"unigram entropy {m['unigram_entropy']:.4f})")
+    return f"{summary}\nlog: {log.path}"
+
+
+# ---- the training loop's bookkeeping
+
+def resume_from(resume: Optional[tuple], runner: Runner, loader: DataLoader, log: RunLog
+                ) -> tuple[int, float, Optional[Path]]:
+    """(first step, train time so far, last checkpoint): from a validated checkpoint, restored
+    after the warm-up (which must not touch what the checkpoint restores), or a fresh start."""
+    if resume is None:
+        return 0, 0.0, None
+    path, meta = resume
+    start, train_time_ms = load_checkpoint(runner, loader, path, meta)
+    log.write(f"resumed from {path} at step {start}/{runner.config.num_iterations}, train_time {train_time_ms:.0f}ms "
+              f"(saved by {meta['world_size']} process(es), now {runner.world_size})")
+    return start, train_time_ms, path
+
+
+def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
+    """Raise NonFiniteLossError if any training loss so far was nan/inf (one host sync)."""
+    bad, N = runner.nonfinite_step(), runner.config.num_iterations
+    if bad is not None:
+        raise NonFiniteLossError(f"non-finite training loss (nan or inf) in step {bad + 1}/{N} (the step "
+                                 f"logged as step:{bad + 1}/{N}); stopped at step {step} without saving; "
+                                 f"last good checkpoint: {last_checkpoint or 'none'}")
+
+
+def validate_and_log(runner: Runner, step: int, val_tokens: torch.Tensor, token_bytes: Optional[torch.Tensor],
+                     train_time_ms: float, log: RunLog, last_checkpoint: Optional[Path]) -> dict:
+    """Evaluate, write the SPEC §5 val line (val_bpb appended after the SPEC fields, so parsers keep
+    working); package_ms = training time + this evaluation (the final one's is the package time)."""
+    N, eval_start = runner.config.num_iterations, time.perf_counter()
+    val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
+    if not math.isfinite(val_loss):
+        raise NonFiniteLossError(f"non-finite validation loss {val_loss} at step {step}/{N}; stopped "
+                                 f"without saving; last good checkpoint: {last_checkpoint or 'none'}")
+    bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""
+    log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
+              f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
+    return dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms,
+                package_ms=train_time_ms + 1000 * (time.perf_counter() - eval_start))
+
+
+def log_step0_loss(loss: torch.Tensor, world_size: int, log: RunLog) -> None:
+    """The step-0 training loss, needed to compare inits; one sync, outside the steady state."""
+    if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss /= world_size
+    log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
+
+
+def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) -> None:
+    """The closing lines: final loss, perplexity, BPB and package time; learned lambdas; peak memory."""
+    bpb = f" val_bpb:{final['val_bpb']:.6f}" if final["val_bpb"] is not None else ""
+    log.write(f"final val_loss:{final['val_loss']:.6f} perplexity:{math.exp(final['val_loss']):.4f}{bpb} "
+              f"package_time:{final['package_ms']:.0f}ms (training + final evaluation)")
+    log.write_lines(learned_scalars_lines(runner.model), console=False)
+    allocated, reserved = peak_memory_mib(device)
+    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
+
+
+def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
+    """Bytes per token id (int64, padded ids 0) for val_bpb, or None (said in the log) if absent."""
+    path = Path(config.token_bytes_file) if config.token_bytes_file else None
+    if path is None or not path.exists():
+        log.write(f"val_bpb: not reported (no token byte table{f' at {path}' if path else ''})")
+        return None
+    table = np.load(path)
+    if table.shape != (config.vocab_size,):
+        raise ConfigError(f"--token_bytes_file: {path} has {table.size} entries, the vocabulary has {config.vocab_size}")
+    out = torch.zeros(config.padded_vocab_size, dtype=torch.int64)
+    out[:config.vocab_size] = torch.from_numpy(table.astype(np.int64))
+    return out.to(device)
+
+
+def peak_memory_mib(device: torch.device) -> tuple[int, int]:
+    """CUDA: allocator peaks. CPU: the process's peak resident set size for both numbers."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() // 2**20, torch.cuda.max_memory_reserved() // 2**20
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return rss, rss
+
+
+# ---- copies of the training state (the warm-up's restore, checkpoints)
+
+def capture_state(model: nn.Module, optimizers, device=None) -> dict:
+    """Copies of every parameter and optimizer state tensor, keyed by parameter name (copied to
+    `device` if given: a checkpoint stages them on the CPU)."""
+    names = {p: n for n, p in model.named_parameters()}
+    return dict(model={k: _copy(v, device) for k, v in model.state_dict().items()},
+                optimizers=[optimizer_state(opt, names, device) for opt in optimizers])
+
+
+def optimizer_state(opt: torch.optim.Optimizer, names: dict, device=None) -> dict:
+    """One optimizer's state by parameter name (a sharded Muon holds only the matrices it owns)."""
+    return dict(state={names[p]: {k: _copy(v, device) for k, v in s.items()} for p, s in opt.state.items()},
+                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def _copy(v, device=None):
+    if not torch.is_tensor(v):
+        return v
+    return v.detach().clone() if device is None else v.detach().to(device, copy=True)
+
+
+def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
+    """Put back exactly what `capture_state` saw (states created since are dropped). State tensors
+    go to their parameter's device; a saved state without "groups" (a checkpoint) leaves the groups
+    to the schedules, which depend on the step only."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(saved["model"][k])
+    for opt, opt_saved in zip(optimizers, saved["optimizers"]):
+        step_on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # else Adam keeps it on the CPU
+        opt.state.clear()
+        for name, s in opt_saved["state"].items():
+            p = params[name]
+            opt.state[p] = {k: _copy(v, p.device if k != "step" or step_on_device else "cpu") for k, v in s.items()}
+        for group, g in zip(opt.param_groups, opt_saved.get("groups", [])):
+            group.update(g)
+
+
+# ---- checkpoints: written atomically, validated on load, resumable on any world size
+
+class CheckpointError(InputError, RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
+
+
 CHECKPOINT_FORMAT = 1
-# Fields that don't change what a resumed run computes: bookkeeping, where things live, the
-# switches proven to compute the same function (compile, attention backend, activation
-# checkpointing), the warm-up (undone exactly) and the seed (it only draws the initial values, which
-# the checkpoint replaces). Every other field must match the checkpoint unless --force_resume.
-RESUME_IGNORED_FIELDS = frozenset({
-    "preset", "run_id", "seed", "device", "compile", "attention", "log_dir", "dry_run", "activation_checkpointing",
-    "save_every", "checkpoint_dir", "resume", "force_resume", "train_files", "val_files", "synthetic_data",
-    "val_every", "warmup_steps", "token_bytes_file"})
-# Fields that fix the parameters' shapes or storage: a checkpoint cannot be loaded across them at all.
-STRUCTURE_FIELDS = ("vocab_size", "model_dim", "num_layers", "num_heads", "head_dim", "mlp_ratio",
-                    "num_extra_embeds", "value_embed_layout", "attention_free_layers", "dtype", "x00_at_output",
-                    "lore_rank", "lore_input", "lore_output", "ve_mode", "ve_tables")
 
 
 def checkpoint_run_dir(config: Hyperparameters) -> Path:
@@ -1236,11 +1677,25 @@ def config_record(config: Hyperparameters, dtype: torch.dtype) -> dict:
 
 
 def config_differences(saved: dict, now: dict) -> dict[str, tuple]:
-    """{field: (checkpoint value, current value)} over the fields that change training. A field the
-    checkpoint predates counts as its default."""
-    defaults = {f.name: f.default for f in fields(Hyperparameters)}
-    return {name: (saved.get(name, defaults.get(name)), value) for name, value in now.items()
-            if name not in RESUME_IGNORED_FIELDS and saved.get(name, defaults.get(name)) != value}
+    """{field: (checkpoint value, current value)} over the fields that change training (the recipe
+    and seed-idea groups). A field the checkpoint predates counts as its default."""
+    diffs = {}
+    for f in fields(Hyperparameters):
+        if f.metadata["group"] in TRAINING_GROUPS and f.name in now:
+            old = _as_field_value(f, saved.get(f.name, f.default))
+            if old != _as_field_value(f, now[f.name]):
+                diffs[f.name] = (old, now[f.name])
+    return diffs
+
+
+def parameter_layout(config_values: dict) -> dict[str, tuple]:
+    """{state name: (shape, dtype)} of the model a saved or current config builds (meta device)."""
+    by_name = {f.name: f for f in fields(Hyperparameters)}
+    values = {k: _as_field_value(by_name[k], v) for k, v in config_values.items() if k in by_name}
+    config = Hyperparameters(**values)
+    with torch.device("meta"):
+        model = GPT(config, getattr(torch, config_values["dtype"]))
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
 
 def rng_states(device: torch.device) -> dict:
@@ -1385,14 +1840,19 @@ def find_checkpoint(config: Hyperparameters) -> tuple[Path, dict, list[str]]:
 
 
 def check_resume_config(meta: dict, config: Hyperparameters, dtype: torch.dtype) -> list[str]:
-    """Refuse a resume whose config changes training (unless --force_resume; never across the model's
-    structure); returns the differences that were forced, for the log."""
-    diffs = config_differences(meta["config"], config_record(config, dtype))
-    listing = "".join(f"\n  --{name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in diffs.items())
-    structure = [name for name in diffs if name in STRUCTURE_FIELDS]
-    if structure:
-        raise CheckpointError(f"cannot resume: the model's shape or storage differs from the checkpoint's "
-                              f"({', '.join(structure)}), even with --force_resume:{listing}")
+    """Refuse a resume whose config changes training (unless --force_resume; never when the model's
+    parameters differ in shape or dtype); returns the differences that were forced, for the log."""
+    now = config_record(config, dtype)
+    diffs = config_differences(meta["config"], now)
+    listing = "".join(f"\n  --{name}: checkpoint {to_text(old)}, now {to_text(new)}"
+                      for name, (old, new) in diffs.items())
+    if diffs:
+        saved_layout, layout = parameter_layout(meta["config"]), parameter_layout(now)
+        changed = sorted(n for n in set(saved_layout) | set(layout) if saved_layout.get(n) != layout.get(n))
+        if changed:
+            shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+            raise CheckpointError(f"cannot resume: the model's parameters differ in shape or dtype from the "
+                                  f"checkpoint's ({shown}), even with --force_resume:{listing}")
     if diffs and not config.force_resume:
         raise CheckpointError(f"refusing to resume: the config differs from the checkpoint's in fields that change "
                               f"training:{listing}\nresume with the checkpoint's values, or pass --force_resume")
@@ -1441,30 +1901,62 @@ def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) 
     return main_file["step"], main_file["train_time_ms"]
 
 
-class RunLog:
-    """Rank 0's log file and console; other ranks stay silent."""
-
-    def __init__(self, path: Optional[Path], echo: bool = True):
-        self.path, self.echo = path, echo
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, text: str, console: bool = True) -> None:
-        if self.path is None:
-            return
-        if console and self.echo:
-            print(text, flush=True)
-        with open(self.path, "a") as f:
-            f.write(text + "\n")
-
-
-def hardware_description(device: torch.device) -> str:
-    if device.type == "cuda":
+def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
+                        world_size: int) -> tuple[Optional[tuple], list[str]]:
+    """Before anything is built, rank 0 finds and validates the checkpoint to resume and checks the
+    config against it; a fresh run that would save into a run folder holding checkpoints already is
+    refused (`--resume latest` could later pick up the other run's). Every rank gets the verdict:
+    ((folder, meta) or None, notes for the log), or the CheckpointError."""
+    verdict = dict(resume=None, notes=[])
+    if rank == 0:
         try:
-            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"nvidia-smi failed: {e}"
-    return f"CPU run: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+            if config.resume:
+                path, meta, notes = find_checkpoint(config)
+                verdict = dict(resume=(str(path), meta), notes=notes + check_resume_config(meta, config, dtype))
+            elif config.save_every and any(re.fullmatch(r"step_\d+", d.name)
+                                           for d in checkpoint_run_dir(config).glob("step_*")):
+                raise CheckpointError(f"{checkpoint_run_dir(config)} holds checkpoints of an earlier run: continue it "
+                                      "with --resume latest, or choose another --run_id or --checkpoint_dir")
+        except CheckpointError as e:
+            verdict = dict(error=str(e))
+    if world_size > 1:
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if "error" in verdict:
+        raise CheckpointError(verdict["error"])
+    resume = verdict["resume"] and (Path(verdict["resume"][0]), verdict["resume"][1])
+    return resume, verdict["notes"]
+
+
+# ---- accounting: parameters, optimizer state, FLOPs, learned scalars; the dry run
+
+def parameter_counts(model: GPT) -> dict[str, int]:
+    counts = {name: sum(p.numel() for p in ps) for name, ps in parameter_groups(model).items()}
+    return {**counts, "total": sum(counts.values())}
+
+
+def keys_per_query(window: int, block_size: int) -> float:
+    """Keys a query attends under a causal window of `window` blocks, away from the sequence start
+    (documents ignored): the window's earlier blocks whole, plus its own block up to itself."""
+    return max(window - 1, 0) * block_size + (block_size + 1) / 2
+
+
+def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
+    """Model FLOPs per training token (SPEC §5): 6 x matmul weights + attention scores and values
+    (12 x attn_dim x keys per query) averaged over the run's window schedule."""
+    groups = parameter_groups(model)
+    matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
+                         for p in ps)
+    windows = [window_blocks(s, config) for s in range(config.num_iterations)]
+    long_layers = config.long_layers
+    attention = 0.0
+    for w, n in zip(*np.unique(windows, return_counts=True)):
+        per_layer = [keys_per_query(w if i in long_layers else w // 2, config.attn_block_size)
+                     for i in config.attention_layers]
+        attention += n * 12 * config.attn_dim * sum(per_layer)
+    attention /= len(windows)
+    return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
 
 
 def optimizer_state_bytes(group: str, p: nn.Parameter) -> int:
@@ -1505,129 +1997,6 @@ def learned_scalars_lines(model: GPT) -> list[str]:
     return lines
 
 
-def peak_memory_mib(device: torch.device) -> tuple[int, int]:
-    """CUDA: allocator peaks. CPU: the process's peak resident set size for both numbers."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() // 2**20, torch.cuda.max_memory_reserved() // 2**20
-    import resource
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    return rss, rss
-
-
-def load_data(config: Hyperparameters) -> tuple[list[str], torch.Tensor]:
-    """The train shard list and the validation tokens, checked against what the run needs
-    before anything is built or written."""
-    cfg = config
-    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
-    available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
-    if available < cfg.num_iterations:
-        raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
-                         f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
-                         "add shards or lower --num_iterations")
-    val_tokens = torch.cat([read_shard(f) for f in val_files])
-    if val_tokens.numel() < cfg.val_tokens + 1:
-        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
-    return train_files, val_tokens[:cfg.val_tokens + 1]
-
-
-def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
-    """Bytes per token id (int64, padded ids 0) for val_bpb, or None (said in the log) if absent."""
-    path = Path(config.token_bytes_file) if config.token_bytes_file else None
-    if path is None or not path.exists():
-        log.write(f"val_bpb: not reported (no token byte table{f' at {path}' if path else ''})")
-        return None
-    table = np.load(path)
-    if table.shape != (config.vocab_size,):
-        raise ConfigError(f"--token_bytes_file: {path} has {table.size} entries, the vocabulary has {config.vocab_size}")
-    out = torch.zeros(config.padded_vocab_size, dtype=torch.int64)
-    out[:config.vocab_size] = torch.from_numpy(table.astype(np.int64))
-    return out.to(device)
-
-
-def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
-          log: Optional[RunLog] = None, data: Optional[tuple] = None, resume: Optional[tuple] = None) -> dict:
-    """The timed run: validate every val_every steps and at the end, log in the SPEC §5 format,
-    checkpoint every save_every steps and at the end; `resume` = (folder, meta) of a validated checkpoint."""
-    log = log or RunLog(None)
-    cfg, N = config, config.num_iterations
-    train_files, val_tokens = data or load_data(config)
-    runner = Runner(cfg, device, rank, world_size)
-    for line in accounting_lines(runner.model, cfg):
-        log.write(line)
-    token_bytes = load_token_bytes(cfg, device, log)
-    runner.warmup()
-    loader = DataLoader(train_files, cfg.train_seq_len, cfg.batch_slices, rank, world_size, device)
-    start, train_time_ms, last_checkpoint = 0, 0.0, None
-    if resume is not None:  # after the warm-up, which must not touch what the checkpoint restores
-        last_checkpoint, meta = resume
-        start, train_time_ms = load_checkpoint(runner, loader, last_checkpoint, meta)
-        log.write(f"resumed from {last_checkpoint} at step {start}/{N}, train_time {train_time_ms:.0f}ms "
-                  f"(saved by {meta['world_size']} process(es), now {world_size})")
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if world_size > 1:
-            dist.barrier()
-
-    history = []
-    sync()
-    t0 = time.perf_counter()
-    for step in range(start, N + 1):
-        last = step == N
-        validate = last or (cfg.val_every > 0 and step % cfg.val_every == 0)
-        save = cfg.save_every > 0 and step > start and (last or step % cfg.save_every == 0)
-        if validate or save:  # the clock stops for validation and checkpoints
-            sync()
-            train_time_ms += 1000 * (time.perf_counter() - t0)
-            bad = runner.nonfinite_step()
-            if bad is not None:
-                raise NonFiniteLossError(f"non-finite training loss (nan or inf) in step {bad + 1}/{N} (the step "
-                                         f"logged as step:{bad + 1}/{N}); stopped at step {step} without saving; "
-                                         f"last good checkpoint: {last_checkpoint or 'none'}")
-            if validate:
-                eval_start = time.perf_counter()
-                val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
-                if not math.isfinite(val_loss):
-                    raise NonFiniteLossError(f"non-finite validation loss {val_loss} at step {step}/{N}; stopped "
-                                             f"without saving; last good checkpoint: {last_checkpoint or 'none'}")
-                history.append(dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms))
-                bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""  # after the SPEC fields: parsers keep working
-                log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
-                          f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
-                package_ms = train_time_ms + 1000 * (time.perf_counter() - eval_start)
-            if save:
-                last_checkpoint = save_checkpoint(runner, loader, step, train_time_ms)
-                log.write(f"checkpoint: {last_checkpoint}")
-            sync()
-            t0 = time.perf_counter()
-        if last:
-            break
-        loss = runner.train_step(step, loader.next_batch())
-        if step == 0:  # the step-0 training loss, needed to compare inits; one sync, outside the steady state
-            if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
-                loss = loss.clone()
-                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-                loss /= world_size
-            log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
-        approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
-        log.write(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
-                  console=(step + 1) % 10 == 0 or step + 1 == N)
-    bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""
-    log.write(f"final val_loss:{val_loss:.6f} perplexity:{math.exp(val_loss):.4f}{bpb} "
-              f"package_time:{package_ms:.0f}ms (training + final evaluation)")
-    for line in learned_scalars_lines(runner.model):
-        log.write(line, console=False)
-    allocated, reserved = peak_memory_mib(device)
-    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
-    return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
-                model=runner.model, checkpoint=last_checkpoint)
-
-
-# -----------------------------------------------------------------------------
-# main
-
-
 def dry_run(config: Hyperparameters) -> int:
     """Config, parameter counts and FLOPs from a meta-device model: no data, no GPU."""
     model = build_model(config, "meta")
@@ -1640,136 +2009,20 @@ def dry_run(config: Hyperparameters) -> int:
     return 0
 
 
-def resolve_device(config: Hyperparameters, local_rank: int) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("--device=cuda but no CUDA GPU is visible; use --device=cpu with --preset tiny")
-        return torch.device("cuda", local_rank)
-    if config.device == "auto" and config.preset == "medium":
-        raise ConfigError("no CUDA GPU found: the record recipe needs GPUs. For a CPU run use "
-                          "`./run.sh --preset tiny` (or force --device=cpu)")
-    return torch.device("cpu")
+# ---- writing shards (the data tools and the tests)
 
-
-def ensure_synthetic_data(config: Hyperparameters) -> None:
-    """Generate the tiny preset's shards on first use (data/synthetic.py next to this script)."""
-    if glob.glob(config.train_files) and glob.glob(config.val_files) and Path(config.token_bytes_file).exists():
-        return
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-    import synthetic
-    synthetic.write_dataset(Path(config.train_files).parent, vocab_size=config.vocab_size, eot_token=config.eot_token)
-
-
-def recipe_notes(config: Hyperparameters) -> list[str]:
-    """Log lines for choices that change training where a memory switch would not."""
-    preset_len = make_config(config.preset).train_seq_len
-    if config.train_seq_len == preset_len:
-        return []
-    return [f"note: --train_seq_len={config.train_seq_len} differs from the {config.preset} preset's {preset_len}: "
-            f"a step trains on {config.batch_slices * config.train_seq_len:,} tokens instead of "
-            f"{config.batch_slices * preset_len:,}, with shorter contexts. This changes training (results are not "
-            f"comparable with the preset's); --activation_checkpointing saves memory without changing it"]
-
-
-def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
-                        world_size: int) -> tuple[Optional[tuple], list[str]]:
-    """Before anything is built, rank 0 finds and validates the checkpoint to resume and checks the
-    config against it; a fresh run that would save into a run folder holding checkpoints already is
-    refused (`--resume latest` could later pick up the other run's). Every rank gets the verdict:
-    ((folder, meta) or None, notes for the log), or the CheckpointError."""
-    verdict = dict(resume=None, notes=[])
-    if rank == 0:
-        try:
-            if config.resume:
-                path, meta, notes = find_checkpoint(config)
-                verdict = dict(resume=(str(path), meta), notes=notes + check_resume_config(meta, config, dtype))
-            elif config.save_every and any(re.fullmatch(r"step_\d+", d.name)
-                                           for d in checkpoint_run_dir(config).glob("step_*")):
-                raise CheckpointError(f"{checkpoint_run_dir(config)} holds checkpoints of an earlier run: continue it "
-                                      "with --resume latest, or choose another --run_id or --checkpoint_dir")
-        except CheckpointError as e:
-            verdict = dict(error=str(e))
-    if world_size > 1:
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-    if "error" in verdict:
-        raise CheckpointError(verdict["error"])
-    resume = verdict["resume"] and (Path(verdict["resume"][0]), verdict["resume"][1])
-    return resume, verdict["notes"]
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        config = parse_args(argv)
-        if config.dry_run:
-            return dry_run(config)
-        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        check_world_size(config, world_size)
-        device = resolve_device(config, int(os.environ.get("LOCAL_RANK", 0)))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    distributed = "RANK" in os.environ
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        import torch._inductor.config as inductor_config
-        inductor_config.coordinate_descent_tuning = True
-    if distributed:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    try:
-        if config.synthetic_data and rank == 0:
-            ensure_synthetic_data(config)
-        if distributed:
-            dist.barrier()
-        try:
-            data = load_data(config)
-        except (ShardError, FileNotFoundError) as e:
-            hint = "; download shards with `python data/cached_fineweb10B.py 30`" if config.preset == "medium" else ""
-            print(f"error: {e}{hint}", file=sys.stderr)
-            return 2
-        try:
-            resume, notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
-        except CheckpointError as e:
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr)
-            return 2
-        notes = recipe_notes(config) + notes
-        log_path = Path(config.log_dir) / f"{config.run_id or config.preset}_{uuid.uuid4()}.txt" if rank == 0 else None
-        log = RunLog(log_path)
-        if log_path is not None:
-            log.write(Path(__file__).read_text(), console=False)
-            log.write("=" * 100, console=False)
-            log.write(f"Running Python {sys.version}\nRunning PyTorch {torch.__version__}\n{hardware_description(device)}",
-                      console=False)
-            log.write("=" * 100, console=False)
-            log.write("\n".join(f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)), console=False)
-            log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
-            for note in notes:
-                log.write(note)
-        try:
-            result = train(config, device, rank, world_size, log, data, resume)
-        except (CheckpointError, ShardError, ConfigError) as e:  # e.g. a checkpoint or byte table that does not fit
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except NonFiniteLossError as e:
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr)
-                log.write(f"error: {e}", console=False)
-            return 1
-        if rank == 0:
-            summary = f"final val_loss {result['final_val_loss']:.4f}"
-            meta = Path(config.val_files).parent / "synthetic_meta.json"
-            if config.synthetic_data and meta.exists():
-                m = json.loads(meta.read_text())
-                summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
-                            f"unigram entropy {m['unigram_entropy']:.4f})")
-            print(f"{summary}\nlog: {log_path}")
-        return 0
-    finally:
-        if distributed:
-            dist.destroy_process_group()
+def write_shard(path, tokens) -> None:
+    """Write tokens (values < 65536) as a shard, atomically (temporary name, then rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: tokens must be in [0, 65536) to be stored as uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

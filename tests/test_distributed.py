@@ -39,7 +39,7 @@ def clean_env(**extra) -> dict:
 
 
 def run_args(synthetic_dir, out: Path, *extra) -> list[str]:
-    return ["--preset=tiny", "--device=cpu", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
+    return ["--preset=tiny", "--device=cpu", "--seed=0", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
             f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false",
             f"--num_iterations={N}", "--val_every=2", "--val_tokens=1024", "--warmup_steps=1", "--save_every=4",
             f"--log_dir={out / 'logs'}", f"--checkpoint_dir={out / 'ck'}", *extra]

@@ -45,7 +45,7 @@ def tiny_history(log_dir) -> dict:
     torch.set_num_threads(1)  # matmul reductions split differently on more threads
     tg.train = recording_train
     try:
-        assert tg.main(TINY_ARGV + [f"--log_dir={log_dir}"]) == 0
+        assert tg.main(TINY_ARGV + ["--threads=1", f"--log_dir={log_dir}"]) == 0
     finally:
         tg.train = real_train
         torch.set_num_threads(threads)
