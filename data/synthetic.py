@@ -22,10 +22,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.cli import OneLineParser, fail, os_error_line, output_folder_problem  # noqa: E402
 from train_gpt_medium import write_shard  # noqa: E402  (one shard writer for the whole project)
 
+BRANCHING = 8  # likely successors per token
+MAX_VOCAB = 8192  # the chain is a dense V x V float64 matrix: 0.5 GB and minutes of eigen-decomposition at 8192
 
-def markov_chain(vocab_size: int, eot_token: int, seed: int, branching: int = 8,
+
+class SyntheticDataError(ValueError):
+    """Parameters the generator cannot use; the message names the flag (as data/synthetic.py and the
+    trainer spell it) and the range it must be in."""
+
+
+def markov_chain(vocab_size: int, eot_token: int, seed: int, branching: int = BRANCHING,
                  end_prob: float = 1 / 128) -> np.ndarray:
     """Transition matrix P (V, V) float64: P[s, t] = probability that t follows s."""
     rng = np.random.default_rng(seed)
@@ -78,14 +87,27 @@ def sample(P: np.ndarray, eot_token: int, num_tokens: int, seed: int, chains: in
     return stream[:num_tokens]
 
 
+def check_parameters(vocab_size: int, eot_token: int, seed: int, train_shards: int, shard_tokens: int,
+                     val_tokens: int) -> None:
+    """SyntheticDataError naming the first parameter out of its range."""
+    ranges = dict(vocab_size=(vocab_size, BRANCHING + 1, MAX_VOCAB), eot_token=(eot_token, 0, vocab_size - 1),
+                  seed=(seed, 0, None), train_shards=(train_shards, 1, None), shard_tokens=(shard_tokens, 1, None),
+                  val_tokens=(val_tokens, 1, None))
+    for flag, (value, low, high) in ranges.items():
+        if value < low or (high is not None and value > high):
+            bounds = f"{low}..{high}" if high is not None else f"at least {low}"
+            raise SyntheticDataError(f"--{flag}={value}: must be {bounds} for synthetic data")
+
+
 def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: int = 1234,
                   train_shards: int = 2, shard_tokens: int = 400_000, val_tokens: int = 65_536) -> dict:
     """Write synthetic_train_00000{1..}.bin, synthetic_val_000000.bin, synthetic_token_bytes.npy
-    and synthetic_meta.json (the entropies)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    and synthetic_meta.json (the entropies). SyntheticDataError for parameters out of range."""
+    check_parameters(vocab_size, eot_token, seed, train_shards, shard_tokens, val_tokens)
     P = markov_chain(vocab_size, eot_token, seed)
     stream = sample(P, eot_token, train_shards * shard_tokens + val_tokens, seed + 1)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed generation leaves no empty folder
     write_shard(out_dir / "synthetic_val_000000.bin", stream[:val_tokens])
     for i in range(train_shards):
         start = val_tokens + i * shard_tokens
@@ -101,15 +123,34 @@ def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: in
     return meta
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="data/synthetic")
-    parser.add_argument("--vocab_size", type=int, default=500)
-    parser.add_argument("--eot_token", type=int, default=499)
+# ---- command line
+
+
+def main(argv=None) -> int:
+    """Generate a dataset; exit code 2 (one line) for parameters out of range or an unwritable --out."""
+    parser = OneLineParser(__file__, description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("data/synthetic"), help="folder (default: %(default)s)")
+    parser.add_argument("--vocab_size", type=int, default=500, help=f"tokens, {BRANCHING + 1}..{MAX_VOCAB}")
+    parser.add_argument("--eot_token", type=int, default=499, help="end-of-text id, 0..vocab_size-1")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--train_shards", type=int, default=2)
-    parser.add_argument("--shard_tokens", type=int, default=400_000)
-    parser.add_argument("--val_tokens", type=int, default=65_536)
-    args = parser.parse_args()
-    write_dataset(args.out, args.vocab_size, args.eot_token, args.seed, args.train_shards, args.shard_tokens,
-                  args.val_tokens)
+    parser.add_argument("--shard_tokens", type=int, default=400_000, help="tokens per train shard")
+    parser.add_argument("--val_tokens", type=int, default=65_536, help="tokens of the validation shard")
+    args = parser.parse_args(argv)
+    parameters = dict(vocab_size=args.vocab_size, eot_token=args.eot_token, seed=args.seed,
+                      train_shards=args.train_shards, shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
+    try:
+        check_parameters(**parameters)
+    except SyntheticDataError as e:
+        return fail(str(e))
+    if problem := output_folder_problem(args.out, "--out"):
+        return fail(problem)
+    try:
+        write_dataset(args.out, **parameters)
+    except OSError as e:  # a full disk, or a folder that changed since the check
+        return fail(f"{os_error_line(e, args.out)}; choose another --out")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,6 @@ GPT-2 tokens are printed as text when data/gpt2_tokens.bin is present, other voc
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -26,18 +25,29 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import train_gpt_medium as tg  # noqa: E402
+from tools.cli import OneLineParser, fail, first_line, os_error_line  # noqa: E402
 
 
 def load_model(path: Path) -> tuple[tg.GPT, tg.Hyperparameters, int]:
-    """The checkpoint's model in fp32 on the CPU, its config and its step."""
-    tg.validate_checkpoint(path)
-    saved = tg._load(Path(path) / "main.pt")  # the trainer's loader: CheckpointError naming the file
-    known = {f.name for f in tg.fields(tg.Hyperparameters)}
-    values = {k: v for k, v in saved["config"].items() if k in known}
-    config = tg.make_config(values.pop("preset"), **{**values, "dtype": "float32", "resume": "", "save_every": 0})
-    model = tg.build_model(config, "cpu")
-    model.load_state_dict(saved["model"])  # bf16 values copy exactly into fp32
-    return model.eval(), config, saved["step"]
+    """The checkpoint's model in fp32 on the CPU, its config and its step. CheckpointError naming the
+    file for anything that is not a checkpoint this script can read; OSError for an unreadable file."""
+    path = Path(path)
+    try:
+        tg.validate_checkpoint(path)
+    except (TypeError, AttributeError, KeyError) as e:  # meta.json is JSON, but not a checkpoint's record
+        raise tg.CheckpointError(f"{path / 'meta.json'}: not a checkpoint's meta.json ({first_line(e)})")
+    saved = tg._load(path / "main.pt")  # the trainer's loader: CheckpointError naming the file
+    try:
+        known = {f.name for f in tg.fields(tg.Hyperparameters)}
+        values = {k: v for k, v in saved["config"].items() if k in known}
+        config = tg.make_config(values.pop("preset"), **{**values, "dtype": "float32", "resume": "", "save_every": 0})
+        model = tg.build_model(config, "cpu")
+        model.load_state_dict(saved["model"])  # bf16 values copy exactly into fp32
+        step = int(saved["step"])
+    except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # RuntimeError: parameter names or shapes
+        raise tg.CheckpointError(f"{path / 'main.pt'}: holds no model this version of the trainer builds "
+                                 f"({first_line(e)})")
+    return model.eval(), config, step
 
 
 class Vocabulary:
@@ -123,30 +133,53 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
     return out
 
 
+def read_val_tokens(pattern: str, min_tokens: int) -> torch.Tensor:
+    """The concatenated validation shards; FileNotFoundError or ShardError naming the problem."""
+    shards = []
+    for f in tg.shard_files(pattern, "val_files"):
+        try:
+            shards.append(tg.read_shard(f))
+        except OSError as e:  # a folder, no permission: as unusable as a corrupt shard
+            raise tg.ShardError(os_error_line(e, f))
+    tokens = torch.cat(shards)
+    if tokens.numel() < min_tokens:
+        raise tg.ShardError(f"--val_files {pattern}: {tokens.numel()} tokens, fewer than the {min_tokens} "
+                            "that --seq_len needs; pass a smaller --seq_len")
+    return tokens
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path)
+    parser = OneLineParser(__file__, description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN, holding meta.json)")
     parser.add_argument("--val_files", help="validation shards (default: the checkpoint's config)")
     parser.add_argument("--position", type=int, default=100, help="position of the logit lens in the first sequence")
-    parser.add_argument("--top_k", type=int, default=5)
+    parser.add_argument("--top_k", type=int, default=5, help="tokens shown per lens, 1..vocab_size")
     parser.add_argument("--token", type=int, default=262, help="token id of the embedding lens (262 is ' the')")
     parser.add_argument("--seq_len", type=int, default=2048,
                         help="tokens of the first validation sequence to run (a multiple of 128; the CPU's dense mask is seq_len^2)")
     args = parser.parse_args(argv)
+    if args.top_k < 1:
+        parser.error(f"--top_k must be at least 1, got {args.top_k}")
+    if args.position < 0:
+        parser.error(f"--position must be at least 0, got {args.position}")
     try:
         model, config, step = load_model(args.checkpoint)
     except (tg.CheckpointError, tg.ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
+    except OSError as e:  # a file of the checkpoint that cannot be read (permissions, a folder in its place)
+        return fail(f"{os_error_line(e, args.checkpoint)}, so {args.checkpoint} cannot be inspected")
     if not 0 <= args.token < config.vocab_size:
         parser.error(f"--token must be in [0, {config.vocab_size})")
+    if args.top_k > config.vocab_size:
+        parser.error(f"--top_k must be at most the vocabulary size {config.vocab_size}, got {args.top_k}")
     if args.seq_len <= 0 or args.seq_len % config.attn_block_size:
         parser.error(f"--seq_len must be a positive multiple of {config.attn_block_size}")
     val_tokens = None
     try:
-        files = tg.shard_files(args.val_files or config.val_files, "val_files")
-        val_tokens = torch.cat([tg.read_shard(f) for f in files])
+        val_tokens = read_val_tokens(args.val_files or config.val_files, args.seq_len + 1)
     except (FileNotFoundError, tg.ShardError) as e:
+        if args.val_files:  # asked for by name: an input error
+            return fail(f"{e}; pass --val_files=PATTERN with readable validation shards")
         print(f"note: no logit lens over the residual stream ({e})", file=sys.stderr)
     print("\n".join(report(model, config, step, val_tokens, args.position, args.top_k, args.token, args.seq_len)))
     return 0

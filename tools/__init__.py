@@ -1,0 +1,1 @@
+"""Command-line tools for looking at runs and checkpoints (a package so data/ scripts can import tools.cli)."""
