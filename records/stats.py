@@ -284,6 +284,8 @@ class Experiment:
             parts.append("no config lines (upstream log format)")
         elif config:
             parts.append("config " + " ".join(f"{k}={v}" for k, v in config.items()))
+        else:
+            parts.append("same config (seed and fields that do not change training aside)")
         return ", ".join(parts)
 
 
@@ -412,7 +414,8 @@ def claim_test(losses: list[float], target: float, alpha: float) -> dict:
         return {**none, "note": f"n = {n}: no sample std, so no t-test; a t-test needs at least 2 runs"}
     std = _spread(losses)
     if std is None:
-        return {**none, "note": f"all {n} losses are equal: no spread, so no t-test (copies of one log?)"}
+        return {**none, "note": f"all {n} losses are equal: no spread, so no t-test "
+                                "(copies of one log, or runs with the same seed?)"}
     res = stats.ttest_1samp(losses, target, alternative="less")
     mean, sem = float(np.mean(losses)), std / math.sqrt(n)
     return {"t": float(res.statistic), "p": float(res.pvalue), "df": n - 1,
@@ -777,9 +780,6 @@ def _run_values(args) -> int:
     return 0 if claim["holds"] else 1
 
 
-TABLE_COLUMNS = ("set", "n", "mean", "std", "p", "bound", "mean time (s)", "verdict")
-
-
 def table_rows(args, time_vs: TimeReference | None) -> list[dict]:
     """One row per PATH and experiment (per PATH with --pool); an unusable PATH gives a row with its error."""
     rows = []
@@ -789,28 +789,34 @@ def table_rows(args, time_vs: TimeReference | None) -> list[dict]:
         except UnusableInput as e:
             rows.append({"path": str(path), "group": None, "error": str(e)})
             continue
-        sets = [(None, [p for g in rs.groups for p in g.logs])] if args.pool else [(g, g.logs) for g in rs.groups]
-        for g, logs in sets:
+        if args.pool:
+            logs, _ = pooled_or_refused(rs, pool=True)
+            sets = [(None, logs)]
+        else:
+            sets = [(g.name if len(rs.groups) > 1 else None, g.logs) for g in rs.groups]
+        for i, (group, logs) in enumerate(sets):
             a, w = _analyse_logs(logs, args, time_vs)
-            group = g.name if g and len(rs.groups) > 1 else None
-            rows.append({"path": str(path), "group": group, "key": g.describe_key() if g else None,
-                         "warnings": (rs.warnings if g is sets[0][0] else []) + [f"group {group}: {x}" if group else x
-                                                                                 for x in w],
-                         "error": None, **a})
+            warnings = (rs.warnings if i == 0 else []) + [f"group {group}: {x}" if group else x for x in w]
+            rows.append({"path": str(path), "group": group, "warnings": warnings, "error": None, **a})
     return rows
 
 
-def _table_cells(row: dict) -> list[str]:
+def _table_cells(row: dict, alpha: float, with_time_test: bool) -> list[str]:
+    """The header (row None) or one row of the table, as strings."""
+    if row is None:
+        return (["set", "n", "mean", "std", "p", f"{level_label(alpha)} bound", "mean time (s)"]
+                + ["time p"] * with_time_test + ["verdict"])
     label = row["path"] + (f" [{row['group']}]" if row["group"] else "")
     if row["error"]:
-        return [label, "", "", "", "", "", "", f"error: {row['error']}"]
+        return [label] + [""] * (6 + with_time_test) + [f"error: {row['error']}"]
 
     def num(x, spec):
         return "n/a" if x is None else format(x, spec)
     loss, test, time = row["val_loss"], row["t_test"], row["train_time_s"]
     verdict = ("holds" if row["holds"] else "does not hold") if test["p"] is not None else "no t-test"
-    return [label, str(loss["n"]), num(loss["mean"], ".6f"), num(loss["std"], ".6f"), num(test["p"], ".3g"),
-            num(test["upper_bound"], ".6f"), num(time["mean"] if time else None, ".3f"), verdict]
+    time_p = [num(row["time_vs"]["p"], ".3g")] if with_time_test else []
+    return ([label, str(loss["n"]), num(loss["mean"], ".6f"), num(loss["std"], ".6f"), num(test["p"], ".3g"),
+             num(test["upper_bound"], ".6f"), num(time["mean"] if time else None, ".3f")] + time_p + [verdict])
 
 
 def _run_table(args) -> int:
@@ -822,16 +828,12 @@ def _run_table(args) -> int:
         print(json.dumps(_json_safe({"target": args.target, "alpha": args.alpha, "rows": rows}), indent=2))
     else:
         _print_warnings([f"{r['path']}: {w}" for r in rows for w in r.get("warnings") or ()])
-        header = list(TABLE_COLUMNS)
-        header[5] = f"{level_label(args.alpha)} bound"
-        cells = [header] + [_table_cells(r) for r in rows]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+        cells = [_table_cells(r, args.alpha, time_vs is not None) for r in [None] + rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
         print(f"target {args.target}, alpha {args.alpha}" + (f", time vs {time_vs.label}" if time_vs else ""))
         for c in cells:
             print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
-    if all(r["error"] for r in rows):
-        return 2
-    return 0
+    return 2 if all(r["error"] for r in rows) else 0
 
 
 def _run_compare(args) -> int:
