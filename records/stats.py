@@ -690,12 +690,12 @@ def _run_claim(args) -> int:
         a, w = _analyse_logs(g.logs, args, time_vs)
         groups.append({"name": g.name, "key": g.describe_key(), "distinct": g.distinct,
                        "runs": [str(r.path) for r in g.runs], "analysis": a})
-        if refusal or len(rs.groups) == 1:
-            warnings += [f"group {g.name}: {x}" for x in w] if refusal else w
+        if refusal:  # otherwise the tested set's warnings below cover these runs
+            warnings += [f"group {g.name}: {x}" for x in w]
     claim = None
     if not refusal:
         claim, w = _analyse_logs(logs, args, time_vs)
-        warnings += w if len(rs.groups) > 1 else []  # pooled: the warnings of the pooled set
+        warnings += w
     if args.json:
         payload = {"paths": [str(p) for p in paths], "target": args.target, "alpha": args.alpha,
                    "runs": [_run_json(r, g.name) for g in rs.groups for r in g.runs],
@@ -781,9 +781,14 @@ def _run_values(args) -> int:
 
 
 def table_rows(args, time_vs: TimeReference | None) -> list[dict]:
-    """One row per PATH and experiment (per PATH with --pool); an unusable PATH gives a row with its error."""
+    """One row per PATH and experiment (per PATH with --pool); an unusable PATH gives a row with its error.
+
+    A folder without logs that is not named like a record folder is left out.
+    """
     rows = []
     for path in args.paths:
+        if Path(path).is_dir() and record_name(Path(path).name) is None and not any(Path(path).glob("*.txt")):
+            continue  # records/*/ also matches folders that are not records, such as __pycache__
         try:
             rs = load_runs([path])
         except UnusableInput as e:
@@ -833,7 +838,7 @@ def _run_table(args) -> int:
         print(f"target {args.target}, alpha {args.alpha}" + (f", time vs {time_vs.label}" if time_vs else ""))
         for c in cells:
             print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
-    return 2 if all(r["error"] for r in rows) else 0
+    return 2 if not rows or all(r["error"] for r in rows) else 0
 
 
 def _run_compare(args) -> int:

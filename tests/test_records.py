@@ -675,9 +675,19 @@ def test_table_has_one_row_per_folder_and_group(tmp_path, capsys):
 
 def test_table_reports_an_unusable_folder_in_its_row(tmp_path, capsys):
     good = make_set(tmp_path / "good", PASS_LOSSES)
-    code = stats_cli.main([str(good), str(tmp_path / "nope"), "--table"])
+    (tmp_path / "2025-01-18").mkdir()
+    code = stats_cli.main([str(good), str(tmp_path / "nope"), str(tmp_path / "2025-01-18"), "--table"])
     assert code == 0
-    assert re.search(r"nope .*error: no such file or folder", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"nope .*error: no such file or folder", out)
+    assert re.search(r"2025-01-18 .*error: no \*\.txt logs", out)
+
+
+def test_table_leaves_out_folders_that_are_neither_records_nor_hold_logs(tmp_path, capsys):
+    good = make_set(tmp_path / "2025-01-18", PASS_LOSSES)
+    (tmp_path / "__pycache__").mkdir()
+    code, data = run_json(capsys, good, tmp_path / "__pycache__", "--table")
+    assert code == 0 and [r["path"] for r in data["rows"]] == [str(good)]
 
 
 # ---------------------------------------------------------------- record folder names
