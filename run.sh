@@ -4,12 +4,19 @@
 #   ./run.sh --preset tiny        # CPU-sized run on synthetic data
 #   ./run.sh --num_extra_embeds=2 # any --field=value of the Hyperparameters dataclass
 #   NPROC_PER_NODE=4 ./run.sh     # choose the number of processes (GPUs) on this machine
+#   RUNS=10 ./run.sh              # 10 runs one after another, each with its own fresh seed and log
+#                                 # (stops at the first failing run, with its exit status)
 # Multi-node: run the same command on every node with NNODES, NODE_RANK (0 .. NNODES-1) and
 # MASTER_ADDR (node 0's address; MASTER_PORT defaults to 29500). World size = NNODES x processes per
 # node, and it must divide the step's slices (8 for the record: 1, 2, 4 or 8 GPUs in all).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
+runs=${RUNS:-1}
+if ! [[ "$runs" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: RUNS=$runs: give the number of runs as a positive integer, e.g. RUNS=10" >&2
+  exit 2
+fi
 
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -26,11 +33,31 @@ if [ -n "${NNODES:-}" ] && [ "${NNODES}" -gt 1 ]; then
     echo "error: NNODES=$NNODES but no GPU is visible on this node; set NPROC_PER_NODE (CPU processes use gloo)" >&2
     exit 2
   fi
-  exec "${torchrun[@]}" --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK on every node}" \
-    --nproc_per_node="$nproc" --master_addr="${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" \
-    --master_port="${MASTER_PORT:-29500}" train_gpt_medium.py "$@"
+  cmd=("${torchrun[@]}" --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK on every node}"
+       --nproc_per_node="$nproc" --master_addr="${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
+       --master_port="${MASTER_PORT:-29500}" train_gpt_medium.py "$@")
+elif [ "$nproc" -eq 0 ]; then
+  cmd=("$PYTHON" train_gpt_medium.py "$@")
+else
+  cmd=("${torchrun[@]}" --standalone --nproc_per_node="$nproc" train_gpt_medium.py "$@")
 fi
-if [ "$nproc" -eq 0 ]; then
-  exec "$PYTHON" train_gpt_medium.py "$@"
+
+# ---- repeated runs: a record is a claim over several runs, each with a seed the trainer draws afresh
+if [ "$runs" -eq 1 ]; then
+  exec "${cmd[@]}"
 fi
-exec "${torchrun[@]}" --standalone --nproc_per_node="$nproc" train_gpt_medium.py "$@"
+for arg in "$@"; do
+  if [[ "$arg" == --seed || "$arg" == --seed=* ]]; then
+    echo "warning: RUNS=$runs with $arg: every run gets the same seed, so the runs are not independent" >&2
+  fi
+done
+for ((i = 1; i <= runs; i++)); do
+  echo "run.sh: starting run $i of $runs" >&2
+  status=0
+  "${cmd[@]}" || status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "run.sh: run $i of $runs failed with exit status $status; not starting the remaining $((runs - i))" >&2
+    exit "$status"
+  fi
+done
+echo "run.sh: all $runs runs finished" >&2

@@ -1,40 +1,117 @@
-"""The change a record makes: the unified diff of its training script against its predecessor.
+"""The change a record makes: its training script and its config against its predecessor's.
 
-    python records/diff.py RECORD [OTHER]
+    python records/diff.py RECORD [OTHER] [--nearest] [--stat]
 
-RECORD is a record folder `<YYYY-MM-DD>_<Name>/`. Without OTHER the diff is against the record
-folder just before it among its siblings (date order, ties by name); OTHER may be another record
-folder or a .py file. Exit status: 0 with the diff printed (empty if the scripts are equal),
-2 when there is no predecessor or no script to compare.
+RECORD is a record folder named `YYYY-MM-DD`, `YYYY-MM-DD_Name` or `YYYY-MM-DD-Name`. Without
+OTHER the comparison is with the record folder just before it among its siblings (date order, ties
+by name); with --nearest, with the earlier record whose script differs least (fewest changed lines).
+OTHER may be another record folder or a .py file.
+
+Printed: the unified diff of the scripts (or, with --stat, the counts of added and removed lines per
+section of the script), then the fields whose `config` lines differ between the first logs of the
+two folders (seed, run_id and the other stats.NON_EXPERIMENT_FIELDS left out): a record may change
+flags alone. A warning on stderr names a folder that holds more than one distinct script and says
+which one was compared.
+Exit status: 0 with the comparison printed (an empty diff if the scripts are equal), 2 when there
+is no predecessor or no script to compare.
 """
 
 import argparse
 import difflib
+import importlib.util
 import re
 import sys
 from pathlib import Path
 
-RECORD_FOLDER = re.compile(r"\d{4}-\d{2}-\d{2}_.+")
 SCRIPT_NAME = "train_gpt_medium.py"
-SEPARATOR = "=" * 100  # ends the source embedded at the top of every log
+
+
+def _load_stats():
+    """records/stats.py, which holds the folder-name and log parsers (records/ is not a package)."""
+    name = "records_stats"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("stats.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+stats = _load_stats()
 
 
 class DiffError(Exception):
     """Nothing to diff: no predecessor, or no script in a folder."""
 
 
-def predecessor(record: Path) -> Path:
-    """The sibling record folder just before `record` (names start with the date, so name order is date order)."""
+# -----------------------------------------------------------------------------
+# Finding the records to compare
+
+def _record_folder(record: Path) -> Path:
+    """`record` with a name stats.record_name understands ("." and ".." resolved), else DiffError."""
     record = Path(record)
-    if not RECORD_FOLDER.fullmatch(record.name):
+    if stats.record_name(record.name) is None:
         record = record.resolve()  # "." or "..": the folder's own name is only known resolved
-    if not RECORD_FOLDER.fullmatch(record.name):
-        raise DiffError(f"{record} is not a record folder named <YYYY-MM-DD>_<Name>; give OTHER to compare against")
-    siblings = sorted(p.name for p in record.parent.iterdir() if p.is_dir() and RECORD_FOLDER.fullmatch(p.name))
-    before = siblings[: siblings.index(record.name)]
+    if stats.record_name(record.name) is None:
+        raise DiffError(f"{record} is not a record folder named YYYY-MM-DD, YYYY-MM-DD_Name or YYYY-MM-DD-Name; "
+                        "give OTHER to compare against")
+    return record
+
+
+def earlier_records(record: Path) -> list[Path]:
+    """The sibling record folders that sort before `record` (by date, then name), oldest first."""
+    record = _record_folder(record)
+    siblings = [p.name for p in stats.record_folders(record.parent)]
+    return [record.parent / name for name in siblings[: siblings.index(record.name)]]
+
+
+def predecessor(record: Path) -> Path:
+    """The sibling record folder just before `record` in date order."""
+    before = earlier_records(record)
     if not before:
-        raise DiffError(f"{record} has no predecessor: no record folder sorts before it in {record.parent}")
-    return record.parent / before[-1]
+        raise DiffError(f"{record} has no predecessor: no record folder sorts before it in {Path(record).resolve().parent}")
+    return before[-1]
+
+
+def nearest(record: Path) -> tuple[Path, int]:
+    """(the earlier record whose script differs least from `record`'s, its changed-line count).
+
+    Ties go to the later record. Earlier folders without a script are skipped with a warning.
+    """
+    new_text, _ = read_script(record)
+    best = None
+    for folder in earlier_records(record):
+        try:
+            old_text, _ = read_script(folder)
+        except DiffError as e:
+            print(f"warning: --nearest skips {folder.name}: {e}", file=sys.stderr)
+            continue
+        added, removed = line_counts(old_text, new_text)
+        if best is None or added + removed <= best[1]:
+            best = (folder, added + removed)
+    if best is None:
+        raise DiffError(f"{record} has no earlier record folder with a script to compare against")
+    return best
+
+
+# -----------------------------------------------------------------------------
+# Scripts: the folder's .py file, else the source embedded in its first log
+
+def _logs(folder: Path) -> list[Path]:
+    return sorted(Path(folder).glob("*.txt"))
+
+
+def folder_scripts(folder: Path) -> list[tuple[str, str]]:
+    """[(file name, script text)] of every script in a folder: its .py file and each log's embedded source."""
+    found = []
+    script = Path(folder) / SCRIPT_NAME
+    if script.is_file():
+        found.append((SCRIPT_NAME, script.read_text(encoding="utf-8")))
+    for log in _logs(folder):
+        source = stats.embedded_source(log.read_text(encoding="utf-8", errors="replace"))
+        if source is not None:
+            found.append((log.name, source))
+    return found
 
 
 def read_script(source: Path) -> tuple[str, str]:
@@ -52,39 +129,157 @@ def read_script(source: Path) -> tuple[str, str]:
     script = source / SCRIPT_NAME
     if script.is_file():
         return script.read_text(encoding="utf-8"), f"{folder}/{SCRIPT_NAME}"
-    logs = sorted(source.glob("*.txt"))
+    logs = _logs(source)
     if not logs:
         raise DiffError(f"{source} has neither {SCRIPT_NAME} nor a *.txt log to take the script from")
-    lines = logs[0].read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-    ends = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == SEPARATOR]
-    if not ends:
+    text = stats.embedded_source(logs[0].read_text(encoding="utf-8", errors="replace"))
+    if text is None:
         raise DiffError(f"{source}: log {logs[0].name} has no line of 100 '=' ending an embedded script")
-    return "".join(lines[: ends[0]]), f"{folder}/{logs[0].name} (embedded source)"
+    return text, f"{folder}/{logs[0].name} (embedded source)"
+
+
+def script_warning(folder: Path) -> str | None:
+    """A warning when a folder holds more than one distinct script, naming the files and the one read_script uses."""
+    if not Path(folder).is_dir():
+        return None
+    by_digest: dict[str, list[str]] = {}
+    for name, text in folder_scripts(folder):
+        by_digest.setdefault(stats.script_digest(text), []).append(name)
+    if len(by_digest) < 2:
+        return None
+    kinds = "; ".join(", ".join(names) for names in by_digest.values())
+    _, used = read_script(folder)
+    return f"{Path(folder).resolve().name} holds {len(by_digest)} distinct scripts ({kinds}); compared: {used}"
+
+
+def _lines(text: str) -> list[str]:
+    # The logger prints the source with one more newline than the file has; trailing blank lines
+    # would otherwise show up as a change whenever one side comes from a log.
+    return text.rstrip("\n").splitlines()
+
+
+def line_counts(old_text: str, new_text: str) -> tuple[int, int]:
+    """(lines added, lines removed) from old to new, as the unified diff counts them."""
+    added = removed = 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, _lines(old_text), _lines(new_text)).get_opcodes():
+        if tag != "equal":
+            removed += i2 - i1
+            added += j2 - j1
+    return added, removed
 
 
 def unified_diff(old: Path, new: Path) -> str:
     """The unified diff from old's script to new's, each labelled with where it came from."""
     (old_text, old_label), (new_text, new_label) = read_script(old), read_script(new)
-    # The logger prints the source with one more newline than the file has; trailing blank lines
-    # would otherwise show up as a change whenever one side comes from a log.
-    old_lines, new_lines = old_text.rstrip("\n").splitlines(), new_text.rstrip("\n").splitlines()
     return "".join(line + "\n" for line in difflib.unified_diff(
-        old_lines, new_lines, fromfile=old_label, tofile=new_label, lineterm=""))
+        _lines(old_text), _lines(new_text), fromfile=old_label, tofile=new_label, lineterm=""))
+
+
+# A section starts at a banner: `# ----...` followed by a `# Title` line, or `# ---- title` on one line.
+_RULE = re.compile(r"# -{5,}\s*")
+_TITLED_RULE = re.compile(r"# -{3,} (.+)")
+
+
+def section_names(lines: list[str]) -> list[str]:
+    """For each line, the title of the section it lies in ("(top of file)" before the first banner)."""
+    names, current = [], "(top of file)"
+    for i, line in enumerate(lines):
+        titled = _TITLED_RULE.fullmatch(line)
+        if titled:
+            current = titled[1].strip()
+        elif _RULE.fullmatch(line) and i + 1 < len(lines) and lines[i + 1].startswith("# "):
+            current = lines[i + 1][2:].strip()
+        names.append(current)
+    return names
+
+
+def diff_stat(old: Path, new: Path) -> str:
+    """A summary of the script change: lines added and removed in all, and per section of the script."""
+    (old_text, old_label), (new_text, new_label) = read_script(old), read_script(new)
+    a, b = _lines(old_text), _lines(new_text)
+    old_sections, new_sections = section_names(a), section_names(b)
+    per_section: dict[str, list[int]] = {}
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
+        if tag == "equal":
+            continue
+        for j in range(j1, j2):
+            per_section.setdefault(new_sections[j], [0, 0])[0] += 1
+        for i in range(i1, i2):
+            per_section.setdefault(old_sections[i], [0, 0])[1] += 1
+    added, removed = sum(v[0] for v in per_section.values()), sum(v[1] for v in per_section.values())
+    out = [f"{old_label} -> {new_label}: {added} line(s) added, {removed} removed"]
+    width = max((len(f"+{v[0]} -{v[1]}") for v in per_section.values()), default=0)
+    out += [f"  {f'+{v[0]} -{v[1]}':<{width}}  {name}" for name, v in per_section.items()]
+    return "\n".join(out) + "\n"
+
+
+# -----------------------------------------------------------------------------
+# Configs: the `config` lines of each folder's first log
+
+def first_log_config(source: Path) -> tuple[dict[str, str], str] | str:
+    """({field: repr}, label) from the first log of a folder, or a sentence saying why there is none."""
+    source = Path(source)
+    if not source.is_dir():
+        return f"{source} is a script, not a folder of logs"
+    logs = _logs(source)
+    name = source.resolve().name
+    if not logs:
+        return f"{name} has no log"
+    config = stats.config_lines(logs[0].read_text(encoding="utf-8", errors="replace"))
+    if not config:
+        return f"{name}/{logs[0].name} has no config lines (upstream log format)"
+    return config, f"{name}/{logs[0].name}"
+
+
+def config_differences(old: dict[str, str], new: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """{field: (old repr, new repr)} over the fields that differ, NON_EXPERIMENT_FIELDS left out."""
+    names = sorted((set(old) | set(new)) - set(stats.NON_EXPERIMENT_FIELDS))
+    missing = "(not logged)"
+    return {n: (old.get(n, missing), new.get(n, missing)) for n in names if old.get(n) != new.get(n)}
+
+
+def config_report(old: Path, new: Path) -> str:
+    """The config section of the output: the differing fields old -> new, or why no comparison was made."""
+    sides = [first_log_config(old), first_log_config(new)]
+    reasons = [s for s in sides if isinstance(s, str)]
+    if reasons:
+        return f"config not compared: {'; '.join(reasons)}\n"
+    (old_cfg, old_label), (new_cfg, new_label) = sides
+    changed = config_differences(old_cfg, new_cfg)
+    head = f"config {old_label} -> {new_label} ({', '.join(stats.NON_EXPERIMENT_FIELDS)} not compared)"
+    if not changed:
+        return f"{head}: no difference\n"
+    return "\n".join([f"{head}:"] + [f"  {k}: {a} -> {b}" for k, (a, b) in changed.items()]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status (0 diff printed, 2 nothing to diff)."""
+    """Command-line entry point; returns the exit status (0 comparison printed, 2 nothing to compare)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("record", type=Path, help="the record folder")
     parser.add_argument("other", type=Path, nargs="?", help="record folder or .py file (default: the predecessor)")
+    parser.add_argument("--nearest", action="store_true",
+                        help="compare with the earlier record whose script differs least, not the previous by date")
+    parser.add_argument("--stat", action="store_true", help="print added/removed line counts per section, not the diff")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage errors exit 2, --help exits 0; return them instead of raising
         return e.code
     try:
+        if args.nearest and args.other:
+            raise DiffError("give OTHER or --nearest, not both")
         if not args.record.is_dir():
             raise DiffError(f"no such record folder: {args.record}")
-        sys.stdout.write(unified_diff(args.other or predecessor(args.record), args.record))
+        other = args.other
+        if args.nearest:
+            other, changed = nearest(args.record)
+            print(f"nearest earlier record: {other.name} ({changed} changed line(s))", file=sys.stderr)
+        other = other or predecessor(args.record)
+        for folder in (other, args.record):
+            warning = script_warning(folder)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr)
+        sys.stdout.write(diff_stat(other, args.record) if args.stat else unified_diff(other, args.record))
+        sys.stdout.write(config_report(other, args.record))
     except (DiffError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Tests of the record tools: records/stats.py (claim check, Welch comparison, log parsing) and records/diff.py.
+"""Tests of the record tools: records/stats.py (claim check, grouping, power, Welch comparison, log parsing),
+records/diff.py and run.sh's RUNS loop.
 
 Expected statistics are computed here from textbook formulas, not by calling the tools' code paths.
 """
@@ -6,6 +7,7 @@ Expected statistics are computed here from textbook formulas, not by calling the
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -46,15 +48,21 @@ TIMES = [1412.451, 1410.902, 1415.337, 1411.004, 1413.876, 1409.998]
 SLOWER_TIMES = [t + 3.0 * (i % 3) for i, t in enumerate(TIMES)]
 
 
-def write_log(path, loss, time_s, *, steps=10, decimals=6, finish=True, nan_avg=False, extra="", source=SOURCE):
-    """A log in the SPEC section 5 format: source, versions block, step lines, peak memory."""
+def write_log(path, loss, time_s, *, steps=10, decimals=6, finish=True, nan_avg=False, extra="", source=SOURCE,
+              config=None):
+    """A log in the SPEC section 5 format: source, versions block, step lines, peak memory.
+
+    Without `config` it is an upstream published log; with it ({field: value}) one of ours, whose
+    `config <field> = <repr>` lines follow the versions block.
+    """
     ms = time_s * 1000
 
     def avg(t, s):
         return "nan" if nan_avg else f"{t / s:.2f}"
 
-    lines = [source.rstrip("\n"), "", "=" * 100, "Python 3.11.7", "PyTorch 2.5.1", "NVIDIA H100 80GB HBM3", "=" * 100,
-             f"step:0/{steps} val_loss:{10.8258:.{decimals}f} train_time:0ms step_avg:nanms"]
+    lines = [source.rstrip("\n"), "", "=" * 100, "Python 3.11.7", "PyTorch 2.5.1", "NVIDIA H100 80GB HBM3", "=" * 100]
+    lines += [f"config {k} = {v!r}" for k, v in (config or {}).items()]
+    lines.append(f"step:0/{steps} val_loss:{10.8258:.{decimals}f} train_time:0ms step_avg:nanms")
     for s in range(1, (steps if finish else steps // 2) + 1):
         t = ms * s / steps
         lines.append(f"step:{s}/{steps} train_time:{t:.0f}ms step_avg:{avg(t, s)}ms")
@@ -187,10 +195,11 @@ def test_text_output_numbers_match(tmp_path, capsys):
     for group, key in zip(loss_line.groups()[1:], ("mean", "std", "median", "min", "max")):
         assert float(group) == pytest.approx(x[key], abs=1e-6), key
     t = (x["mean"] - 2.92) / (x["std"] / 2)
-    test_line = re.search(r"t=(\S+) p=(\S+) 95% upper bound of mean=(\S+)$", out, re.M)
+    # the bound is at the level 1 - alpha (99% at the default alpha 0.01)
+    test_line = re.search(r"t=(\S+) p=(\S+) 99% upper bound of mean=(\S+)$", out, re.M)
     assert float(test_line[1]) == pytest.approx(t, abs=1e-4)
     assert float(test_line[2]) == pytest.approx(sps.t.cdf(t, 3), rel=1e-3)
-    assert float(test_line[3]) == pytest.approx(x["mean"] + sps.t.ppf(0.95, 3) * x["std"] / 2, abs=1e-6)
+    assert float(test_line[3]) == pytest.approx(x["mean"] + sps.t.ppf(0.99, 3) * x["std"] / 2, abs=1e-6)
     time_line = re.search(r"^train_time \(s\): n=4 mean=(\S+) ", out, re.M)
     assert float(time_line[1]) == pytest.approx(np.mean(TIMES[:4]), abs=1e-3)
 
@@ -390,3 +399,449 @@ def test_diff_folder_without_script_or_log_exits_2(tmp_path, capsys):
     new = make_record(tmp_path, "2025-02-01_B", script="lr = 0.2\n")
     assert diff_cli.main([str(new)]) == 2
     assert "2025-01-01_A" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- experiments: grouping before testing
+
+# A few of the trainer's config lines; the real logs carry one per Hyperparameters field.
+OUR_CONFIG = {"preset": "medium", "run_id": "", "seed": 0, "log_dir": "logs", "num_iterations": 10, "muon_lr": 0.025}
+
+
+def make_our_set(folder, losses, times=TIMES, first_seed=100, **config):
+    """A folder of logs in our format: config lines, a different seed (and log_dir) per run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (loss, t) in enumerate(zip(losses, times)):
+        cfg = {**OUR_CONFIG, "seed": first_seed + i, "log_dir": f"logs/machine{i}", **config}
+        write_log(folder / f"ours{first_seed + i}.txt", loss, t, config=cfg)
+    return folder
+
+
+def t_test_by_scipy(x, target=2.92, alpha=0.01):
+    x = np.asarray(x, dtype=np.float64)
+    sem = x.std(ddof=1) / math.sqrt(len(x))
+    res = sps.ttest_1samp(x, target, alternative="less")
+    return {"t": res.statistic, "p": res.pvalue, "bound": x.mean() + sps.t.ppf(1 - alpha, len(x) - 1) * sem}
+
+
+def test_two_step_counts_in_one_folder_are_two_groups_and_refused(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    for i, loss in enumerate(FAIL_LOSSES[:3]):
+        write_log(folder / f"zz_long{i}.txt", loss, 1500.0 + i, steps=12)
+    code = stats_cli.main([str(folder)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "split the folder" in captured.err and "--pool" in captured.err
+    assert re.search(r"^group A: 6 run\(s\), .*10 steps", captured.out, re.M)
+    assert re.search(r"^group B: 3 run\(s\), .*12 steps", captured.out, re.M)
+    code, data = run_json(capsys, folder)
+    assert code == 2 and data["verdict"] == "refused" and data["t_test"] is None
+    assert [len(g["runs"]) for g in data["groups"]] == [6, 3]
+    assert data["groups"][1]["distinct"] == {"steps": "12"}
+
+
+def test_each_group_of_a_refused_folder_is_tested_on_its_own(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    for i, loss in enumerate(FAIL_LOSSES):
+        write_log(folder / f"zz_long{i}.txt", loss, 1500.0 + i, steps=12)
+    _, data = run_json(capsys, folder)
+    for group, losses in zip(data["groups"], (PASS_LOSSES, FAIL_LOSSES)):
+        want = t_test_by_scipy(losses)
+        assert group["analysis"]["t_test"]["p"] == pytest.approx(want["p"], rel=1e-9)
+
+
+def test_different_scripts_are_two_groups(tmp_path, capsys):
+    folder = make_our_set(tmp_path / "r", PASS_LOSSES[:3])
+    for i, loss in enumerate(PASS_LOSSES[3:]):
+        write_log(folder / f"z{i}.txt", loss, 1400.0, source=SOURCE + "# the record's change\n",
+                  config={**OUR_CONFIG, "seed": 7 + i})
+    code, data = run_json(capsys, folder)
+    assert code == 2
+    assert [len(g["runs"]) for g in data["groups"]] == [3, 3]
+    assert set(data["groups"][0]["distinct"]) == {"script"}
+
+
+def test_runs_differing_only_in_seed_and_log_dir_are_one_experiment(tmp_path, capsys):
+    code, data = run_json(capsys, make_our_set(tmp_path / "r", PASS_LOSSES))
+    assert code == 0 and len(data["groups"]) == 1 and data["refused"] is None
+    assert data["t_test"]["p"] == pytest.approx(t_test_by_scipy(PASS_LOSSES)["p"], rel=1e-9)
+
+
+def test_a_changed_flag_is_a_different_experiment(tmp_path, capsys):
+    folder = make_our_set(tmp_path / "r", PASS_LOSSES[:3])
+    make_our_set(folder, PASS_LOSSES[3:], first_seed=200, muon_lr=0.03)
+    code, data = run_json(capsys, folder)
+    assert code == 2
+    assert [g["distinct"] for g in data["groups"]] == [{"muon_lr": "0.025"}, {"muon_lr": "0.03"}]
+
+
+def test_pool_tests_all_groups_as_one_claim(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    write_log(folder / "long.txt", 2.9140, 1500.0, steps=12)
+    code, data = run_json(capsys, folder, "--pool")
+    losses = PASS_LOSSES + [2.9140]
+    assert code == 0 and data["pooled"] and data["refused"] is None
+    assert_describe(data["val_loss"], losses)
+    assert data["t_test"]["p"] == pytest.approx(t_test_by_scipy(losses)["p"], rel=1e-9)
+    assert any("--pool" in w for w in data["warnings"])
+
+
+def test_byte_identical_copy_is_counted_once_with_a_warning_naming_both(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    (folder / "zz_copy.txt").write_bytes((folder / "run00.txt").read_bytes())
+    code, data = run_json(capsys, folder)
+    assert code == 0
+    assert_describe(data["val_loss"], PASS_LOSSES)
+    assert data["t_test"]["p"] == pytest.approx(t_test_by_scipy(PASS_LOSSES)["p"], rel=1e-9)
+    [warning] = data["duplicates"]
+    assert str(folder / "run00.txt") in warning and str(folder / "zz_copy.txt") in warning
+
+
+def test_4_decimal_losses_warn(tmp_path, capsys):
+    stats_cli.main([str(make_set(tmp_path / "r", [2.9150, 2.9162, 2.9171], decimals=4))])
+    assert "only 4 decimals" in capsys.readouterr().err
+
+
+def test_6_decimal_losses_do_not_warn(tmp_path, capsys):
+    stats_cli.main([str(make_set(tmp_path / "r", PASS_LOSSES))])
+    assert capsys.readouterr().err == ""
+
+
+def test_mixing_4_and_6_decimal_losses_in_one_group_warns(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    write_log(folder / "short.txt", 2.9160, 1411.0, decimals=4)
+    stats_cli.main([str(folder)])
+    assert "mixes 1 coarse-decimal" in capsys.readouterr().err
+
+
+def test_runs_sharing_a_seed_warn(tmp_path, capsys):
+    folder = make_our_set(tmp_path / "r", PASS_LOSSES[:3])
+    write_log(folder / "again.txt", PASS_LOSSES[3], 1411.0, config={**OUR_CONFIG, "seed": 101})
+    stats_cli.main([str(folder)])
+    assert re.search(r"runs .*/again\.txt, .*/ours101\.txt share seed 101", capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- the claim's further figures
+
+
+@pytest.mark.parametrize("alpha, label", [(0.01, "99%"), (0.05, "95%"), (0.1, "90%")])
+def test_upper_bound_follows_alpha(tmp_path, capsys, alpha, label):
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    _, data = run_json(capsys, folder, "--alpha", alpha)
+    assert data["t_test"]["upper_bound"] == pytest.approx(t_test_by_scipy(PASS_LOSSES, alpha=alpha)["bound"], rel=1e-12)
+    assert data["t_test"]["upper_bound_level"] == pytest.approx(1 - alpha)
+    stats_cli.main([str(folder), "--alpha", str(alpha)])
+    bound = re.search(rf" {label} upper bound of mean=(\S+)$", capsys.readouterr().out, re.M)
+    assert float(bound[1]) == pytest.approx(t_test_by_scipy(PASS_LOSSES, alpha=alpha)["bound"], abs=1e-6)
+
+
+def nct_power(losses, n, target=2.92, alpha=0.01):
+    """P(p < alpha) for n runs of the one-sided one-sample t-test if the truth is the observed mean and std."""
+    x = np.asarray(losses)
+    effect = (target - x.mean()) / x.std(ddof=1)
+    return sps.nct.sf(sps.t.ppf(1 - alpha, n - 1), n - 1, effect * math.sqrt(n))
+
+
+@pytest.mark.parametrize("losses", [PASS_LOSSES, FAIL_LOSSES])
+def test_runs_needed_is_the_first_n_with_enough_noncentral_t_power(tmp_path, capsys, losses):
+    _, data = run_json(capsys, make_set(tmp_path / "r", losses))
+    power = data["power"]
+    assert "noncentral-t" in power["method"]
+    assert power["power_at_n"] == pytest.approx(nct_power(losses, len(losses)), rel=1e-9)
+    for level in (80, 90):
+        first = next(n for n in range(2, 10_000) if nct_power(losses, n) >= level / 100)
+        assert power[f"runs_needed_{level}"] == first
+
+
+def test_power_of_a_mean_above_target_says_no_number_of_runs_will_do(tmp_path, capsys):
+    code = stats_cli.main([str(make_set(tmp_path / "r", [2.9210, 2.9230, 2.9190]))])
+    assert code == 1
+    assert "no number of runs will give p < alpha" in capsys.readouterr().out
+
+
+def test_chance_of_one_run_below_target_is_the_normal_cdf(tmp_path, capsys):
+    _, data = run_json(capsys, make_set(tmp_path / "r", FAIL_LOSSES))
+    x = np.asarray(FAIL_LOSSES)
+    assert data["single_run_below"]["p"] == pytest.approx(sps.norm.cdf(2.92, x.mean(), x.std(ddof=1)), rel=1e-12)
+    assert "normal model" in data["single_run_below"]["method"]
+
+
+@pytest.mark.parametrize("seconds, code", [(1420, 0), (1414, 1)])  # p = 1.2e-4 and 0.045
+def test_time_vs_seconds_is_a_one_sided_one_sample_t_test(tmp_path, capsys, seconds, code):
+    got, data = run_json(capsys, make_set(tmp_path / "r", PASS_LOSSES), "--time-vs", seconds)
+    tv, x = data["time_vs"], np.asarray(TIMES)
+    assert tv["p"] == pytest.approx(sps.ttest_1samp(x, seconds, alternative="less").pvalue, rel=1e-9)
+    assert tv["upper_bound"] == pytest.approx(x.mean() + sps.t.ppf(0.99, 5) * x.std(ddof=1) / math.sqrt(6), rel=1e-12)
+    assert got == code and tv["holds"] == (code == 0)
+
+
+@pytest.mark.parametrize("slower_by, code", [(9.0, 0), (4.0, 1)])  # p = 0.0054 and 0.031
+def test_time_vs_path_is_a_one_sided_welch_test(tmp_path, capsys, slower_by, code):
+    previous = make_set(tmp_path / "prev", FAIL_LOSSES, [t + slower_by for t in SLOWER_TIMES])
+    got, data = run_json(capsys, make_set(tmp_path / "r", PASS_LOSSES), "--time-vs", previous)
+    new, old = np.asarray(TIMES), np.asarray([t + slower_by for t in SLOWER_TIMES[:4]])
+    tv = data["time_vs"]
+    assert tv["p"] == pytest.approx(sps.ttest_ind(new, old, equal_var=False, alternative="less").pvalue, rel=1e-9)
+    w = welch_by_formula(old, new)
+    se = w["diff"] / w["t"]
+    assert tv["upper_bound"] == pytest.approx(w["diff"] + sps.t.ppf(0.99, w["df"]) * se, rel=1e-9)
+    assert got == code
+
+
+def test_time_vs_a_slower_claim_fails_even_when_the_loss_passes(tmp_path, capsys):
+    code = stats_cli.main([str(make_set(tmp_path / "r", PASS_LOSSES)), "--time-vs", "1400"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "time verdict: not shown to be faster" in out and "claim does not hold" in out
+
+
+def test_single_run_prints_its_figures(tmp_path, capsys):
+    code = stats_cli.main([str(make_set(tmp_path / "r", [2.9123]))])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "final val loss: n=1 mean=2.912300" in out and "at least 2 runs" in out
+
+
+SMALL_TRACK_LOSSES = [3.2791, 3.2802, 3.2785]  # 124M-track runs, target 3.28
+
+
+@pytest.mark.parametrize("losses, target, code, expected", [
+    (SMALL_TRACK_LOSSES, 2.92, 1, "far above the target 2.92; did you mean --target=3.28"),
+    (SMALL_TRACK_LOSSES, 3.6, 0, "far below the target 3.6; did you mean --target=3.28"),
+    ([3.5012, 3.5023, 3.5007], 2.92, 1, "did you mean another --target?"),
+])
+def test_runs_far_from_target_give_a_hint(tmp_path, capsys, losses, target, code, expected):
+    got, data = run_json(capsys, make_set(tmp_path / "r", losses), "--target", target)
+    assert got == code
+    assert expected in data["hint"]
+
+
+def test_close_to_target_gives_no_hint(tmp_path, capsys):
+    _, data = run_json(capsys, make_set(tmp_path / "r", FAIL_LOSSES))
+    assert data["hint"] is None
+
+
+# ---------------------------------------------------------------- --values and --table
+
+FIGURES = ("val_loss", "t_test", "power", "single_run_below", "verdict")
+
+
+def test_values_list_gives_the_same_result_as_logs(tmp_path, capsys):
+    _, from_logs = run_json(capsys, make_set(tmp_path / "r", PASS_LOSSES))
+    code, from_values = run_json(capsys, "--values", ",".join(f"{x:.6f}" for x in PASS_LOSSES))
+    assert code == 0
+    for key in FIGURES:
+        assert from_values[key] == from_logs[key], key
+
+
+def test_values_file_with_times_gives_the_same_result_as_logs(tmp_path, capsys):
+    values = tmp_path / "values.txt"
+    values.write_text("# loss time_s, from a README\n\n" +
+                      "".join(f"{x:.6f} {t}\n" for x, t in zip(FAIL_LOSSES, TIMES)))
+    _, from_logs = run_json(capsys, make_set(tmp_path / "r", FAIL_LOSSES), "--time-vs", "1420")
+    code, from_values = run_json(capsys, "--values", values, "--time-vs", "1420")
+    assert code == 1
+    for key in FIGURES + ("train_time_s", "time_vs"):
+        assert from_values[key] == from_logs[key], key
+
+
+def test_values_bad_entry_exits_2_naming_the_line(tmp_path, capsys):
+    values = tmp_path / "values.txt"
+    values.write_text("2.9150\n2.91x\n")
+    assert stats_cli.main(["--values", str(values)]) == 2
+    assert f"{values}:2:" in capsys.readouterr().err
+
+
+def test_values_and_paths_together_exit_2(tmp_path):
+    assert stats_cli.main([str(make_set(tmp_path / "r", PASS_LOSSES)), "--values", "2.91,2.92"]) == 2
+
+
+def test_table_has_one_row_per_folder_and_group(tmp_path, capsys):
+    good = make_set(tmp_path / "2025-01-18", PASS_LOSSES)
+    mixed = make_set(tmp_path / "2025-11-02-Smear-MTP", FAIL_LOSSES)
+    for i, loss in enumerate(PASS_LOSSES[:2]):
+        write_log(mixed / f"zz_long{i}.txt", loss, 1500.0 + i, steps=12)
+    code, data = run_json(capsys, good, mixed, "--table")
+    assert code == 0
+    rows = [(r["path"], r["group"], r["val_loss"]["n"]) for r in data["rows"]]
+    assert rows == [(str(good), None, 6), (str(mixed), "A", 4), (str(mixed), "B", 2)]
+    for row, losses in zip(data["rows"], (PASS_LOSSES, FAIL_LOSSES, PASS_LOSSES[:2])):
+        assert row["t_test"]["p"] == pytest.approx(t_test_by_scipy(losses)["p"], rel=1e-9)
+    stats_cli.main([str(good), str(mixed), "--table"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == ["set", "n", "mean"]
+    assert lines[2].split()[0] == str(good) and lines[2].split()[-1] == "holds"
+    assert lines[3].startswith(f"{mixed} [A]") and lines[3].endswith("does not hold")
+
+
+def test_table_reports_an_unusable_folder_in_its_row(tmp_path, capsys):
+    good = make_set(tmp_path / "good", PASS_LOSSES)
+    (tmp_path / "2025-01-18").mkdir()
+    code = stats_cli.main([str(good), str(tmp_path / "nope"), str(tmp_path / "2025-01-18"), "--table"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert re.search(r"nope .*error: no such file or folder", out)
+    assert re.search(r"2025-01-18 .*error: no \*\.txt logs", out)
+
+
+def test_table_leaves_out_folders_that_are_neither_records_nor_hold_logs(tmp_path, capsys):
+    good = make_set(tmp_path / "2025-01-18", PASS_LOSSES)
+    (tmp_path / "__pycache__").mkdir()
+    code, data = run_json(capsys, good, tmp_path / "__pycache__", "--table")
+    assert code == 0 and [r["path"] for r in data["rows"]] == [str(good)]
+
+
+# ---------------------------------------------------------------- record folder names
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("2025-01-18", ("2025-01-18", "")),
+    ("2025-01-18_Muon", ("2025-01-18", "Muon")),
+    ("2025-11-02-Smear-MTP", ("2025-11-02", "Smear-MTP")),
+    ("2025-13-02_BadMonth", None),
+    ("notes", None),
+    ("2025-01-18Name", None),
+])
+def test_record_name_forms(name, expected):
+    assert stats_cli.record_name(name) == expected
+
+
+def test_default_path_recognises_every_name_form(tmp_path, capsys):
+    make_set(tmp_path / "2025-01-18", FAIL_LOSSES)
+    newest = make_set(tmp_path / "2025-11-02-Smear-MTP", PASS_LOSSES)
+    make_set(tmp_path / "2025-06-01_Middle", FAIL_LOSSES)
+    _, data = run_json(capsys, "--records-dir", tmp_path)
+    assert data["paths"] == [str(newest)]
+
+
+# ---------------------------------------------------------------- diff.py: name forms, --nearest, --stat, configs
+
+
+@pytest.mark.parametrize("record, expected", [
+    ("2025-11-02-Smear-MTP", "2025-06-01_Middle"),
+    ("2025-06-01_Middle", "2025-01-18"),
+    ("2025-01-18", None),
+])
+def test_diff_predecessor_across_name_forms(tmp_path, record, expected):
+    for name in ("2025-01-18", "2025-06-01_Middle", "2025-11-02-Smear-MTP"):
+        make_record(tmp_path, name, script=f"# {name}\n")
+    if expected is None:
+        with pytest.raises(diff_cli.DiffError, match="no predecessor"):
+            diff_cli.predecessor(tmp_path / record)
+    else:
+        assert diff_cli.predecessor(tmp_path / record) == tmp_path / expected
+
+
+BASE_SCRIPT = "".join(f"line_{i} = {i}\n" for i in range(20))
+
+
+def test_diff_nearest_picks_the_earlier_record_with_the_fewest_changed_lines(tmp_path, capsys):
+    make_record(tmp_path, "2025-01-01_Close", script=BASE_SCRIPT.replace("line_3 = 3", "line_3 = 33"))
+    make_record(tmp_path, "2025-02-01_Far", script=BASE_SCRIPT.replace("= 1", "= 100").replace("= 2", "= 200"))
+    new = make_record(tmp_path, "2025-03-01_New", script=BASE_SCRIPT)
+    assert diff_cli.main([str(new), "--nearest"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == "--- 2025-01-01_Close/train_gpt_medium.py"
+    assert "nearest earlier record: 2025-01-01_Close (2 changed line(s))" in captured.err
+    assert diff_cli.main([str(new)]) == 0  # without --nearest: the previous by date
+    assert capsys.readouterr().out.splitlines()[0] == "--- 2025-02-01_Far/train_gpt_medium.py"
+
+
+def test_diff_stat_counts_added_and_removed_lines_per_section(tmp_path, capsys):
+    rule = "# " + "-" * 77 + "\n"
+    old = rule + "# Model\nwidth = 1\ndepth = 2\n" + rule + "# Training loop\nlr = 0.1\n"
+    new = rule + "# Model\nwidth = 2\ndepth = 2\nheads = 4\n" + rule + "# Training loop\nlr = 0.1\n"
+    make_record(tmp_path, "2025-01-01", script=old)
+    record = make_record(tmp_path, "2025-02-01", script=new)
+    assert diff_cli.main([str(record), "--stat"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "2025-01-01/train_gpt_medium.py -> 2025-02-01/train_gpt_medium.py: 2 line(s) added, 1 removed"
+    assert lines[1].split() == ["+2", "-1", "Model"]
+
+
+def test_diff_shows_the_config_flag_that_changed(tmp_path, capsys):
+    make_our_set(tmp_path / "2025-01-01_Base", PASS_LOSSES[:2])
+    record = make_our_set(tmp_path / "2025-02-01_HigherLR", PASS_LOSSES[:2], first_seed=900, muon_lr=0.03)
+    assert diff_cli.main([str(record)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(out) if line.startswith("config 2025-01-01_Base/"))
+    assert out[i + 1:] == ["  muon_lr: 0.025 -> 0.03"]  # the seed and log_dir differ too, but are not compared
+
+
+def test_diff_says_why_configs_are_not_compared_for_upstream_logs(tmp_path, capsys):
+    make_record(tmp_path, "2025-01-01_A", log_source="lr = 0.1\n")
+    new = make_record(tmp_path, "2025-02-01_B", log_source="lr = 0.2\n")
+    assert diff_cli.main([str(new)]) == 0
+    assert "config not compared: 2025-01-01_A/a_run.txt has no config lines" in capsys.readouterr().out
+
+
+def test_diff_warns_when_a_folder_holds_more_than_one_script(tmp_path, capsys):
+    make_record(tmp_path, "2025-01-01_A", script="lr = 0.1\n")
+    new = make_record(tmp_path, "2025-02-01_B", log_source="lr = 0.2\n")  # b_run.txt holds another script
+    assert diff_cli.main([str(new)]) == 0
+    err = capsys.readouterr().err
+    assert "2025-02-01_B holds 2 distinct scripts (a_run.txt; b_run.txt)" in err
+    assert "compared: 2025-02-01_B/a_run.txt (embedded source)" in err
+
+
+# ---------------------------------------------------------------- run.sh RUNS
+
+
+def fake_python(tmp_path, fail_at=0, code=7):
+    """An executable standing in for $PYTHON: appends its arguments to calls.txt; call `fail_at` exits `code`."""
+    calls = tmp_path / "calls.txt"
+    script = tmp_path / "fake_python"
+    script.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n'
+                      f'[ "$(wc -l < {calls})" -eq {fail_at} ] && exit {code}\nexit 0\n')
+    script.chmod(0o755)
+    return script, calls
+
+
+def run_sh(tmp_path, python, args, **env):
+    environ = {k: v for k, v in os.environ.items() if k not in ("RUNS", "NPROC_PER_NODE", "NNODES")}
+    environ.update(PYTHON=str(python), CUDA_VISIBLE_DEVICES="", **env)
+    return subprocess.run([str(ROOT / "run.sh"), *args], capture_output=True, text=True, env=environ, timeout=60)
+
+
+def test_run_sh_runs_repeats_the_trainer_with_the_same_args(tmp_path):
+    python, calls = fake_python(tmp_path)
+    proc = run_sh(tmp_path, python, ["--preset", "tiny", "--val_every=3"], RUNS="3")
+    assert proc.returncode == 0
+    assert calls.read_text().splitlines() == ["train_gpt_medium.py --preset tiny --val_every=3"] * 3
+    assert [line for line in proc.stderr.splitlines() if "starting run" in line] == [
+        f"run.sh: starting run {i} of 3" for i in (1, 2, 3)]
+
+
+def test_run_sh_stops_at_the_first_failing_run_with_its_exit_status(tmp_path):
+    python, calls = fake_python(tmp_path, fail_at=2, code=7)
+    proc = run_sh(tmp_path, python, ["--preset", "tiny"], RUNS="4")
+    assert proc.returncode == 7
+    assert len(calls.read_text().splitlines()) == 2
+    assert "run 2 of 4 failed with exit status 7" in proc.stderr
+
+
+def test_run_sh_without_runs_runs_once(tmp_path):
+    python, calls = fake_python(tmp_path, fail_at=1, code=3)
+    proc = run_sh(tmp_path, python, ["--preset", "tiny"])
+    assert proc.returncode == 3 and len(calls.read_text().splitlines()) == 1
+    assert "starting run" not in proc.stderr
+
+
+def test_run_sh_rejects_a_bad_runs_count(tmp_path):
+    python, calls = fake_python(tmp_path)
+    proc = run_sh(tmp_path, python, [], RUNS="ten")
+    assert proc.returncode == 2 and "RUNS=ten" in proc.stderr and not calls.exists()
+
+
+def test_compare_refuses_a_set_that_mixes_experiments(tmp_path, capsys):
+    a = make_set(tmp_path / "a", FAIL_LOSSES)
+    b = make_set(tmp_path / "b", PASS_LOSSES)
+    write_log(b / "zz_long.txt", 2.9140, 1500.0, steps=12)
+    assert stats_cli.main(["--compare", str(a), str(b)]) == 2
+    assert "split the folder or pass --pool" in capsys.readouterr().err
+    assert stats_cli.main(["--compare", str(a), str(b), "--pool"]) == 0
+
+
+def test_diff_script_entry_point_returns_exit_status(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "records" / "diff.py"), str(tmp_path / "nope")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "nope" in proc.stderr
