@@ -203,3 +203,22 @@ def test_a_shorter_sequence_is_logged_as_a_change_of_training():
     (note,) = tg.recipe_notes(tg.make_config("medium", train_seq_len=16384))
     assert "--train_seq_len=16384" in note and "65536" in note and "changes training" in note
     assert "131,072 tokens instead of 524,288" in note and "--activation_checkpointing" in note
+
+
+def test_the_readme_switch_table_is_the_one_made_from_the_dataclass():
+    """Defaults, meanings and allowed values in the README come from the same metadata as --help;
+    after changing a field, `python tools/switch_table.py --write` updates the README."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("switch_table", ROOT / "tools" / "switch_table.py")
+    switch_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(switch_table)
+    readme = (ROOT / "README.md").read_text()
+    assert switch_table.readme_with_table(readme) == readme, "run: python tools/switch_table.py --write"
+
+
+def test_help_lists_every_field_with_its_default_and_exits_0(capsys):
+    assert tg.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for f in tg.fields(tg.Hyperparameters):
+        assert f"--{f.name}" in out, f.name
+    assert "[default 5690; >= 1]" in out and "[default 0.025; >= 0]" in out
