@@ -580,7 +580,10 @@ def load_sweep(out: Path) -> Sweep:
     path = Path(out) / "sweep.json"
     if not path.exists():
         raise SweepError(f"--out {out}: no sweep.json there (not the output folder of an ablate.py sweep)")
-    return Sweep(**json.loads(path.read_text()))
+    try:
+        return Sweep(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:  # not JSON, or not the fields a sweep has
+        raise SweepError(f"{path}: not a sweep description ({e}); re-run the sweep command to rewrite it") from None
 
 
 def main(argv: list[str] | None = None) -> int:
