@@ -488,6 +488,28 @@ def welch(a: list[float], b: list[float]) -> dict:
             "t": float(res.statistic), "p_two_sided": float(res.pvalue)}
 
 
+def paired_test(a: list[float], b: list[float]) -> dict:
+    """Paired t-test of B against A (a[i] and b[i] share seed i): mean of B - A, its 95% CI, t, two-sided p.
+
+    The same test as scipy.stats.ttest_rel(b, a). Pairing removes what the two runs of one seed
+    have in common (the initial values of the tensors they share), so it can see smaller deltas than
+    Welch's test. Fewer than 2 pairs, or deltas that are all equal, give nan where undefined.
+    """
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired_test needs two equally long lists, got {a.shape} and {b.shape}")
+    deltas, n = b - a, len(a)
+    mean = float(deltas.mean()) if n else math.nan
+    if n < 2:
+        return {"n": n, "mean_diff": mean, "ci95": [math.nan, math.nan], "df": n - 1,
+                "t": math.nan, "p_two_sided": math.nan}
+    with np.errstate(divide="ignore", invalid="ignore"):  # all deltas equal: se = 0
+        half = stats.t.ppf(0.975, n - 1) * deltas.std(ddof=1) / math.sqrt(n)
+        res = stats.ttest_rel(b, a)
+    return {"n": n, "mean_diff": mean, "ci95": [float(mean - half), float(mean + half)], "df": n - 1,
+            "t": float(res.statistic), "p_two_sided": float(res.pvalue)}
+
+
 @dataclass
 class TimeReference:
     """What --time-vs compares the training times with: a number of seconds, or the runs of another set."""
