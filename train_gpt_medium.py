@@ -1194,7 +1194,7 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         log = open_run_log(config, device, world_size, notes, rank)
         try:
             result = train(config, device, rank, world_size, log, data, resume)
-        except (NonFiniteLossError, WriteError) as e:
+        except (InputError, NonFiniteLossError, WriteError) as e:
             log.record_error(e)
             raise
         if rank == 0:

@@ -268,7 +268,8 @@ def test_a_log_that_cannot_be_written_midway_exits_3_keeping_what_it_holds(synth
 
 
 def _two_process_worker(rank: int, port: int, argv: list[str], out: Path) -> None:
-    """Rank `rank` of a 2-process run whose rank 0 finds the disk full when it writes main.pt."""
+    """Rank `rank` of a 2-process run whose rank 0 finds the disk full when it writes main.pt;
+    writes its exit code and stderr to out/rank<r>.txt."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -287,12 +288,9 @@ def _two_process_worker(rank: int, port: int, argv: list[str], out: Path) -> Non
     os._exit(0)  # see test_distributed._muon_worker: no interpreter shutdown with gloo threads about
 
 
-@pytest.mark.slow
-def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(synthetic_dir, tmp_path):
-    """Both ranks learn of rank 0's failure at the same point (a vote after the files are written),
-    so rank 1 exits 3 too instead of waiting in the next collective forever."""
-    argv = argv_with(synthetic_dir, tmp_path, "--save_every=2", "--seed=0", N=2)
-    context = torch.multiprocessing.start_processes(_two_process_worker, args=(free_port(), argv, tmp_path),
+def run_two_processes(argv: list[str], out: Path) -> list[tuple[str, str]]:
+    """(exit code, stderr) of both ranks; fails if a rank is still running after 300 s (a hang)."""
+    context = torch.multiprocessing.start_processes(_two_process_worker, args=(free_port(), argv, out),
                                                     nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + 300
     while not context.join(timeout=5):
@@ -300,12 +298,30 @@ def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(synthetic_dir, tm
             for process in context.processes:
                 process.kill()
             pytest.fail("a rank was still running 300 s after the start: the failure did not reach it")
-    results = [(tmp_path / f"rank{rank}.txt").read_text().split("\n", 1) for rank in range(2)]
-    assert [code for code, _ in results] == ["3", "3"]
-    assert "error (rank 0): checkpoint step_000002.partial not saved: cannot write" in results[0][1]
-    assert "No space left on device" in results[0][1]
-    assert "error (rank 1): checkpoint step_000002.partial not saved: another rank could not write" in results[1][1]
+    return [tuple((out / f"rank{rank}.txt").read_text().split("\n", 1)) for rank in range(2)]
+
+
+def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(synthetic_dir, tmp_path):
+    """Both ranks learn of rank 0's failure at the same point (a vote after the files are written),
+    so rank 1 exits 3 too instead of waiting in the next collective forever."""
+    (code0, err0), (code1, err1) = run_two_processes(
+        argv_with(synthetic_dir, tmp_path, "--save_every=2", "--seed=0", N=2), tmp_path)
+    assert (code0, code1) == ("3", "3")
+    assert "error (rank 0): checkpoint step_000002.partial not saved: cannot write" in err0
+    assert "No space left on device" in err0
+    assert "error (rank 1): checkpoint step_000002.partial not saved: another rank could not write" in err1
     assert list((tmp_path / "ck" / "tiny").iterdir()) == []
+
+
+def test_an_output_folder_refused_on_rank_0_stops_every_rank_before_training(synthetic_dir, tmp_path):
+    """Rank 0 checks the log folder and hands its verdict to every rank: both exit 2, rank 0 says why."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    (code0, err0), (code1, err1) = run_two_processes(
+        argv_with(synthetic_dir, tmp_path, f"--log_dir={blocker}", "--seed=0", N=2), tmp_path)
+    assert (code0, code1) == ("2", "2")
+    assert err0 == f"error: --log_dir: {blocker} is a file, not a folder; choose a folder this process can write\n"
+    assert err1 == ""  # input errors are printed once, by rank 0
 
 
 # ---- --help
