@@ -35,6 +35,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -817,10 +818,24 @@ class ShardNotFoundError(ShardError, FileNotFoundError):
 
 
 def shard_files(pattern: str, flag: str) -> list[str]:
+    """The files a shard pattern matches, sorted; ShardError naming the flag if there are none, or if
+    one is a folder or cannot be opened (found here, before anything is built, not mid-run)."""
     files = sorted(glob.glob(pattern))
     if not files:
-        hint = "; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else ""
+        hint = ("; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else
+                "; make them with `python data/synthetic.py --out FOLDER` (--synthetic_data writes only "
+                "the tiny preset's own folder)" if "synthetic" in pattern else "")
         raise ShardNotFoundError(f"--{flag}: no files match {pattern!r}{hint}")
+    for path in files:
+        if os.path.isdir(path):
+            raise ShardError(f"--{flag}: {path} is a folder, not a shard; make the pattern match shard files "
+                             "only (e.g. end it in *.bin)")
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ShardError(f"--{flag}: {path} cannot be read ({e.strerror or e}); fix its permissions or "
+                             "leave it out of the pattern")
     return files
 
 
@@ -1125,7 +1140,9 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the trainer with command-line flags. Exit codes: 0 done, 1 stopped on a non-finite loss,
-    2 bad input (flags, data files, checkpoints), 3 a checkpoint or log could not be written."""
+    2 bad input (flags, data files, checkpoints, output folders; found before training starts),
+    3 a checkpoint, the log or the synthetic data could not be written (disk full, permissions):
+    the run stops, a half-written checkpoint is removed, earlier ones stay intact."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -1171,12 +1188,14 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         if distributed:
             dist.barrier()
         data = load_data(config)
+        read_token_bytes(config)  # a bad table stops the run here, not after its log was opened
         resume, notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
         log = open_run_log(config, device, world_size, notes, rank)
         try:
             result = train(config, device, rank, world_size, log, data, resume)
-        except NonFiniteLossError as e:
-            log.write(f"error: {e}", console=False)
+        except (InputError, NonFiniteLossError, WriteError) as e:
+            log.record_error(e)
             raise
         if rank == 0:
             print(run_summary(config, result, log))
@@ -1203,7 +1222,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 class WriteError(RuntimeError):
-    """A checkpoint or log could not be written (disk full, permissions); the run stops (exit 3)."""
+    """A checkpoint, the log or the synthetic data could not be written (disk full, permissions);
+    the message names the path and the OS error; the run stops (exit 3)."""
 
 
 # ---- flags <-> Hyperparameters: argparse driven by the dataclass fields
@@ -1428,6 +1448,8 @@ def resolve_device(config: Hyperparameters, local_rank: int) -> torch.device:
     if config.device == "auto" and config.preset == "medium":
         raise ConfigError("no CUDA GPU found: the record recipe needs GPUs. For a CPU run use "
                           "`./run.sh --preset tiny` (or force --device=cpu)")
+    if config.attention == "flex":  # eager flex_attention on a CPU ignores the block truncation (test_masks)
+        raise ConfigError("--attention: flex needs a CUDA GPU; on the CPU use --attention=sdpa (or auto)")
     return torch.device("cpu")
 
 
@@ -1456,13 +1478,73 @@ def with_run_seed(config: Hyperparameters, world_size: int) -> Hyperparameters:
     return dataclasses.replace(config, seed=box[0])
 
 
+def on_rank0_for_all(check, rank: int, world_size: int):
+    """Run `check()` on rank 0 alone and give every rank its result, or raise its InputError on every
+    rank: a check that failed on rank 0 only would leave the others waiting in the next collective."""
+    verdict = {}
+    if rank == 0:
+        try:
+            verdict = dict(value=check())
+        except InputError as e:
+            verdict = dict(error=e)
+    if world_size > 1:
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if "error" in verdict:
+        raise verdict["error"]
+    return verdict["value"]
+
+
+def folder_problem(folder: Path) -> Optional[str]:
+    """Why files cannot be created in `folder` (made with its parents if missing), or None. Creates
+    nothing: the probe is a nameless temporary file in the nearest folder that exists."""
+    existing = folder
+    try:
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            return f"{existing} is a file, not a folder"
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"cannot create files in {existing} ({e.strerror or e})"
+    return None
+
+
+def check_output_folders(config: Hyperparameters) -> None:
+    """ConfigError, before training, if the log (or, with --save_every, the checkpoints) could not
+    be written: found at the first write, the run would have trained for nothing."""
+    outputs = [("log_dir", Path(config.log_dir))]
+    if config.save_every:
+        outputs.append(("checkpoint_dir", checkpoint_run_dir(config)))
+    for flag, folder in outputs:
+        problem = folder_problem(folder)
+        if problem:
+            raise ConfigError(f"--{flag}: {problem}; choose a folder this process can write")
+
+
+# the tiny preset's own data: the only place --synthetic_data writes to
+SYNTHETIC_PATHS = {name: PRESETS["tiny"][name] for name in ("train_files", "val_files", "token_bytes_file")}
+
+
 def ensure_synthetic_data(config: Hyperparameters) -> None:
-    """Generate the tiny preset's shards on first use (data/synthetic.py next to this script)."""
-    if glob.glob(config.train_files) and glob.glob(config.val_files) and Path(config.token_bytes_file).exists():
+    """Generate the tiny preset's data (data/synthetic.py next to this script) into its own folder,
+    data/synthetic/, if the run reads that folder and something there is missing. Shard patterns the
+    user typed are never generated into: a mistyped folder must be an error, not a new dataset."""
+    if (config.train_files, config.val_files) != (SYNTHETIC_PATHS["train_files"], SYNTHETIC_PATHS["val_files"]):
+        return
+    if (glob.glob(config.train_files) and glob.glob(config.val_files)
+            and Path(SYNTHETIC_PATHS["token_bytes_file"]).exists()):
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
     import synthetic
-    synthetic.write_dataset(Path(config.train_files).parent, vocab_size=config.vocab_size, eot_token=config.eot_token)
+    folder = Path(config.train_files).parent
+    try:
+        synthetic.write_dataset(folder, vocab_size=config.vocab_size, eot_token=config.eot_token)
+    except OSError as e:
+        raise WriteError(f"--synthetic_data: cannot write the synthetic data into {folder} ({e.strerror or e}); "
+                         "run from a writable folder, or pass --train_files and --val_files")
 
 
 def recipe_notes(config: Hyperparameters) -> list[str]:
@@ -1477,12 +1559,16 @@ def recipe_notes(config: Hyperparameters) -> list[str]:
 
 
 class RunLog:
-    """Rank 0's log file and console; other ranks stay silent."""
+    """Rank 0's log file and console; other ranks stay silent. A line that cannot be written
+    (disk full, the folder gone) is a WriteError: the run stops rather than lose its record."""
 
     def __init__(self, path: Optional[Path], echo: bool = True):
         self.path, self.echo = path, echo
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise WriteError(f"cannot create the log folder {path.parent} ({e.strerror or e})")
 
     def write_lines(self, lines: list[str], console: bool = True) -> None:
         for line in lines:
@@ -1493,8 +1579,19 @@ class RunLog:
             return
         if console and self.echo:
             print(text, flush=True)
-        with open(self.path, "a") as f:
-            f.write(text + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            raise WriteError(f"cannot write the log {self.path} ({e.strerror or e})")
+
+    def record_error(self, error: Exception) -> None:
+        """The error that stops the run, as the log's last line if the log can still take it (the
+        message reaches stderr either way, so a log that fails here is let be)."""
+        try:
+            self.write(f"error: {error}", console=False)
+        except WriteError:
+            pass
 
 
 def hardware_description(device: torch.device) -> str:
@@ -1595,15 +1692,47 @@ def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) 
     log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
 
 
-def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
-    """Bytes per token id (int64, padded ids 0) for val_bpb, or None (said in the log) if absent."""
-    path = Path(config.token_bytes_file) if config.token_bytes_file else None
-    if path is None or not path.exists():
-        log.write(f"val_bpb: not reported (no token byte table{f' at {path}' if path else ''})")
-        return None
-    table = np.load(path)
+def read_token_bytes(config: Hyperparameters) -> tuple[Optional[np.ndarray], str]:
+    """(bytes per token id, "") or (None, why val_bpb is not reported): with --token_bytes_file='', or
+    when the preset's own table is missing. A path given on the command line is not optional: missing,
+    a folder, not a .npy file, or not one byte count per token id is a ConfigError."""
+    name = config.token_bytes_file
+    if not name:
+        return None, "--token_bytes_file=''"
+    path, flag = Path(name), f"--token_bytes_file: {name}"
+    if not path.exists():
+        if name == make_config(config.preset).token_bytes_file:
+            return None, f"the {config.preset} preset's table {name} is missing"
+        raise ConfigError(f"{flag} does not exist; give the path of the byte table (a .npy file), or "
+                          "--token_bytes_file='' to run without val_bpb")
+    if path.is_dir():
+        raise ConfigError(f"{flag} is a folder; give the path of the byte table (a .npy file)")
+    try:
+        table = np.load(path, allow_pickle=False)
+    except OSError as e:
+        raise ConfigError(f"{flag} cannot be read ({e.strerror or e})")
+    except (ValueError, EOFError):
+        raise ConfigError(f"{flag} is not a .npy array file; make the table with data/gpt2_token_bytes.py "
+                          "(or data/synthetic.py), or pass --token_bytes_file='' to run without val_bpb")
+    if not isinstance(table, np.ndarray):  # an .npz archive
+        table.close()
+        raise ConfigError(f"{flag} is an .npz archive; the byte table is a single .npy array")
+    if table.dtype.kind not in "ui":
+        raise ConfigError(f"{flag} holds {table.dtype} values; byte counts are integers (uint8)")
     if table.shape != (config.vocab_size,):
-        raise ConfigError(f"--token_bytes_file: {path} has {table.size} entries, the vocabulary has {config.vocab_size}")
+        raise ConfigError(f"{flag} has shape {table.shape}; it needs one byte count per token id, shape "
+                          f"({config.vocab_size},) for --vocab_size={config.vocab_size}")
+    if table.size and table.min() < 0:
+        raise ConfigError(f"{flag} holds negative byte counts")
+    return table, ""
+
+
+def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
+    """Bytes per token id (int64, padded ids 0) for val_bpb, or None (said in the log) without a table."""
+    table, why_not = read_token_bytes(config)
+    if table is None:
+        log.write(f"val_bpb: not reported ({why_not})")
+        return None
     out = torch.zeros(config.padded_vocab_size, dtype=torch.int64)
     out[:config.vocab_size] = torch.from_numpy(table.astype(np.int64))
     return out.to(device)
@@ -1736,9 +1865,37 @@ def _write_durably(path: Path, obj) -> dict:
     return dict(bytes=path.stat().st_size, sha256=file_sha256(path))
 
 
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
+class _CheckpointWrite:
+    """The steps of one save, each followed by a vote of all ranks: if a step failed on any rank
+    (disk full, permissions), every rank learns it at the same point and raises WriteError, and
+    rank 0 removes the partial folder, so no rank waits forever for one that gave up."""
+
+    def __init__(self, runner: Runner, partial: Path):
+        self.runner, self.partial, self.failure = runner, partial, None
+
+    def attempt(self, path: Path, write) -> Optional[dict]:
+        """write() on this rank unless a step already failed here; an OSError is kept, naming `path`."""
+        if self.failure is None:
+            try:
+                return write()
+            except OSError as e:
+                self.failure = f"cannot write {path} ({e.strerror or e})"
+        return None
+
+    def all_ranks_ok(self) -> None:
+        """The vote: WriteError on every rank if any rank failed (one all-reduce of a flag)."""
+        failed = self.failure is not None
+        if self.runner.world_size > 1:
+            flag = torch.tensor(int(failed), device=self.runner.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failed = bool(flag.item())
+        if not failed:
+            return
+        if self.runner.rank == 0:
+            shutil.rmtree(self.partial, ignore_errors=True)
+        where = self.failure or "another rank could not write its files (its own message says why)"
+        raise WriteError(f"checkpoint {self.partial.name} not saved: {where}; its partial folder is removed, "
+                         f"the checkpoints already in {self.partial.parent} are untouched")
 
 
 def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float) -> Path:
@@ -1746,25 +1903,28 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     of the matrices it owns, its RNG states), rank 0 also main.pt (model, Adam, step, train time,
     data position, config) and, once every file is complete, meta.json (sizes and hashes of the
     files, which file holds which matrix). All of it is written under step_<N>.partial and renamed
-    at the end, so an interrupted save is never taken for a checkpoint."""
+    at the end, so an interrupted save is never taken for a checkpoint. A write that fails on any
+    rank stops every rank with WriteError and leaves no partial folder behind."""
     cfg, rank, W = runner.config, runner.rank, runner.world_size
     run_dir = checkpoint_run_dir(cfg)
     final, partial = run_dir / f"step_{step:06d}", run_dir / f"step_{step:06d}.partial"
+    save = _CheckpointWrite(runner, partial)
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier(W)
+        save.attempt(partial, lambda: _empty_folder(partial))
+    save.all_ranks_ok()
     names = {p: n for n, p in runner.model.named_parameters()}
     sharded = [opt for opt in runner.optimizers if isinstance(opt, Muon)]
     muon = {k: v for opt in sharded for k, v in optimizer_state(opt, names, "cpu")["state"].items()}
     own_file = f"rank_{rank:03d}.pt"
-    records = {own_file: _write_durably(partial / own_file, dict(muon=muon, rng=rng_states(runner.device)))}
+    records = {own_file: save.attempt(partial / own_file, lambda: _write_durably(
+        partial / own_file, dict(muon=muon, rng=rng_states(runner.device))))}
     if rank == 0:  # the model and the replicated optimizers (Adam) are the same on every rank
         saved = capture_state(runner.model, [opt for opt in runner.optimizers if opt not in sharded], "cpu")
-        records["main.pt"] = _write_durably(partial / "main.pt", dict(
+        records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(
             format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
             model=saved["model"], optimizers=[o["state"] for o in saved["optimizers"]],
-            config=config_record(cfg, runner.model.dtype)))
+            config=config_record(cfg, runner.model.dtype))))
+    save.all_ranks_ok()
     mine = (records, {name: own_file for name in muon})
     gathered = [mine]
     if W > 1:
@@ -1776,22 +1936,34 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
                     files={k: v for recs, _ in gathered for k, v in recs.items()},
                     muon_state={k: v for _, owners in gathered for k, v in owners.items()},
                     torch_version=torch.__version__)
-        _write_durably(partial / "meta.json", meta)  # written last: its presence marks the files complete
-        if final.exists():  # the same step of an earlier run under this name: replace it
-            old = run_dir / f"step_{step:06d}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, final)
-        fd = os.open(run_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # make the rename itself durable
-        finally:
-            os.close(fd)
-    _barrier(W)
+        # written last: its presence marks the files complete
+        save.attempt(partial / "meta.json", lambda: _write_durably(partial / "meta.json", meta))
+        save.attempt(final, lambda: _publish(partial, final))
+    save.all_ranks_ok()
     return final
+
+
+def _empty_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # what an interrupted save left
+    path.mkdir(parents=True)
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename a complete step_N.partial to step_N (replacing the same step of an earlier run under
+    this name), durably."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
 
 
 def validate_checkpoint(path: Path) -> dict:
@@ -1907,26 +2079,17 @@ def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
     config against it; a fresh run that would save into a run folder holding checkpoints already is
     refused (`--resume latest` could later pick up the other run's). Every rank gets the verdict:
     ((folder, meta) or None, notes for the log), or the CheckpointError."""
-    verdict = dict(resume=None, notes=[])
-    if rank == 0:
-        try:
-            if config.resume:
-                path, meta, notes = find_checkpoint(config)
-                verdict = dict(resume=(str(path), meta), notes=notes + check_resume_config(meta, config, dtype))
-            elif config.save_every and any(re.fullmatch(r"step_\d+", d.name)
-                                           for d in checkpoint_run_dir(config).glob("step_*")):
-                raise CheckpointError(f"{checkpoint_run_dir(config)} holds checkpoints of an earlier run: continue it "
-                                      "with --resume latest, or choose another --run_id or --checkpoint_dir")
-        except CheckpointError as e:
-            verdict = dict(error=str(e))
-    if world_size > 1:
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-    if "error" in verdict:
-        raise CheckpointError(verdict["error"])
-    resume = verdict["resume"] and (Path(verdict["resume"][0]), verdict["resume"][1])
-    return resume, verdict["notes"]
+
+    def check() -> tuple[Optional[tuple], list[str]]:
+        if config.resume:
+            path, meta, notes = find_checkpoint(config)
+            return (path, meta), notes + check_resume_config(meta, config, dtype)
+        run_dir = checkpoint_run_dir(config)
+        if config.save_every and any(re.fullmatch(r"step_\d+", d.name) for d in run_dir.glob("step_*")):
+            raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run: continue it with --resume "
+                                  "latest, or choose another --run_id or --checkpoint_dir")
+        return None, []
+    return on_rank0_for_all(check, rank, world_size)
 
 
 # ---- accounting: parameters, optimizer state, FLOPs, learned scalars; the dry run
@@ -1997,11 +2160,38 @@ def learned_scalars_lines(model: GPT) -> list[str]:
     return lines
 
 
+def planned_device(config: Hyperparameters) -> tuple[str, str]:
+    """The device type a run of `config` would use on this machine, and why. Asks only
+    torch.cuda.is_available() (no CUDA state); the medium preset is planned for CUDA even without a
+    GPU here, since a real run refuses to start on the CPU."""
+    if config.device != "auto":
+        return config.device, f"--device={config.device}"
+    if torch.cuda.is_available():
+        return "cuda", "--device=auto and a CUDA GPU is visible"
+    if config.preset == "medium":
+        return "cuda", "the medium preset runs on CUDA GPUs; none is visible here, so a run would not start"
+    return "cpu", "--device=auto and no CUDA GPU is visible"
+
+
 def dry_run(config: Hyperparameters) -> int:
-    """Config, parameter counts and FLOPs from a meta-device model: no data, no GPU."""
-    model = build_model(config, "meta")
+    """Config, parameter counts, bytes and FLOPs from a meta-device model: no data, no GPU. Bytes
+    are those of the device the run would use (bf16 on CUDA, fp32 on the CPU with --dtype=auto),
+    with the other device's totals on one line when its storage differs."""
+    device, why = planned_device(config)
+    other = "cpu" if device == "cuda" else "cuda"
+
+    def meta_model(device_type: str) -> GPT:
+        with torch.device("meta"):
+            return GPT(config, weight_dtype(config, device_type))
+
+    model = meta_model(device)
     print("\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in fields(config)))
+    print(f"dry run on {device} ({why}): {str(model.dtype).removeprefix('torch.')} weights")
     print("\n".join(accounting_lines(model, config)))
+    if weight_dtype(config, other) != model.dtype:
+        other_model = meta_model(other)
+        total = next(line for line in accounting_lines(other_model, config) if line.startswith("params total:"))
+        print(f"on {other} instead ({str(other_model.dtype).removeprefix('torch.')} weights): {total}")
     counts, flops = parameter_counts(model), flops_per_token(config, model)
     print(json.dumps(dict(total_params=counts["total"], params_by_group={k: v for k, v in counts.items() if k != "total"},
                           flops_per_token=flops["total"], flops_per_token_weights=flops["weights"],
