@@ -1171,12 +1171,13 @@ def run_training(config: Hyperparameters, rank: int) -> int:
     world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     check_world_size(config, world_size)
     device = resolve_device(config, local_rank)
+    notes = recipe_notes(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         import torch._inductor.config as inductor_config
         inductor_config.coordinate_descent_tuning = True
     else:
-        set_cpu_threads(config)
+        notes.append(set_cpu_threads(config))
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
@@ -1189,9 +1190,9 @@ def run_training(config: Hyperparameters, rank: int) -> int:
             dist.barrier()
         data = load_data(config)
         read_token_bytes(config)  # a bad table stops the run here, not after its log was opened
-        resume, notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
         on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
-        log = open_run_log(config, device, world_size, notes, rank)
+        log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
         try:
             result = train(config, device, rank, world_size, log, data, resume)
         except (InputError, NonFiniteLossError, WriteError) as e:
@@ -1203,8 +1204,6 @@ def run_training(config: Hyperparameters, rank: int) -> int:
     finally:
         if distributed:
             dist.destroy_process_group()
-
-
 
 
 # =============================================================================

@@ -222,3 +222,15 @@ def test_help_lists_every_field_with_its_default_and_exits_0(capsys):
     for f in tg.fields(tg.Hyperparameters):
         assert f"--{f.name}" in out, f.name
     assert "[default 5690; >= 1]" in out and "[default 0.025; >= 0]" in out
+
+
+def test_the_log_says_when_a_choice_changes_training_and_how_many_cpu_threads(synthetic_dir, tmp_path):
+    argv = ["--preset=tiny", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
+            f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=2",
+            "--val_every=0", "--val_tokens=1024", "--warmup_steps=0", "--train_seq_len=256", "--threads=1",
+            f"--log_dir={tmp_path}"]
+    assert tg.main(argv) == 0
+    (log,) = tmp_path.glob("*.txt")
+    body = log.read_text().split("=" * 100 + "\n")[-1]
+    assert "note: --train_seq_len=256 differs from the tiny preset's 512" in body
+    assert "CPU threads: 1 (--threads)" in body
