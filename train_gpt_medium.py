@@ -1544,6 +1544,8 @@ def ensure_synthetic_data(config: Hyperparameters) -> None:
     except OSError as e:
         raise WriteError(f"--synthetic_data: cannot write the synthetic data into {folder} ({e.strerror or e}); "
                          "run from a writable folder, or pass --train_files and --val_files")
+    except ValueError as e:  # parameters the generator refuses (e.g. a vocabulary too large for it)
+        raise ConfigError(f"--synthetic_data: {e}")
 
 
 def recipe_notes(config: Hyperparameters) -> list[str]:
@@ -1975,20 +1977,23 @@ def validate_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")
     try:
         meta = json.loads(meta_path.read_text())
-        files = meta["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{meta_path}: unreadable ({e})")
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{meta_path}: checkpoint format {meta.get('format')}, "
-                              f"this script reads {CHECKPOINT_FORMAT}")
-    for name, record in files.items():
+        records = {name: (int(r["bytes"]), str(r["sha256"])) for name, r in meta["files"].items()}
+        saved_format = meta.get("format")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable or not a checkpoint's meta.json ({type(e).__name__}: {e})")
+    if saved_format != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{meta_path}: checkpoint format {saved_format}, this script reads {CHECKPOINT_FORMAT}")
+    for name, (nbytes, sha256) in records.items():
         f = path / name
         if not f.exists():
             raise CheckpointError(f"{f}: missing (recorded in {meta_path})")
-        size = f.stat().st_size
-        if size != record["bytes"]:
-            raise CheckpointError(f"{f}: {size} bytes, but {record['bytes']} were written (truncated or modified)")
-        if file_sha256(f) != record["sha256"]:
+        try:
+            size, digest = f.stat().st_size, file_sha256(f)
+        except OSError as e:
+            raise CheckpointError(f"{f}: cannot be read ({e.strerror or e})")
+        if size != nbytes:
+            raise CheckpointError(f"{f}: {size} bytes, but {nbytes} were written (truncated or modified)")
+        if digest != sha256:
             raise CheckpointError(f"{f}: its SHA-256 differs from the one recorded when it was written (corrupted)")
     return meta
 

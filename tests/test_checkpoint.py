@@ -92,6 +92,25 @@ def test_truncated_checkpoint_file_is_refused_naming_the_file(saved_run, synthet
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("meta_text", ["[1, 2]", '{"format": 1, "files": {"main.pt": 7}}', '{"format": 1}'])
+def test_a_meta_json_that_is_not_a_checkpoints_is_refused_naming_it(saved_run, meta_text):
+    meta_path = saved_run / "step_000004" / "meta.json"
+    meta_path.write_text(meta_text)
+    with pytest.raises(tg.CheckpointError, match="not a checkpoint's meta.json") as err:
+        tg.validate_checkpoint(saved_run / "step_000004")
+    assert str(meta_path) in str(err.value)
+
+
+def test_an_unreadable_checkpoint_file_is_refused_naming_it(saved_run, monkeypatch):
+    """As root, permissions are not enforced: the read itself is made to fail."""
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(tg, "file_sha256", unreadable)
+    with pytest.raises(tg.CheckpointError, match="cannot be read .Permission denied.") as err:
+        tg.validate_checkpoint(saved_run / "step_000004")
+    assert str(saved_run / "step_000004") in str(err.value)
+
+
 def test_resume_latest_skips_a_damaged_checkpoint_and_resumes_the_previous_one(saved_run, synthetic_dir, tmp_path):
     damaged = saved_run / "step_000004" / "rank_000.pt"
     data = bytearray(damaged.read_bytes())

@@ -497,3 +497,13 @@ def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run(synthetic_
     assert tg.main(run_argv(synthetic_dir, runs["repeat"], f"--seed={seeds['first']}")) == 0
     assert config_seed(runs["repeat"]) == seeds["first"]
     assert logged(runs["repeat"], val) == first
+
+
+def test_a_vocabulary_the_synthetic_generator_refuses_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """The tiny preset generates data/synthetic/ on first use; parameters the generator refuses
+    are an input error, not a traceback (nothing is generated or logged)."""
+    monkeypatch.chdir(tmp_path)
+    assert tg.main(["--preset=tiny", "--vocab_size=9000", "--eot_token=8999", f"--log_dir={tmp_path / 'logs'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --synthetic_data:") and "vocab_size" in err and "Traceback" not in err
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "data" / "synthetic").exists()
