@@ -150,8 +150,9 @@ class Hyperparameters:
     nonfinite_check_every: int = run(25, "look for a nan/inf training loss every N steps (a host sync)", at_least=1)
     train_files: str = run("data/fineweb10B/fineweb_train_*.bin", "training shards (a glob)")
     val_files: str = run("data/fineweb10B/fineweb_val_*.bin", "validation shards (a glob)")
-    synthetic_data: bool = run(False, "generate the synthetic shards into their default folder if missing")
-    token_bytes_file: str = run("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off)")
+    synthetic_data: bool = run(False, "generate the tiny preset's shards into data/synthetic/ if missing (never elsewhere)")
+    token_bytes_file: str = run("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off; a path you "
+                                "give must be such a table)")
     dry_run: bool = run(False, "build on the meta device, print counts and FLOPs, exit")
 
     # ---- derived quantities (no state of their own)
