@@ -1,13 +1,22 @@
 """Shared fixtures: the repository on sys.path, and tiny configurations."""
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train_gpt_medium as tg  # noqa: E402
+
+# One thread per process unless OMP_NUM_THREADS says otherwise: the suite's in-process runs and
+# the processes it starts then keep their speed when another program takes a core (README, "CPU
+# threads"); the trainer's CPU default is the same.
+if not os.environ.get("OMP_NUM_THREADS"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
