@@ -845,3 +845,12 @@ def test_diff_script_entry_point_returns_exit_status(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "records" / "diff.py"), str(tmp_path / "nope")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_text_report_also_gives_the_spec_95_percent_bound_when_alpha_differs(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    stats_cli.main([str(folder)])  # default alpha 0.01
+    line = re.search(r"^one-sided 95% upper bound of mean \(the SPEC's figure\)=(\S+)$", capsys.readouterr().out, re.M)
+    x = np.asarray(PASS_LOSSES)
+    expected = x.mean() + sps.t.ppf(0.95, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    assert float(line[1]) == pytest.approx(expected, abs=1e-6)
