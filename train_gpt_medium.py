@@ -2156,8 +2156,10 @@ def compile_counts() -> dict[str, Optional[int]]:
     return dict(graphs=graphs, recompiles=recompiles)
 
 
-def counts_added(before: dict, after: dict) -> dict[str, Optional[int]]:
-    return {f"{k}_added": None if after[k] is None or before[k] is None else after[k] - before[k] for k in after}
+def compiled_since(before: dict, suffix: str = "") -> dict[str, Optional[int]]:
+    """Graphs and recompiles since `before` (an earlier compile_counts()), keys ending in `suffix`."""
+    now = compile_counts()
+    return {k + suffix: None if now[k] is None or before[k] is None else now[k] - before[k] for k in now}
 
 
 def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch) -> tuple[list[float], list]:
@@ -2182,10 +2184,10 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     Rank 0 prints a line per point and ends with one JSON line; a step's time is the slowest rank's.
     No data files are read and nothing is written."""
     cfg = dataclasses.replace(config, val_tokens=config.batch_slices * config.val_seq_len)  # one evaluation step
+    start = compile_counts()  # the process may have compiled before (tests call main in-process)
     runner = Runner(cfg, device, rank, world_size)
-    flops = flops_per_token(cfg, runner.model)["total"]
     runner.warmup()
-    warmup_counts = compile_counts()
+    warmup = dict(steps=cfg.warmup_steps, **compiled_since(start))
     gen, clock = torch.Generator().manual_seed(cfg.init_seed), Stopwatch(device, world_size)
     points = [cfg.bench_at_step] if cfg.bench_at_step is not None else sorted({0, cfg.num_iterations - 1})
     results = []
@@ -2193,10 +2195,10 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
         before = compile_counts()
         times, losses = time_steps(runner, step, gen, clock)
         results.append(dict(step=step, window_blocks=window_blocks(step, cfg), times_ms=times, losses=losses,
-                            **counts_added(before, compile_counts())))
+                            **compiled_since(before, "_added")))
     before = compile_counts()
     runner.evaluate(points[-1], torch.randint(0, cfg.vocab_size, (cfg.val_tokens + 1,), generator=gen))
-    evaluation = dict(tokens=cfg.val_tokens, **counts_added(before, compile_counts()))
+    evaluation = dict(tokens=cfg.val_tokens, **compiled_since(before, "_added"))
     # every rank's numbers -> the slowest step times, the mean losses, the largest memory peaks
     times = torch.tensor([r["times_ms"] for r in results], dtype=torch.float64, device=device)
     losses = torch.stack([torch.stack(r["losses"]) for r in results]).double()
@@ -2205,34 +2207,43 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
         for tensor, op in ((times, dist.ReduceOp.MAX), (losses, dist.ReduceOp.SUM), (memory, dist.ReduceOp.MAX)):
             dist.all_reduce(tensor, op=op)
         losses /= world_size
-    if rank != 0:
-        return 0
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    peak = peak_bf16_tflops(name) if device.type == "cuda" else None
-    step_tokens = cfg.batch_slices * cfg.train_seq_len
     for result, step_times, step_losses in zip(results, times.tolist(), losses.tolist()):
-        median = statistics.median(step_times)
-        per_process = step_tokens / world_size / (median / 1000)
-        tflops = flops * per_process / 1e12
-        result.update(times_ms=step_times, losses=step_losses, median_ms=median, min_ms=min(step_times),
-                      tokens_per_s_per_process=per_process, tokens_per_s=per_process * world_size,
-                      tflops_per_process=tflops, tflops=tflops * world_size, mfu=tflops / peak if peak else None)
-    counts = compile_counts()
-    report = dict(
-        bench_steps=cfg.bench_steps, world_size=world_size, device=device.type, device_name=name,
-        compile=compile_enabled(cfg, device), attention=attention_backend(cfg, device.type),
-        dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,
-        peak_tflops_per_device=peak, warmup=dict(steps=cfg.warmup_steps, **warmup_counts), points=results,
-        evaluation=evaluation, graphs=counts["graphs"], recompiles=counts["recompiles"],
-        peak_memory_allocated_mib=int(memory[0]), peak_memory_reserved_mib=int(memory[1]),
-        device_memory_mib=torch.cuda.get_device_properties(device).total_memory // 2**20 if device.type == "cuda" else None,
-        allocator_settings=allocator_settings() if device.type == "cuda" else None)
-    print("\n".join(bench_lines(report)), flush=True)
-    print(json.dumps(report), flush=True)
+        result.update(times_ms=step_times, losses=step_losses)
+    if rank == 0:
+        report = bench_report(runner, results, memory.tolist(), dict(warmup=warmup, evaluation=evaluation,
+                                                                      **compiled_since(start)))
+        print("\n".join(bench_lines(report)), flush=True)
+        print(json.dumps(report), flush=True)
+    if world_size > 1:
+        dist.barrier()  # leave together: a rank tearing gloo down while another still runs can abort
     bad = [(r["step"], loss) for r in results for loss in r["losses"] if not math.isfinite(loss)]
     if bad:
         raise NonFiniteLossError(f"--bench_steps: non-finite training loss ({bad[0][1]}) at step {bad[0][0]}")
     return 0
+
+
+def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], compiled_counts: dict) -> dict:
+    """The benchmark's numbers: per point the step times and losses of every rank reduced, and what
+    follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs."""
+    cfg, device, world_size = runner.config, runner.device, runner.world_size
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    peak = peak_bf16_tflops(name) if device.type == "cuda" else None
+    flops, step_tokens = flops_per_token(cfg, runner.model)["total"], cfg.batch_slices * cfg.train_seq_len
+    for result in results:
+        median = statistics.median(result["times_ms"])
+        per_process = step_tokens / world_size / (median / 1000)
+        tflops = flops * per_process / 1e12
+        result.update(median_ms=median, min_ms=min(result["times_ms"]), tokens_per_s_per_process=per_process,
+                      tokens_per_s=per_process * world_size, tflops_per_process=tflops, tflops=tflops * world_size,
+                      mfu=tflops / peak if peak else None)
+    return dict(
+        bench_steps=cfg.bench_steps, world_size=world_size, device=device.type, device_name=name,
+        compile=compile_enabled(cfg, device), attention=attention_backend(cfg, device.type),
+        dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,
+        peak_tflops_per_device=peak, points=results, **compiled_counts,
+        peak_memory_allocated_mib=int(memory_mib[0]), peak_memory_reserved_mib=int(memory_mib[1]),
+        device_memory_mib=torch.cuda.get_device_properties(device).total_memory // 2**20 if device.type == "cuda" else None,
+        allocator_settings=allocator_settings() if device.type == "cuda" else None)
 
 
 def bench_lines(report: dict) -> list[str]:

@@ -1,5 +1,7 @@
 """--bench_steps (time training steps on random tokens: no data, no log) and tools/gpu_check.sh (the
 GPU verdict in one command), both run on the CPU with the tiny preset."""
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -30,8 +32,6 @@ def bench(argv, tmp_path, monkeypatch, capsys) -> tuple[int, list[str], dict]:
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     """--preset tiny --bench_steps=3 with shard patterns that match nothing, from an empty folder."""
-    import contextlib
-    import io
     folder = tmp_path_factory.mktemp("bench_cwd")
     out, cwd = io.StringIO(), os.getcwd()
     os.chdir(folder)

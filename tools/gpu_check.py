@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "train_gpt_medium.py"
@@ -197,6 +198,8 @@ def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
         rows.append(row(f"allocator, {label}", report["allocator_settings"] or "(defaults)",
                         "set by you" if user_set else tg.EXPANDABLE_SEGMENTS,
                         None if on or user_set else f"allocator, {label}: expandable segments are not on"))
+    if run.failure and all(r["ok"] for r in rows):  # a report, yet the run failed after it
+        rows.append(row(f"bench, {label}", "exit code", "0", run.failure))
     return rows
 
 
@@ -275,7 +278,6 @@ def main(argv: list[str]) -> int:
     except tg.InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch
     gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
     dtype = str(tg.weight_dtype(config, "cuda" if gpus else "cpu")).removeprefix("torch.")
     tolerance = LOSS_TOLERANCE[dtype]
