@@ -179,6 +179,22 @@ def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite():
     assert "gpu_check: FAILED" in done.stderr and "non-finite" in done.stderr
 
 
+@pytest.mark.slow
+def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, monkeypatch, capsys):
+    """Two GPUs counted (patched; the trainer's processes find none and run on the CPU over gloo):
+    the benchmark and the training run again on 2 processes, whose first losses match one process's."""
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = gpu_check.main(["--preset=tiny", f"--train_files={tmp_path / 'none_*.bin'}"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
+    names = [c["check"] for c in summary["checks"]]
+    for label in ("1 GPU(s)", "2 GPU(s)"):
+        assert f"bench, {label}, step 0 (window 1)" in names and f"training 20 steps, {label}" in names
+    assert "2 GPU(s) vs 1: first bench losses" in names
+
+
 def test_gpu_check_refuses_a_bad_flag_with_exit_code_2():
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--num_iterations=0"],
                           capture_output=True, text=True, timeout=120)

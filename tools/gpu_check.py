@@ -15,7 +15,8 @@ Each check is a run of train_gpt_medium.py in its own process (torchrun for seve
   4. with several GPUs, checks 1 and 3 again on all of them (NCCL), the benchmark's first
      losses against the one-GPU run's.
 Prints a table, then one JSON line (the summary). Exit code 0 when every check passed, 1 when one
-failed (the reasons on stderr), 2 for bad flags. Nothing is written outside a temporary folder.
+failed (the reasons on stderr), 2 for bad flags. Its files (generated shards, the training runs'
+logs) go to a temporary folder, deleted at the end; nothing is written into the repository.
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def training_data(config: tg.Hyperparameters, folder: Path) -> tuple[list[str], 
     write_markov_shards(folder, config.vocab_size, config.eot_token, TRAIN_STEPS * step_tokens + 1,
                         config.batch_slices * config.val_seq_len + 1)
     return [f"--train_files={folder / 'generated_train_*.bin'}", f"--val_files={folder / 'generated_val_*.bin'}",
-            "--synthetic_data=false", "--token_bytes_file="], "generated tokens, no shards found"
+            "--token_bytes_file="], "generated tokens, no shards found"
 
 
 # ---- the checks: each returns rows of the table
@@ -283,15 +284,15 @@ def main(argv: list[str]) -> int:
     tolerance = LOSS_TOLERANCE[dtype]
     base = ["--seed=0", f"--warmup_steps={WARMUP_STEPS}", *argv]  # the user's flags may override both
     train_flags = [f"--num_iterations={TRAIN_STEPS}", f"--val_every={VAL_EVERY}", "--save_every=0",
-                   f"--val_tokens={config.batch_slices * config.val_seq_len}"]
+                   f"--val_tokens={config.batch_slices * config.val_seq_len}", "--synthetic_data=false"]
     rows, runs = [], {}
     where = f"{gpus} GPU(s)" if gpus else "the CPU"
     print(f"[gpu_check] {where}; trainer flags: {' '.join(argv) or '(the record)'}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)
         data_flags, source = training_data(config, tmp / "data")
-        counts = [1] + ([max(w for w in range(1, gpus + 1) if config.batch_slices % w == 0)] if gpus > 1 else [])
-        for processes in counts:
+        all_gpus = max([w for w in range(1, gpus + 1) if config.batch_slices % w == 0], default=1)
+        for processes in [1] + ([all_gpus] if all_gpus > 1 else []):  # a world size must divide batch_slices
             label = f"{processes} GPU(s)" if gpus else "CPU"
             bench = runs[processes] = run_trainer(f"bench, {label}", [*base, f"--bench_steps={BENCH_STEPS}"], processes)
             rows += bench_rows(label, bench, config)
