@@ -4,6 +4,7 @@
     python train_gpt_medium.py --preset tiny                          # CPU, about a minute
     python train_gpt_medium.py --help                                 # every flag, grouped
     python train_gpt_medium.py --dry_run                              # counts and FLOPs, no data, no GPU
+    python train_gpt_medium.py --bench_steps=10                       # time training steps (docs/gpu.md)
 
 Map of the file. The recipe, in the order data flows (what a record diff touches):
   1. Hyperparameters   the record's values as a table, and the presets
@@ -15,7 +16,7 @@ Map of the file. The recipe, in the order data flows (what a record diff touches
   6. Training          optimizers, one step, evaluation, warm-up, the timed loop
   7. main
 Below main, off in a record run: the command line and config checks, checkpoints, accounting
-and logging helpers, dry run.
+and logging helpers, dry run, benchmark.
 
 Importing this module has no side effects; everything runs inside `main(argv)`.
 """
@@ -33,6 +34,7 @@ import platform
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,6 +156,11 @@ class Hyperparameters:
     token_bytes_file: str = run("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off; a path you "
                                 "give must be such a table)")
     dry_run: bool = run(False, "build on the meta device, print counts and FLOPs, exit")
+    bench_steps: int = run(0, "benchmark: build and compile as a run, then time N training steps on random tokens "
+                           "(no data, no log) and print ms/step, tokens/s, TFLOP/s, MFU, memory; 0: train",
+                           at_least=0)
+    bench_at_step: Optional[int] = run(None, "with --bench_steps: time at this step of the schedule only; "
+                                       "unset: at the first and the last step", at_least=0)
 
     # ---- derived quantities (no state of their own)
     @property
@@ -243,6 +250,18 @@ def window_blocks(step: int, config: Hyperparameters) -> int:
 # =============================================================================
 # 3. Muon: orthogonalized momentum for the matrices inside the blocks
 
+_compiled_functions: dict = {}
+
+
+def compiled(fn, **options):
+    """`fn` under torch.compile with static shapes, created on first use and kept for the process
+    (never at import: compiling needs a C++ or Triton toolchain and takes seconds). One compiled
+    function serves every caller; it compiles again for each new input shape or dtype."""
+    if fn not in _compiled_functions:
+        _compiled_functions[fn] = torch.compile(fn, dynamic=False, **options)
+    return _compiled_functions[fn]
+
+
 # (a, b, c) of each Newton-Schulz iteration: quintic steps tuned to pull singular values into
 # a band around 1 quickly rather than to converge exactly.
 NEWTON_SCHULZ_COEFFS = (
@@ -281,17 +300,39 @@ def store_halves(master: torch.Tensor, weight: torch.Tensor, low_bits: torch.Ten
     low_bits.copy_(bits.to(torch.int16))  # int32 -> int16 keeps the low 16 bits
 
 
+def muon_update(weight: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,
+                low_bits: Optional[torch.Tensor], momentum: torch.Tensor, one_minus_momentum: torch.Tensor,
+                decay: torch.Tensor, step_size: torch.Tensor) -> None:
+    """One matrix's Muon step, in place: momentum, Nesterov, orthogonalization, decoupled weight
+    decay and the update, on the fp32 master (the weight itself, or bf16 weight + low bits).
+
+    The scalars are 0-d fp32 tensors on the matrix's device, refilled in place each step, so that
+    the compiled version of this function never recompiles for a new lr or momentum. `Muon.step`
+    computes them in Python floats: 1 - m, 1 - lr*wd*wd_mul, -lr*sqrt(max(1, rows/cols)).
+    """
+    grad = grad.float()  # the gradient itself for fp32 weights: only read, never written
+    momentum_buffer.lerp_(grad, one_minus_momentum)
+    update = orthogonalize(grad.lerp(momentum_buffer, momentum), weight.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
+    master = fp32_from_halves(weight, low_bits) if low_bits is not None else weight
+    master.mul_(decay)
+    master.addcmul_(update.float(), step_size)  # eager: bit for bit what add_(update, alpha=step_size) gives
+    if low_bits is not None:
+        store_halves(master, weight, low_bits)
+
+
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz, for bf16 matrices with fp32-precise updates
     (fp32 matrices, as on CPU, are simply updated in place and iterate in fp32).
 
     Matrices are sorted by size and dealt round-robin to ranks within groups of one shape;
     each rank updates its own (holding their momentum and low bits) and all-gathers the rest.
-    Gradients must already be averaged over ranks.
+    Gradients must already be averaged over ranks. With `compile_update` each matrix's update
+    is one compiled function (eagerly it is about 60 small kernels per matrix); it compiles once
+    per distinct matrix shape (3 in the record).
     """
 
     def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, compile_update: bool = False):
         groups = []
         for group in param_groups:  # split each group by shape so a gather moves one shape
             params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
@@ -299,6 +340,11 @@ class Muon(torch.optim.Optimizer):
                 groups.append({**group, "params": [p for p in params if p.shape == shape]})
         super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0))
         self.rank, self.world_size = rank, world_size
+        self.update = compiled(muon_update, fullgraph=True) if compile_update else muon_update
+        # per group, the update's scalars: device tensors refilled in place (no recompile, no host sync)
+        self.scalars = [{name: torch.zeros((), device=group["params"][0].device)
+                         for name in ("momentum", "one_minus_momentum", "decay", "step_size")}
+                        for group in self.param_groups]
         for group in self.param_groups:
             for p in self.owned(group):
                 self.state[p] = dict(momentum_buffer=torch.zeros_like(p, dtype=torch.float32))
@@ -311,13 +357,15 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         pending = []
-        for group in self.param_groups:
+        for group, scalars in zip(self.param_groups, self.scalars):
+            self._fill_scalars(group, scalars)
             params, W = group["params"], self.world_size
             for base in range(0, len(params), W):
                 chunk = params[base:base + W]
                 mine = chunk[self.rank] if self.rank < len(chunk) else None
                 if mine is not None:
-                    self._update(mine, group)
+                    state = self.state[mine]
+                    self.update(mine.data, mine.grad, state["momentum_buffer"], state.get("low_bits"), **scalars)
                 if W > 1:  # everyone sends its updated matrix (or padding) and receives the rest
                     send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
                     outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
@@ -326,19 +374,16 @@ class Muon(torch.optim.Optimizer):
         for work in pending:
             work.wait()
 
-    def _update(self, p: nn.Parameter, group: dict) -> None:
-        state, m, lr = self.state[p], group["momentum"], group["lr"]
-        grad = p.grad.float()  # p.grad itself for fp32 weights: only read, never written
-        buf = state["momentum_buffer"]
-        buf.lerp_(grad, 1 - m)
-        update = orthogonalize(grad.lerp(buf, m), p.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
-        rows, cols = p.shape[-2:]
-        halves = "low_bits" in state
-        master = fp32_from_halves(p.data, state["low_bits"]) if halves else p.data
-        master.mul_(1 - lr * group["weight_decay"] * group["wd_mul"])
-        master.add_(update.float(), alpha=-lr * max(1.0, rows / cols) ** 0.5)
-        if halves:
-            store_halves(master, p.data, state["low_bits"])
+    @staticmethod
+    def _fill_scalars(group: dict, scalars: dict[str, torch.Tensor]) -> None:
+        """The group's lr, momentum and decay as the update's scalars, computed in Python floats
+        (float64) and rounded once to fp32, as the arithmetic on Python scalars always did."""
+        m, lr = group["momentum"], group["lr"]
+        rows, cols = group["params"][0].shape[-2:]
+        values = dict(momentum=m, one_minus_momentum=1 - m, decay=1 - lr * group["weight_decay"] * group["wd_mul"],
+                      step_size=-lr * max(1.0, rows / cols) ** 0.5)
+        for name, value in values.items():
+            scalars[name].fill_(value)  # a kernel launch on CUDA, not a host-to-device copy
 
 
 # =============================================================================
@@ -439,11 +484,22 @@ def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparame
     return build(window), build(window // 2)
 
 
+def attention_backend(config: Hyperparameters, device_type: str) -> str:
+    """flex or sdpa: --attention, where auto means flex on CUDA and sdpa elsewhere."""
+    if config.attention != "auto":
+        return config.attention
+    return "flex" if device_type == "cuda" else "sdpa"
+
+
 def attend(q, k, v, mask, scale: float) -> torch.Tensor:
     """Causal attention of (B, T, H, D) tensors under a BlockMask (flex) or a dense bool mask (SDPA)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if isinstance(mask, BlockMask):
-        y = flex_attention(q, k, v, block_mask=mask, scale=scale)
+        # FlexAttention run eagerly evaluates mask_mod everywhere and ignores the BlockMask's block
+        # lists, which carry the sliding window: it always runs compiled, inside the compiled model
+        # or compiled on its own
+        flex = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
+        y = flex(q, k, v, block_mask=mask, scale=scale)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return y.transpose(1, 2)
@@ -661,7 +717,7 @@ class GPT(nn.Module):
         the long window in blocks (a tensor so a new value needs no recompile)."""
         cfg = self.config
         T = input_seq.numel()
-        backend = cfg.attention if cfg.attention != "auto" else ("flex" if input_seq.is_cuda else "sdpa")
+        backend = attention_backend(cfg, input_seq.device.type)
         long_mask, short_mask = attention_masks(input_seq, window, cfg, backend)
         cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
         x0s = [rms_norm(embed(input_seq))[None] for embed in self.embeds]  # each (1, T, d)
@@ -918,8 +974,10 @@ def load_data(config: Hyperparameters) -> tuple[list[str], torch.Tensor]:
 # =============================================================================
 # 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
 
-def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int) -> list[torch.optim.Optimizer]:
-    """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks."""
+def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int,
+                     compile_muon: bool = False) -> list[torch.optim.Optimizer]:
+    """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks
+    (its per-matrix update compiled with `compile_muon`)."""
     groups = parameter_groups(model)
     adam_lrs = dict(head=config.head_lr, embed=config.embed_lr, value_embed=config.embed_lr,
                     ve_coeff=config.ve_coeff_lr, scalar=config.scalar_lr)
@@ -933,7 +991,7 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
         muon_groups.append(dict(params=groups["muon_lore"], name="muon_lore"))
     muon = Muon(muon_groups,
                 lr=config.muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
-                rank=rank, world_size=world_size)
+                rank=rank, world_size=world_size, compile_update=compile_muon)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -973,6 +1031,11 @@ class GradientAverager:
 NO_STEP = 2**62  # "no non-finite loss yet"; a step number larger than any run
 
 
+def compile_enabled(config: Hyperparameters, device: torch.device) -> bool:
+    """--compile, where auto means on for CUDA and off elsewhere (the CPU path stays eager)."""
+    return config.compile if config.compile is not None else device.type == "cuda"
+
+
 class Runner:
     """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks."""
 
@@ -984,8 +1047,8 @@ class Runner:
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
-        self.optimizers = build_optimizers(self.model, config, rank, world_size)
-        use_compile = config.compile if config.compile is not None else device.type == "cuda"
+        use_compile = compile_enabled(config, device)
+        self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
         self.window_blocks = torch.ones((), dtype=torch.int32, device=device)
@@ -1050,19 +1113,27 @@ class Runner:
         nats, nats_with_bytes, nbytes = sums.tolist()
         return nats / cfg.val_tokens, (nats_with_bytes / (math.log(2) * nbytes) if token_bytes is not None else None)
 
+    def random_batches(self, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One step of uniformly random tokens with the run's shapes: every rank draws the whole
+        step's batch_slices slices and keeps its own, as the DataLoader splits real data."""
+        cfg = self.config
+        tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_slices, cfg.train_seq_len + 1), generator=gen)
+        mine = tokens[self.rank * self.micro_steps:(self.rank + 1) * self.micro_steps].to(self.device)
+        return [(row[:-1].to(torch.int32), row[1:].to(torch.int64)) for row in mine]
+
     def warmup(self) -> None:
-        """Untimed steps on random tokens to compile kernels, then restore the exact initial state."""
+        """Untimed steps on random tokens to compile kernels, then restore the exact initial state.
+        The peak memory statistics restart afterwards: the warm-up holds a copy of the whole
+        state, which a run's logged peak must not include."""
         cfg = self.config
         saved = capture_state(self.model, self.optimizers)
         gen = torch.Generator().manual_seed(cfg.init_seed)
         for step in range(cfg.warmup_steps):
-            batches = []
-            for _ in range(self.micro_steps):
-                tokens = torch.randint(0, cfg.vocab_size, (cfg.train_seq_len + 1,), generator=gen).to(self.device)
-                batches.append((tokens[:-1].to(torch.int32), tokens[1:].to(torch.int64)))
-            self.train_step(step, batches)
+            self.train_step(step, self.random_batches(gen))
         restore_state(self.model, self.optimizers, saved)
         self.first_nonfinite.fill_(NO_STEP)
+        del saved
+        reset_peak_memory(self.device)
 
 
 class Stopwatch:
@@ -1171,9 +1242,11 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         return dry_run(config)
     world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     check_world_size(config, world_size)
-    device = resolve_device(config, local_rank)
+    device = resolve_device(config, local_rank)  # asks whether CUDA is there, without starting it
+    check_run_request(config, device)
     notes = recipe_notes(config)
     if device.type == "cuda":
+        use_expandable_segments()  # read when CUDA starts: before the first CUDA call
         torch.cuda.set_device(device)
         import torch._inductor.config as inductor_config
         inductor_config.coordinate_descent_tuning = True
@@ -1184,6 +1257,8 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     try:
+        if config.bench_steps:
+            return bench(config, device, rank, world_size)
         config = with_run_seed(config, world_size)
         if config.synthetic_data and rank == 0:
             ensure_synthetic_data(config)
@@ -1210,7 +1285,7 @@ def run_training(config: Hyperparameters, rank: int) -> int:
 # =============================================================================
 # Below main: what is off in a record run or serves tooling. The command line and config
 # checks, run setup, the loop's bookkeeping (resume, non-finite checks, log lines), state copies,
-# checkpoints, accounting, dry run.
+# checkpoints, accounting, dry run, benchmark.
 
 
 class ConfigError(InputError, ValueError):
@@ -1448,9 +1523,37 @@ def resolve_device(config: Hyperparameters, local_rank: int) -> torch.device:
     if config.device == "auto" and config.preset == "medium":
         raise ConfigError("no CUDA GPU found: the record recipe needs GPUs. For a CPU run use "
                           "`./run.sh --preset tiny` (or force --device=cpu)")
-    if config.attention == "flex":  # eager flex_attention on a CPU ignores the block truncation (test_masks)
-        raise ConfigError("--attention: flex needs a CUDA GPU; on the CPU use --attention=sdpa (or auto)")
     return torch.device("cpu")
+
+
+def check_run_request(config: Hyperparameters, device: torch.device) -> None:
+    """What this device cannot run, and bench flags that make no sense: ConfigError (exit 2)
+    before anything is built or written."""
+    if device.type != "cuda" and attention_backend(config, device.type) == "flex":
+        raise ConfigError(f"--attention=flex: FlexAttention has no backward pass on the {device.type.upper()}, so it "
+                          "cannot train here (uncompiled, it would also ignore the attention window); "
+                          "use --attention=sdpa (or auto) off CUDA")
+    if config.bench_at_step is not None and config.bench_at_step >= config.num_iterations:
+        raise ConfigError(f"--bench_at_step: {config.bench_at_step} is not a step of the run; it must be below "
+                          f"--num_iterations={config.num_iterations}")
+
+
+# The caching allocator's settings: torch >= 2.8 reads PYTORCH_ALLOC_CONF, and the older
+# PYTORCH_CUDA_ALLOC_CONF as an alias of lower priority; a user's value under either name wins.
+# (2.9 ignored expandable_segments under the new name, fixed by 2.11: pytorch/pytorch#183387.)
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def use_expandable_segments(environ=os.environ) -> str:
+    """Expandable segments for the CUDA caching allocator (segments grow in place instead of
+    fragmenting into fixed blocks: less reserved memory for the same peak), unless the user set
+    the allocator's configuration. Effective only before CUDA starts. Returns the setting in force."""
+    for name in ALLOC_CONF_VARIABLES:
+        if environ.get(name):
+            return f"{name}={environ[name]}"
+    environ[ALLOC_CONF_VARIABLES[0]] = EXPANDABLE_SEGMENTS
+    return f"{ALLOC_CONF_VARIABLES[0]}={EXPANDABLE_SEGMENTS}"
 
 
 def set_cpu_threads(config: Hyperparameters) -> str:
@@ -1738,6 +1841,18 @@ def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[t
     out = torch.zeros(config.padded_vocab_size, dtype=torch.int64)
     out[:config.vocab_size] = torch.from_numpy(table.astype(np.int64))
     return out.to(device)
+
+
+def allocator_settings() -> Optional[str]:
+    """The CUDA caching allocator's settings in force (what it parsed), where torch tells."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return getter() if getter else None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart the CUDA allocator's peaks from what is allocated now (the CPU's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mib(device: torch.device) -> tuple[int, int]:
@@ -2202,6 +2317,151 @@ def dry_run(config: Hyperparameters) -> int:
                           flops_per_token=flops["total"], flops_per_token_weights=flops["weights"],
                           flops_per_token_attention=flops["attention"])))
     return 0
+
+
+# ---- benchmark (--bench_steps): training steps timed on random tokens; no data, no log
+
+# Dense (not "with sparsity") bf16 tensor-core peak of one GPU in TFLOP/s, by a substring of
+# torch.cuda.get_device_name(); the first match wins. Source: NVIDIA's datasheets: H100 SXM
+# 989.4 and H100 PCIe 756 (H100 Tensor Core GPU datasheet), H200 989.4 (H200 datasheet, SXM),
+# A100 312 (A100 datasheet). NVL boards run at other clocks and have no entry here.
+PEAK_BF16_TFLOPS = (
+    ("NVL", None),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # the SXM board reports itself as "NVIDIA H100 80GB HBM3"
+    ("H200", 989.4),
+    ("A100", 312.0),
+)
+
+
+def peak_bf16_tflops(device_name: str) -> Optional[float]:
+    """The dense bf16 peak of a GPU by its name, or None for one not in the table."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in device_name), None)
+
+
+def compile_counts() -> dict[str, Optional[int]]:
+    """Graphs torch.compile made so far in this process, and how many compilations were
+    recompiles (a function compiled again because a guard failed: a new shape, grad mode, ...)."""
+    from torch._dynamo import utils as dynamo_utils
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]  # a Counter: 0 before any compile
+    metrics = getattr(dynamo_utils, "get_compilation_metrics", None)  # the last 64 compilations
+    recompiles = sum(1 for m in metrics() if getattr(m, "recompile_reason", None)) if metrics else None
+    return dict(graphs=graphs, recompiles=recompiles)
+
+
+def compiled_since(before: dict, suffix: str = "") -> dict[str, Optional[int]]:
+    """Graphs and recompiles since `before` (an earlier compile_counts()), keys ending in `suffix`."""
+    now = compile_counts()
+    return {k + suffix: None if now[k] is None or before[k] is None else now[k] - before[k] for k in now}
+
+
+def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch) -> tuple[list[float], list]:
+    """One untimed step at `step` (its window and lr), then bench_steps timed ones, each between
+    device synchronizations (and barriers). Returns the timed steps' milliseconds and every step's
+    loss (unsynced device tensors)."""
+    times, losses = [], []
+    for i in range(runner.config.bench_steps + 1):
+        batches = runner.random_batches(gen)
+        clock.start()
+        losses.append(runner.train_step(step, batches))
+        elapsed = clock.stop()
+        if i > 0:
+            times.append(elapsed)
+    return times, losses
+
+
+def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1) -> int:
+    """--bench_steps=N: build and compile exactly as a run, warm up, then time N training steps on
+    random tokens at the first and the last step of the schedule (or at --bench_at_step), and run
+    one evaluation step so that the compiled graphs and the peak memory cover what a run needs.
+    Rank 0 prints a line per point and ends with one JSON line; a step's time is the slowest rank's.
+    No data files are read and nothing is written."""
+    cfg = dataclasses.replace(config, val_tokens=config.batch_slices * config.val_seq_len)  # one evaluation step
+    start = compile_counts()  # the process may have compiled before (tests call main in-process)
+    runner = Runner(cfg, device, rank, world_size)
+    runner.warmup()
+    warmup = dict(steps=cfg.warmup_steps, **compiled_since(start))
+    gen, clock = torch.Generator().manual_seed(cfg.init_seed), Stopwatch(device, world_size)
+    points = [cfg.bench_at_step] if cfg.bench_at_step is not None else sorted({0, cfg.num_iterations - 1})
+    results = []
+    for step in points:
+        before = compile_counts()
+        times, losses = time_steps(runner, step, gen, clock)
+        results.append(dict(step=step, window_blocks=window_blocks(step, cfg), times_ms=times, losses=losses,
+                            **compiled_since(before, "_added")))
+    before = compile_counts()
+    runner.evaluate(points[-1], torch.randint(0, cfg.vocab_size, (cfg.val_tokens + 1,), generator=gen))
+    evaluation = dict(tokens=cfg.val_tokens, **compiled_since(before, "_added"))
+    # every rank's numbers -> the slowest step times, the mean losses, the largest memory peaks
+    times = torch.tensor([r["times_ms"] for r in results], dtype=torch.float64, device=device)
+    losses = torch.stack([torch.stack(r["losses"]) for r in results]).double()
+    memory = torch.tensor(peak_memory_mib(device), dtype=torch.float64, device=device)
+    if world_size > 1:
+        for tensor, op in ((times, dist.ReduceOp.MAX), (losses, dist.ReduceOp.SUM), (memory, dist.ReduceOp.MAX)):
+            dist.all_reduce(tensor, op=op)
+        losses /= world_size
+    for result, step_times, step_losses in zip(results, times.tolist(), losses.tolist()):
+        result.update(times_ms=step_times, losses=step_losses)
+    if rank == 0:
+        report = bench_report(runner, results, memory.tolist(), dict(warmup=warmup, evaluation=evaluation,
+                                                                      **compiled_since(start)))
+        print("\n".join(bench_lines(report)), flush=True)
+        print(json.dumps(report), flush=True)
+    if world_size > 1:
+        dist.barrier()  # leave together: a rank tearing gloo down while another still runs can abort
+    bad = [(r["step"], loss) for r in results for loss in r["losses"] if not math.isfinite(loss)]
+    if bad:
+        raise NonFiniteLossError(f"--bench_steps: non-finite training loss ({bad[0][1]}) at step {bad[0][0]}")
+    return 0
+
+
+def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], compiled_counts: dict) -> dict:
+    """The benchmark's numbers: per point the step times and losses of every rank reduced, and what
+    follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs."""
+    cfg, device, world_size = runner.config, runner.device, runner.world_size
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    peak = peak_bf16_tflops(name) if device.type == "cuda" else None
+    flops, step_tokens = flops_per_token(cfg, runner.model)["total"], cfg.batch_slices * cfg.train_seq_len
+    for result in results:
+        median = statistics.median(result["times_ms"])
+        per_process = step_tokens / world_size / (median / 1000)
+        tflops = flops * per_process / 1e12
+        result.update(median_ms=median, min_ms=min(result["times_ms"]), tokens_per_s_per_process=per_process,
+                      tokens_per_s=per_process * world_size, tflops_per_process=tflops, tflops=tflops * world_size,
+                      mfu=tflops / peak if peak else None)
+    return dict(
+        bench_steps=cfg.bench_steps, world_size=world_size, device=device.type, device_name=name,
+        compile=compile_enabled(cfg, device), attention=attention_backend(cfg, device.type),
+        dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,
+        peak_tflops_per_device=peak, points=results, **compiled_counts,
+        peak_memory_allocated_mib=int(memory_mib[0]), peak_memory_reserved_mib=int(memory_mib[1]),
+        device_memory_mib=torch.cuda.get_device_properties(device).total_memory // 2**20 if device.type == "cuda" else None,
+        allocator_settings=allocator_settings() if device.type == "cuda" else None)
+
+
+def bench_lines(report: dict) -> list[str]:
+    """The human-readable part of the benchmark's output."""
+    r = report
+    lines = [f"bench: {r['world_size']} process(es) on {r['device']} ({r['device_name']}), compile "
+             f"{'on' if r['compile'] else 'off'}, attention {r['attention']}, {r['dtype']} weights; "
+             f"{r['tokens_per_step']:,} tokens per step; {r['flops_per_token'] / 1e9:.4g} GFLOP per token "
+             f"(--dry_run's flops_per_token)"]
+    for p in r["points"]:
+        mfu = f", MFU {100 * p['mfu']:.1f}% of {r['peak_tflops_per_device']} TFLOP/s" if p["mfu"] is not None else ""
+        lines.append(f"step {p['step']} (long window {p['window_blocks']} blocks): {len(p['times_ms'])} timed steps, "
+                     f"median {p['median_ms']:.2f} ms, min {p['min_ms']:.2f} ms; tokens/s {p['tokens_per_s_per_process']:,.0f} "
+                     f"per process, {p['tokens_per_s']:,.0f} in all; {p['tflops_per_process']:.4g} TFLOP/s per process{mfu}; "
+                     f"compiled graphs added {p['graphs_added']}, recompiles {p['recompiles_added']}")
+    e = r["evaluation"]
+    lines.append(f"evaluation step ({e['tokens']:,} tokens): compiled graphs added {e['graphs_added']}, "
+                 f"recompiles {e['recompiles_added']}")
+    of_device = f" of {r['device_memory_mib']:,} MiB" if r["device_memory_mib"] else " (CPU: peak resident set size)"
+    lines.append(f"peak memory: allocated {r['peak_memory_allocated_mib']:,} MiB, reserved "
+                 f"{r['peak_memory_reserved_mib']:,} MiB{of_device}")
+    w = r["warmup"]
+    lines.append(f"compiled graphs: {r['graphs']} in all ({w['graphs']} after the {w['steps']} warm-up steps), "
+                 f"recompiles {r['recompiles']} ({w['recompiles']} in the warm-up)")
+    return lines
 
 
 # ---- writing shards (the data tools and the tests)

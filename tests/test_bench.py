@@ -1,0 +1,215 @@
+"""--bench_steps (time training steps on random tokens: no data, no log) and tools/gpu_check.sh (the
+GPU verdict in one command), both run on the CPU with the tiny preset."""
+import contextlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train_gpt_medium as tg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_check  # noqa: E402
+
+TINY = tg.make_config("tiny")
+
+
+def bench(argv, tmp_path, monkeypatch, capsys) -> tuple[int, list[str], dict]:
+    """Run the trainer in-process from an empty folder; (exit code, printed lines, last-line JSON)."""
+    monkeypatch.chdir(tmp_path)
+    code = tg.main(["--preset=tiny", *argv])
+    lines = capsys.readouterr().out.strip().splitlines()
+    return code, lines, json.loads(lines[-1]) if code == 0 else None
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    """--preset tiny --bench_steps=3 with shard patterns that match nothing, from an empty folder."""
+    folder = tmp_path_factory.mktemp("bench_cwd")
+    out, cwd = io.StringIO(), os.getcwd()
+    os.chdir(folder)
+    try:
+        with contextlib.redirect_stdout(out):
+            code = tg.main(["--preset=tiny", "--bench_steps=3", f"--train_files={folder}/none_*.bin",
+                            f"--val_files={folder}/none_*.bin"])
+    finally:
+        os.chdir(cwd)
+    lines = out.getvalue().strip().splitlines()
+    return dict(code=code, lines=lines, report=json.loads(lines[-1]), folder=folder)
+
+
+def test_bench_exits_0_and_writes_nothing_in_the_working_folder(tiny_bench):
+    assert tiny_bench["code"] == 0
+    assert list(tiny_bench["folder"].iterdir()) == []
+
+
+def test_bench_times_the_first_and_the_last_step_of_the_schedule(tiny_bench):
+    points = tiny_bench["report"]["points"]
+    assert [p["step"] for p in points] == [0, TINY.num_iterations - 1]
+    assert [p["window_blocks"] for p in points] == [tg.window_blocks(0, TINY), tg.window_blocks(199, TINY)]
+    for p in points:
+        assert len(p["times_ms"]) == 3 and min(p["times_ms"]) > 0
+        assert len(p["losses"]) == 4  # the untimed first step's too
+
+
+def test_bench_prints_a_line_per_point_before_the_json_line(tiny_bench):
+    lines = tiny_bench["lines"]
+    assert lines[0].startswith("bench: 1 process(es) on cpu")
+    assert [line.split(" (")[0] for line in lines if line.startswith("step ")] == ["step 0", "step 199"]
+    assert any(line.startswith("peak memory: ") for line in lines)
+    assert any(line.startswith("compiled graphs: ") for line in lines)
+
+
+def test_bench_flops_per_token_is_the_dry_runs(tiny_bench, tmp_path, monkeypatch, capsys):
+    code, _, dry = bench(["--dry_run"], tmp_path, monkeypatch, capsys)
+    assert code == 0
+    assert tiny_bench["report"]["flops_per_token"] == dry["flops_per_token"]
+
+
+def test_bench_rates_follow_from_the_median_step_time(tiny_bench):
+    """tokens/s = tokens per step / median time; TFLOP/s = FLOPs per token x tokens/s; no MFU on a CPU."""
+    report = tiny_bench["report"]
+    assert report["tokens_per_step"] == TINY.batch_slices * TINY.train_seq_len
+    for p in report["points"]:
+        median_s = statistics.median(p["times_ms"]) / 1000
+        assert p["median_ms"] == pytest.approx(median_s * 1000) and p["min_ms"] == min(p["times_ms"])
+        assert p["tokens_per_s"] == pytest.approx(report["tokens_per_step"] / median_s)
+        assert p["tokens_per_s_per_process"] == pytest.approx(p["tokens_per_s"])
+        assert p["tflops"] == pytest.approx(report["flops_per_token"] * p["tokens_per_s"] / 1e12)
+        assert p["mfu"] is None
+    assert report["peak_tflops_per_device"] is None
+
+
+def test_bench_reports_memory_and_compiled_graphs(tiny_bench):
+    report = tiny_bench["report"]
+    assert report["peak_memory_allocated_mib"] > 0 and report["device_memory_mib"] is None  # CPU: peak RSS
+    assert report["compile"] is False and report["graphs"] == 0  # the CPU default runs eagerly
+    assert report["evaluation"] == dict(tokens=TINY.batch_slices * TINY.val_seq_len, graphs_added=0,
+                                        recompiles_added=0)
+
+
+def test_bench_at_step_times_that_step_only(tmp_path, monkeypatch, capsys):
+    code, _, report = bench(["--bench_steps=1", "--bench_at_step=120", "--warmup_steps=0"], tmp_path, monkeypatch,
+                            capsys)
+    assert code == 0
+    assert [(p["step"], p["window_blocks"]) for p in report["points"]] == [(120, tg.window_blocks(120, TINY))]
+
+
+def test_bench_at_a_step_beyond_the_run_exits_2_naming_the_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert tg.main(["--preset=tiny", "--bench_steps=1", "--bench_at_step=200"]) == 2
+    assert "--bench_at_step" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_bench_losses_equal_the_plain_ones(tiny_bench, tmp_path, monkeypatch, capsys):
+    """The same seed and random tokens: recomputing blocks changes no loss (fp32, CPU: exactly)."""
+    code, _, report = bench(["--bench_steps=3", "--bench_at_step=0", "--activation_checkpointing"], tmp_path,
+                            monkeypatch, capsys)
+    assert code == 0
+    assert report["points"][0]["losses"] == tiny_bench["report"]["points"][0]["losses"]
+
+
+@pytest.mark.slow
+def test_bench_on_two_processes_prints_once_and_sees_the_same_losses(tiny_bench, tmp_path):
+    """torchrun (run.sh) with 2 gloo processes: rank 0 alone prints; each step draws the whole step's
+    slices and each rank takes its own, so the losses (the mean over ranks) are the one-process ones
+    up to the order of the sums (measured: within 1e-6; asserted 1e-5)."""
+    env = {k: v for k, v in os.environ.items() if k not in gpu_check.LAUNCHER_VARIABLES}
+    env.update(NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "run.sh"), "--preset=tiny", "--device=cpu", "--bench_steps=3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["world_size"] == 2
+    for two, one in zip(reports[0]["points"], tiny_bench["report"]["points"]):
+        np.testing.assert_allclose(two["losses"], one["losses"], rtol=0, atol=1e-5)
+        assert two["tokens_per_s"] == pytest.approx(2 * two["tokens_per_s_per_process"])
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
+                                       ("NVIDIA H200", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                       ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA H100 NVL", None),
+                                       ("Tesla V100-SXM2-32GB", None)])
+def test_peak_bf16_tflops_by_device_name(name, peak):
+    assert tg.peak_bf16_tflops(name) == peak
+
+
+# ---- tools/gpu_check.sh
+
+
+def run_gpu_check(*flags):
+    env = {k: v for k, v in os.environ.items() if k not in gpu_check.LAUNCHER_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--preset=tiny", "--device=cpu", *flags],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_gpu_check_with_the_tiny_preset_runs_every_check_on_the_cpu_and_passes(tmp_path):
+    """Without shards (the pattern matches nothing) the training check trains on generated tokens."""
+    done = run_gpu_check(f"--train_files={tmp_path / 'none_*.bin'}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    names = [c["check"] for c in summary["checks"]]
+    assert summary["ok"] and all(c["ok"] for c in summary["checks"])
+    for expected in ("bench, CPU, step 0 (window 1)", "bench, CPU, step 199 (window 3)",
+                     "compiled graphs after warm-up, CPU", "window change (1 -> 3 blocks), CPU",
+                     "into evaluation, CPU", "peak memory, CPU", "activation checkpointing: first losses",
+                     "training 20 steps, CPU"):
+        assert expected in names
+    training = next(c for c in summary["checks"] if c["check"] == "training 20 steps, CPU")
+    assert "generated tokens" in training["measured"]
+    assert "check  " in done.stdout and "result" in done.stdout  # the table's header
+
+
+@pytest.mark.slow
+def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite():
+    """An attention scale of 1e38 turns every score into inf: nan losses from the first forward."""
+    done = run_gpu_check("--attn_scale=1e38")
+    assert done.returncode == 1
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not summary["ok"]
+    assert "gpu_check: FAILED" in done.stderr and "non-finite" in done.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, monkeypatch, capsys):
+    """Two GPUs counted (patched; the trainer's processes find none and run on the CPU over gloo):
+    the benchmark and the training run again on 2 processes, whose first losses match one process's."""
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = gpu_check.main(["--preset=tiny", f"--train_files={tmp_path / 'none_*.bin'}"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
+    names = [c["check"] for c in summary["checks"]]
+    for label in ("1 GPU(s)", "2 GPU(s)"):
+        assert f"bench, {label}, step 0 (window 1)" in names and f"training 20 steps, {label}" in names
+    assert "2 GPU(s) vs 1: first bench losses" in names
+
+
+def test_gpu_check_refuses_a_bad_flag_with_exit_code_2():
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--num_iterations=0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--num_iterations" in done.stderr
+
+
+def test_generated_training_tokens_follow_a_sparse_markov_chain(tmp_path):
+    """The training check's tokens without shards: every token (but end-of-text) is followed by at
+    most 8 distinct tokens, and documents end about once in 128 tokens."""
+    gpu_check.write_markov_shards(tmp_path, vocab_size=300, eot_token=299, train_tokens=200_000, val_tokens=5_000)
+    train = tg.read_shard(tmp_path / "generated_train_000001.bin").numpy().astype(np.int64)
+    assert tg.read_shard(tmp_path / "generated_val_000000.bin").numel() == 5_000 and train.size == 200_000
+    assert train.max() < 300
+    pairs = np.unique(np.stack([train[:-1], train[1:]]), axis=1)
+    inside = pairs[:, (pairs[0] != 299) & (pairs[1] != 299)]
+    successors = np.bincount(inside[0], minlength=299)
+    assert 0 < successors.max() <= 8
+    assert (train == 299).mean() == pytest.approx(1 / 128, rel=0.2)

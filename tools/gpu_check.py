@@ -1,0 +1,323 @@
+"""The first GPU hour's verdict in one command: does the trainer run here, how fast, in how much memory.
+
+    tools/gpu_check.sh                    # the record's shapes on this machine's GPUs (1 to 8)
+    tools/gpu_check.sh --preset tiny      # the same checks at toy size; on the CPU where there is no GPU
+    tools/gpu_check.sh --compile=false    # any trainer flag is passed on to every run
+
+Each check is a run of train_gpt_medium.py in its own process (torchrun for several GPUs):
+  1. --bench_steps at the first and the last step of the schedule, on one GPU: ms/step, tokens/s,
+     MFU; compiled graphs after the warm-up, across the window change and into evaluation;
+     peak memory against the device's; the allocator's settings;
+  2. --activation_checkpointing under the same compile: it runs, and its first losses equal
+     those of check 1 (the same seed and random tokens) within a tolerance;
+  3. 20 real training steps, validating every 10, on the downloaded shards when present
+     (--train_files / --val_files), else on generated learnable tokens: losses finite and falling;
+  4. with several GPUs, checks 1 and 3 again on all of them (NCCL), the benchmark's first
+     losses against the one-GPU run's.
+Prints a table, then one JSON line (the summary). Exit code 0 when every check passed, 1 when one
+failed (the reasons on stderr), 2 for bad flags. Its files (generated shards, the training runs'
+logs) go to a temporary folder, deleted at the end; nothing is written into the repository.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER = ROOT / "train_gpt_medium.py"
+sys.path.insert(0, str(ROOT))
+import train_gpt_medium as tg  # noqa: E402
+
+BENCH_STEPS, CHECKPOINTED_BENCH_STEPS = 5, 2  # timed steps per point (each point adds one untimed step)
+WARMUP_STEPS = 1  # enough to compile the training graphs; every timed point starts with an untimed step
+TRAIN_STEPS, VAL_EVERY = 20, 10
+RUN_TIMEOUT_S = 600
+MEMORY_LIMIT = 0.95  # of the device's memory: above it a longer run or another evaluation can run out
+# First losses of two runs that compute the same thing differently (recomputed blocks and a chunked
+# loss; another world size), compared to this many nats. fp32: reduction order only (measured 0 on
+# the CPU with the tiny preset); bf16: compiled graphs round differently, guessed, not yet measured.
+LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
+COMPARED_LOSSES = 3
+# The record (SPEC §6, README): 1412.45 s mean over 19 runs on 8xH100, about 247 ms per step,
+# peak 53,988 MiB allocated, 1.686 GFLOP per token, about 45% MFU.
+RECORD_MS_PER_STEP_8_GPUS, RECORD_PEAK_MIB, RECORD_MFU = 247, 53_988, 0.45
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ---- running the trainer
+
+
+class Run:
+    """One finished trainer process: exit code, output, seconds, and why it failed (or None)."""
+
+    def __init__(self, name: str, returncode: int, output: str, seconds: float, timed_out: bool = False):
+        self.name, self.returncode, self.output, self.seconds = name, returncode, output, seconds
+        self.failure = None
+        if timed_out:
+            self.failure = f"{name}: timed out after {RUN_TIMEOUT_S} s"
+        elif returncode != 0:
+            errors = [line for line in output.splitlines() if line.startswith("error")]
+            last = errors[-1] if errors else (output.strip().splitlines() or ["no output"])[-1]
+            self.failure = f"{name}: exit code {returncode}: {last}"
+
+    def json(self) -> dict | None:
+        """The last JSON line the run printed (the benchmark's report), or None."""
+        lines = [line for line in self.output.splitlines() if line.startswith("{")]
+        return json.loads(lines[-1]) if lines else None
+
+
+def run_trainer(name: str, flags: list[str], processes: int) -> Run:
+    """train_gpt_medium.py with `flags`, as one process or through torchrun, from the repository root."""
+    command = [sys.executable, str(TRAINER)] if processes <= 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", str(TRAINER)]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    print(f"[gpu_check] {name} ...", flush=True)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command + flags, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+        run = Run(name, done.returncode, done.stdout + done.stderr, time.perf_counter() - start)
+    except subprocess.TimeoutExpired as e:
+        output = "".join(b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in (e.stdout, e.stderr))
+        run = Run(name, -1, output, time.perf_counter() - start, timed_out=True)
+    print(f"[gpu_check] {name}: {'ok' if run.failure is None else 'FAILED'} ({run.seconds:.0f} s)", flush=True)
+    if run.failure:
+        print("\n".join("    " + line for line in run.output.strip().splitlines()[-15:]), flush=True)
+    return run
+
+
+# ---- data for the training check
+
+
+def write_markov_shards(folder: Path, vocab_size: int, eot_token: int, train_tokens: int, val_tokens: int,
+                        seed: int = 0, branching: int = 8, end_prob: float = 1 / 128) -> None:
+    """Learnable tokens at any vocabulary size: a random Markov chain in which every token has
+    `branching` likely successors and ends its document with probability end_prob (after the
+    end-of-text token a document starts anywhere). data/synthetic.py's exact chain is a dense
+    V x V matrix, too large for GPT-2's vocabulary; this one is V x branching."""
+    rng = np.random.default_rng(seed)
+
+    def words(n):  # uniform over the vocabulary without the end-of-text token
+        w = rng.integers(0, vocab_size - 1, size=n)
+        return w + (w >= eot_token)
+
+    successors = words(vocab_size * branching).reshape(vocab_size, branching)
+    cdf = np.cumsum(rng.dirichlet(np.ones(branching), size=vocab_size), axis=1)
+    cdf[:, -1] = 1.0
+    chains = max(1, min(1024, (train_tokens + val_tokens) // 4096))  # rows of >= 4096 tokens
+    length = -(-(train_tokens + val_tokens) // chains)
+    out = np.empty((chains, length), dtype=np.int64)
+    state = np.full(chains, eot_token)  # every row starts a document, so rows join as documents do
+    for t in range(length):  # vectorized over independent chains
+        out[:, t] = state
+        successor = successors[state, (cdf[state] < rng.random(chains)[:, None]).sum(1)]
+        ending = rng.random(chains) < end_prob
+        state = np.where(state == eot_token, words(chains), np.where(ending, eot_token, successor))
+    stream = out.reshape(-1)
+    folder.mkdir(parents=True, exist_ok=True)
+    tg.write_shard(folder / "generated_val_000000.bin", stream[:val_tokens])
+    tg.write_shard(folder / "generated_train_000001.bin", stream[val_tokens:val_tokens + train_tokens])
+
+
+def training_data(config: tg.Hyperparameters, folder: Path) -> tuple[list[str], str]:
+    """Flags naming the training check's shards, and where they come from: the configured ones when
+    both globs match files, else generated tokens written to `folder`."""
+    if glob.glob(config.train_files) and glob.glob(config.val_files):
+        return [], f"shards {config.train_files}"
+    step_tokens = config.batch_slices * config.train_seq_len
+    write_markov_shards(folder, config.vocab_size, config.eot_token, TRAIN_STEPS * step_tokens + 1,
+                        config.batch_slices * config.val_seq_len + 1)
+    return [f"--train_files={folder / 'generated_train_*.bin'}", f"--val_files={folder / 'generated_val_*.bin'}",
+            "--token_bytes_file="], "generated tokens, no shards found"
+
+
+# ---- the checks: each returns rows of the table
+
+
+def row(name: str, measured: str, expected: str, failure: str | None = None) -> dict:
+    return dict(check=name, measured=measured, expected=expected, ok=failure is None, reason=failure)
+
+
+def failed_run(name: str, run: Run) -> list[dict]:
+    return [row(name, "did not finish", "exit code 0", run.failure)]
+
+
+def muon_shapes(config: tg.Hyperparameters) -> int:
+    """Distinct matrix shapes Muon updates: its compiled update compiles once for each."""
+    model = tg.build_model(config, "meta")
+    return len({tuple(p.shape) for name, ps in tg.parameter_groups(model).items() if name.startswith("muon")
+                for p in ps})
+
+
+def is_record_shape(config: tg.Hyperparameters) -> bool:
+    record = tg.make_config()
+    names = ("vocab_size", "model_dim", "num_layers", "num_heads", "head_dim", "mlp_ratio", "train_seq_len",
+             "batch_slices", "max_window_tokens", "value_embed_layout", "attention_free_layers")
+    return all(getattr(config, n) == getattr(record, n) for n in names)
+
+
+def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
+    """Timing per point, compiled graphs, peak memory and the allocator's settings of one benchmark."""
+    report = run.json()
+    if report is None:
+        return failed_run(f"bench, {label}", run)
+    rows, W = [], report["world_size"]
+    for p in report["points"]:
+        finite = all(math.isfinite(x) for x in p["losses"])
+        mfu = f", MFU {100 * p['mfu']:.1f}%" if p["mfu"] is not None else ""
+        expected = (f"record: ~{RECORD_MS_PER_STEP_8_GPUS * 8 / W:,.0f} ms at ~{100 * RECORD_MFU:.0f}% MFU"
+                    if is_record_shape(config) else "times > 0, losses finite")
+        bad = None if finite and min(p["times_ms"]) > 0 else f"bench, {label}, step {p['step']}: " + (
+            "non-finite loss" if not finite else "a step time is not positive")
+        rows.append(row(f"bench, {label}, step {p['step']} (window {p['window_blocks']})",
+                        f"{p['median_ms']:,.1f} ms/step (min {p['min_ms']:,.1f}), {p['tokens_per_s']:,.0f} tokens/s, "
+                        f"{p['tflops_per_process']:.4g} TFLOP/s per process{mfu}", expected, bad))
+    rows += graph_rows(label, report, config)
+    device_mib, reserved = report["device_memory_mib"], report["peak_memory_reserved_mib"]
+    share = f" of {device_mib:,} MiB ({100 * reserved / device_mib:.0f}%)" if device_mib else " (CPU: peak RSS)"
+    too_much = device_mib is not None and reserved > MEMORY_LIMIT * device_mib
+    rows.append(row(f"peak memory, {label}", f"allocated {report['peak_memory_allocated_mib']:,} MiB, reserved "
+                    f"{reserved:,} MiB{share}",
+                    f"reserved < {100 * MEMORY_LIMIT:.0f}% of the device"
+                    + (f"; record: {RECORD_PEAK_MIB:,} MiB" if is_record_shape(config) else ""),
+                    f"peak memory, {label}: {reserved:,} MiB reserved is over {100 * MEMORY_LIMIT:.0f}% of "
+                    f"{device_mib:,} MiB" if too_much else None))
+    if report["allocator_settings"] is not None:
+        user_set = any(os.environ.get(name) for name in tg.ALLOC_CONF_VARIABLES)
+        on = tg.EXPANDABLE_SEGMENTS in report["allocator_settings"]
+        rows.append(row(f"allocator, {label}", report["allocator_settings"] or "(defaults)",
+                        "set by you" if user_set else tg.EXPANDABLE_SEGMENTS,
+                        None if on or user_set else f"allocator, {label}: expandable segments are not on"))
+    if run.failure and all(r["ok"] for r in rows):  # a report, yet the run failed after it
+        rows.append(row(f"bench, {label}", "exit code", "0", run.failure))
+    return rows
+
+
+def graph_rows(label: str, report: dict, config: tg.Hyperparameters) -> list[dict]:
+    """Compiled graphs: after the warm-up one training graph and one Muon update graph per matrix
+    shape; none added when the window changes; one evaluation graph (a recompile of the forward)."""
+    compiled = report["compile"]
+    shapes = muon_shapes(config)
+    warmup = report["warmup"]["graphs"]
+    want = 1 + shapes if compiled else 0
+    rows = [row(f"compiled graphs after warm-up, {label}", str(warmup),
+                f"{want}" + (f" (1 training + {shapes} Muon update shapes)" if compiled else " (compile off)"),
+                None if warmup == want else f"{label}: {warmup} graphs after the warm-up, expected {want} "
+                "(graph breaks? TORCH_LOGS=graph_breaks shows them)")]
+    if len(report["points"]) > 1:
+        later = report["points"][-1]
+        added = (later["graphs_added"], later["recompiles_added"])
+        rows.append(row(f"window change ({report['points'][0]['window_blocks']} -> {later['window_blocks']} blocks), "
+                        f"{label}", f"+{added[0]} graphs, +{added[1]} recompiles", "+0 graphs, +0 recompiles",
+                        None if added in ((0, 0), (0, None)) else f"{label}: the window change compiled again"))
+    e, want = report["evaluation"], 1 if compiled else 0
+    ok = e["graphs_added"] == want and e["recompiles_added"] in (want, None)
+    rows.append(row(f"into evaluation, {label}", f"+{e['graphs_added']} graphs, +{e['recompiles_added']} recompiles",
+                    f"+{want} graph, +{want} recompile" + (" (the evaluation graph)" if compiled else ""),
+                    None if ok else f"{label}: evaluation added {e['graphs_added']} graphs, expected {want}"))
+    return rows
+
+
+def losses_row(name: str, run: Run, reference: Run, tolerance: float) -> dict:
+    """The first benchmark losses at step 0 of `run` against `reference`'s."""
+    got, want = run.json(), reference.json()
+    if got is None or want is None:
+        return row(name, "no losses to compare", f"max |difference| <= {tolerance:g}",
+                   run.failure or reference.failure or f"{name}: no benchmark report")
+    a, b = got["points"][0]["losses"][:COMPARED_LOSSES], want["points"][0]["losses"][:COMPARED_LOSSES]
+    diff = max(abs(x - y) for x, y in zip(a, b))
+    return row(name, f"max |difference| {diff:.3g} over {len(a)} losses ({a[0]:.6f} vs {b[0]:.6f} first)",
+               f"<= {tolerance:g} nats", None if diff <= tolerance else f"{name}: losses differ by {diff:.3g}")
+
+
+VAL_LINE = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+) train_time:\d+ms step_avg:([\d.]+)ms", re.M)
+
+
+def training_row(label: str, run: Run, log_dir: Path, source: str) -> dict:
+    """Validation losses of a short run: all finite and each lower than the one before."""
+    name = f"training {TRAIN_STEPS} steps, {label}"
+    if run.failure:
+        return row(name, "did not finish", "exit code 0", run.failure)
+    logs = sorted(log_dir.glob("*.txt"))
+    found = VAL_LINE.findall(logs[-1].read_text()) if logs else []
+    losses = [float(loss) for _, loss, _ in found]
+    falling = len(losses) >= 2 and all(math.isfinite(x) for x in losses) and all(
+        b < a for a, b in zip(losses, losses[1:]))
+    return row(name, " -> ".join(f"{x:.4f}" for x in losses) + (f", {float(found[-1][2]):,.1f} ms/step" if found else "")
+               + f" ({source})", f"finite, falling at every validation (every {VAL_EVERY} steps)",
+               None if falling else f"{name}: validation losses {losses} are not finite and falling")
+
+
+# ---- main
+
+
+def print_table(rows: list[dict]) -> None:
+    headers = ("check", "measured", "expected", "result")
+    cells = [(r["check"], r["measured"], r["expected"], "ok" if r["ok"] else "FAIL") for r in rows]
+    widths = [max(len(c[i]) for c in cells + [headers]) for i in range(4)]
+    for line in [headers, tuple("-" * w for w in widths), *cells]:
+        print("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip())
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        config = tg.parse_args(argv)
+    except tg.InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
+    dtype = str(tg.weight_dtype(config, "cuda" if gpus else "cpu")).removeprefix("torch.")
+    tolerance = LOSS_TOLERANCE[dtype]
+    base = ["--seed=0", f"--warmup_steps={WARMUP_STEPS}", *argv]  # the user's flags may override both
+    train_flags = [f"--num_iterations={TRAIN_STEPS}", f"--val_every={VAL_EVERY}", "--save_every=0",
+                   f"--val_tokens={config.batch_slices * config.val_seq_len}", "--synthetic_data=false"]
+    rows, runs = [], {}
+    where = f"{gpus} GPU(s)" if gpus else "the CPU"
+    print(f"[gpu_check] {where}; trainer flags: {' '.join(argv) or '(the record)'}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        tmp = Path(tmp)
+        data_flags, source = training_data(config, tmp / "data")
+        all_gpus = max([w for w in range(1, gpus + 1) if config.batch_slices % w == 0], default=1)
+        for processes in [1] + ([all_gpus] if all_gpus > 1 else []):  # a world size must divide batch_slices
+            label = f"{processes} GPU(s)" if gpus else "CPU"
+            bench = runs[processes] = run_trainer(f"bench, {label}", [*base, f"--bench_steps={BENCH_STEPS}"], processes)
+            rows += bench_rows(label, bench, config)
+            if processes == 1:
+                checkpointed = run_trainer("bench with activation checkpointing", [
+                    *base, "--activation_checkpointing", f"--bench_steps={CHECKPOINTED_BENCH_STEPS}",
+                    "--bench_at_step=0"], 1)
+                rows.append(losses_row("activation checkpointing: first losses", checkpointed, bench, tolerance))
+            else:
+                rows.append(losses_row(f"{label} vs 1: first bench losses", bench, runs[1], tolerance))
+            log_dir = tmp / f"logs_{processes}"
+            training = run_trainer(f"training, {label}", [*base, *data_flags, *train_flags, f"--log_dir={log_dir}"],
+                                   processes)
+            rows.append(training_row(label, training, log_dir, source))
+    print()
+    print_table(rows)
+    failures = [r["reason"] for r in rows if not r["ok"]]
+    report = runs[1].json() or {}
+    print(json.dumps(dict(ok=not failures, gpus=gpus, device_name=report.get("device_name"), dtype=dtype,
+                          loss_tolerance=tolerance, checks=rows)), flush=True)
+    if failures:
+        print("gpu_check: FAILED: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
