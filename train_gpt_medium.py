@@ -1530,9 +1530,9 @@ def check_run_request(config: Hyperparameters, device: torch.device) -> None:
     """What this device cannot run, and bench flags that make no sense: ConfigError (exit 2)
     before anything is built or written."""
     if device.type != "cuda" and attention_backend(config, device.type) == "flex":
-        raise ConfigError(f"--attention=flex: FlexAttention has no backward pass on the {device.type.upper()}, so it "
-                          "cannot train here (uncompiled, it would also ignore the attention window); "
-                          "use --attention=sdpa (or auto) off CUDA")
+        raise ConfigError(f"--attention: flex cannot train on the {device.type.upper()}: FlexAttention has no backward "
+                          "pass there (and uncompiled it would ignore the attention window); drop --attention=flex "
+                          "(auto picks sdpa off CUDA) or pass --attention=sdpa")
     if config.bench_at_step is not None and config.bench_at_step >= config.num_iterations:
         raise ConfigError(f"--bench_at_step: {config.bench_at_step} is not a step of the run; it must be below "
                           f"--num_iterations={config.num_iterations}")
@@ -1825,8 +1825,8 @@ def read_token_bytes(config: Hyperparameters) -> tuple[Optional[np.ndarray], str
     if table.dtype.kind not in "ui":
         raise ConfigError(f"{flag} holds {table.dtype} values; byte counts are integers (uint8)")
     if table.shape != (config.vocab_size,):
-        raise ConfigError(f"{flag} has shape {table.shape}; it needs one byte count per token id, shape "
-                          f"({config.vocab_size},) for --vocab_size={config.vocab_size}")
+        raise ConfigError(f"{flag} has shape {table.shape} ({table.size} entries, the vocabulary has "
+                          f"{config.vocab_size}); it needs one byte count per token id, shape ({config.vocab_size},)")
     if table.size and table.min() < 0:
         raise ConfigError(f"{flag} holds negative byte counts")
     return table, ""
@@ -2092,11 +2092,18 @@ def validate_checkpoint(path: Path) -> dict:
     if not meta_path.exists():
         raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")
     try:
-        meta = json.loads(meta_path.read_text())
+        text = meta_path.read_text()
+    except OSError as e:
+        raise CheckpointError(f"{meta_path}: {e.strerror or e}")
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e})")
+    try:
         records = {name: (int(r["bytes"]), str(r["sha256"])) for name, r in meta["files"].items()}
         saved_format = meta.get("format")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{meta_path}: unreadable or not a checkpoint's meta.json ({type(e).__name__}: {e})")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{meta_path}: not a checkpoint's meta.json ({type(e).__name__}: {e})")
     if saved_format != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{meta_path}: checkpoint format {saved_format}, this script reads {CHECKPOINT_FORMAT}")
     for name, (nbytes, sha256) in records.items():
@@ -2106,7 +2113,7 @@ def validate_checkpoint(path: Path) -> dict:
         try:
             size, digest = f.stat().st_size, file_sha256(f)
         except OSError as e:
-            raise CheckpointError(f"{f}: cannot be read ({e.strerror or e})")
+            raise CheckpointError(f"{f}: {e.strerror or e}")
         if size != nbytes:
             raise CheckpointError(f"{f}: {size} bytes, but {nbytes} were written (truncated or modified)")
         if digest != sha256:
@@ -2481,4 +2488,13 @@ def write_shard(path, tokens) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if "RANK" in os.environ:
+        # torchrun's processes leave without interpreter teardown: there, torch 2.13's gloo worker
+        # threads can still be releasing a finished collective's tensors and abort the process
+        # (SIGABRT after a complete run; see tests/test_distributed.py). The process group is gone
+        # and every file is closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    sys.exit(exit_code)

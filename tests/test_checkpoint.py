@@ -106,7 +106,7 @@ def test_an_unreadable_checkpoint_file_is_refused_naming_it(saved_run, monkeypat
     def unreadable(path):
         raise PermissionError(13, "Permission denied", str(path))
     monkeypatch.setattr(tg, "file_sha256", unreadable)
-    with pytest.raises(tg.CheckpointError, match="cannot be read .Permission denied.") as err:
+    with pytest.raises(tg.CheckpointError, match="Permission denied") as err:
         tg.validate_checkpoint(saved_run / "step_000004")
     assert str(saved_run / "step_000004") in str(err.value)
 

@@ -301,7 +301,7 @@ def val_files(tmp_path):
     (["--top_k=501"], "--top_k must be at most the vocabulary size 500, got 501"),
     (["--seq_len=100"], "--seq_len must be a positive multiple of 128"),
     (["--val_files={tmp}/none_*.bin"], "--val_files: no files match '{tmp}/none_*.bin'"),
-    (["--val_files={tmp}/folder_val_*.bin"], "{tmp}/folder_val_000000.bin: Is a directory"),
+    (["--val_files={tmp}/folder_val_*.bin"], "{tmp}/folder_val_000000.bin is a folder"),
     (["--val_files={tmp}/short_val_*.bin", "--seq_len=128"],
      "--val_files {tmp}/short_val_*.bin: 100 tokens, fewer than the 129 that --seq_len needs"),
 ])
