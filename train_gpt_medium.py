@@ -53,11 +53,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 # =============================================================================
-# 1. Hyperparameters: the defaults ARE the record recipe (SPEC §2-§5)
+# 1. Hyperparameters: the defaults ARE the record recipe (docs/recipe.md)
 #
-# One line per flag: type, record default, meaning, allowed values. The group decides where
-# `--help` lists it and whether a resumed checkpoint must match it (recipe and seed ideas change
-# what a run computes; run control and scale do not).
+# One line per flag: type, record default, meaning, allowed values. Each flag's group says what
+# changing it does, and so where `--help` lists it, what a resumed checkpoint must match and what
+# makes two runs the same experiment (the log writes every field's group; records/ reads it).
 
 
 def _flag(group: str):
@@ -67,8 +67,12 @@ def _flag(group: str):
     return make
 
 
-recipe, idea, scale, run = _flag("recipe"), _flag("seed ideas"), _flag("scale and checkpoints"), _flag("run control")
-TRAINING_GROUPS = ("recipe", "seed ideas")  # fields whose value changes what a run computes
+# recipe and seed ideas change what a run computes; execution changes how (device, kernels,
+# memory) or on which data, and so its time; bookkeeping changes neither (names, seeds, outputs).
+recipe, idea = _flag("recipe"), _flag("seed ideas")
+execution, bookkeeping = _flag("execution"), _flag("bookkeeping")
+TRAINING_GROUPS = ("recipe", "seed ideas")  # a resumed checkpoint must match these
+EXPERIMENT_GROUPS = ("recipe", "seed ideas", "execution")  # runs that agree on these are one experiment
 
 
 @dataclass
@@ -131,36 +135,39 @@ class Hyperparameters:
     ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
     ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
                         choices=("direct", "materialized"))
-    # ---- scale and checkpoints (none of these changes what is computed)
-    activation_checkpointing: bool = scale(False, "recompute each block (and the loss in chunks) in backward")
-    save_every: int = scale(0, "checkpoint every N steps and at the end; 0: never", at_least=0)
-    checkpoint_dir: str = scale("checkpoints", "checkpoints go to <checkpoint_dir>/<run_id or preset>/step_<N>/")
-    resume: str = scale("", "a checkpoint folder, or 'latest' (the newest valid one of this run name)")
-    force_resume: bool = scale(False, "resume even if the config differs in fields that change training")
-    # ---- run control
-    preset: str = run("medium", "starting point the other flags override", choices=("medium", "tiny"))
-    run_id: str = run("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
-    seed: Optional[int] = run(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
-                              at_least=0)
-    device: str = run("auto", "where to run", choices=("auto", "cuda", "cpu"))
-    compile: Optional[bool] = run(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
-    attention: str = run("auto", "auto: flex on CUDA, sdpa with a dense mask on CPU", choices=("auto", "flex", "sdpa"))
-    threads: int = run(0, "CPU threads of a CPU run (0: OMP_NUM_THREADS if set, else 1)", at_least=0)
-    log_dir: str = run("logs", "folder of the run logs")
-    val_every: int = run(125, "validate every N steps (and at the end); 0: only at the end", at_least=0)
-    warmup_steps: int = run(10, "untimed compile warm-up steps, state restored afterwards", at_least=0)
-    nonfinite_check_every: int = run(25, "look for a nan/inf training loss every N steps (a host sync)", at_least=1)
-    train_files: str = run("data/fineweb10B/fineweb_train_*.bin", "training shards (a glob)")
-    val_files: str = run("data/fineweb10B/fineweb_val_*.bin", "validation shards (a glob)")
-    synthetic_data: bool = run(False, "generate the tiny preset's shards into data/synthetic/ if missing (never elsewhere)")
-    token_bytes_file: str = run("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off; a path you "
-                                "give must be such a table)")
-    dry_run: bool = run(False, "build on the meta device, print counts and FLOPs, exit")
-    bench_steps: int = run(0, "benchmark: build and compile as a run, then time N training steps on random tokens "
-                           "(no data, no log) and print ms/step, tokens/s, TFLOP/s, MFU, memory; 0: train",
-                           at_least=0)
-    bench_at_step: Optional[int] = run(None, "with --bench_steps: time at this step of the schedule only; "
-                                       "unset: at the first and the last step", at_least=0)
+    # ---- execution: the same computation, on other hardware or data, at another speed or memory
+    device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
+    compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
+    attention: str = execution("auto", "auto: flex on CUDA, sdpa with a dense mask on CPU",
+                               choices=("auto", "flex", "sdpa"))
+    threads: int = execution(0, "CPU threads of a CPU run (0: OMP_NUM_THREADS if set, else 1)", at_least=0)
+    activation_checkpointing: bool = execution(False, "recompute each block (and the loss in chunks) in backward")
+    warmup_steps: int = execution(10, "untimed compile warm-up steps, state restored afterwards", at_least=0)
+    train_files: str = execution("data/fineweb10B/fineweb_train_*.bin", "training shards (a glob)")
+    val_files: str = execution("data/fineweb10B/fineweb_val_*.bin", "validation shards (a glob)")
+    synthetic_data: bool = execution(False, "generate the tiny preset's shards into data/synthetic/ if missing "
+                                     "(never elsewhere)")
+    # ---- bookkeeping: names, seeds, outputs, checkpoints, tool modes
+    preset: str = bookkeeping("medium", "starting point the other flags override", choices=("medium", "tiny"))
+    run_id: str = bookkeeping("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
+    seed: Optional[int] = bookkeeping(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
+                                      at_least=0)
+    log_dir: str = bookkeeping("logs", "folder of the run logs")
+    val_every: int = bookkeeping(125, "validate every N steps (and at the end); 0: only at the end", at_least=0)
+    nonfinite_check_every: int = bookkeeping(25, "look for a nan/inf training loss every N steps (a host sync)",
+                                             at_least=1)
+    token_bytes_file: str = bookkeeping("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off; "
+                                        "a path you give must be such a table)")
+    save_every: int = bookkeeping(0, "checkpoint every N steps and at the end; 0: never", at_least=0)
+    checkpoint_dir: str = bookkeeping("checkpoints", "checkpoints go to <checkpoint_dir>/<run_id or preset>/step_<N>/")
+    resume: str = bookkeeping("", "a checkpoint folder, or 'latest' (the newest valid one of this run name)")
+    force_resume: bool = bookkeeping(False, "resume even if the config differs in fields that change training")
+    dry_run: bool = bookkeeping(False, "build on the meta device, print counts and FLOPs, exit")
+    bench_steps: int = bookkeeping(0, "benchmark: build and compile as a run, then time N training steps on random "
+                                   "tokens (no data, no log) and print ms/step, tokens/s, TFLOP/s, MFU, memory; "
+                                   "0: train", at_least=0)
+    bench_at_step: Optional[int] = bookkeeping(None, "with --bench_steps: time at this step of the schedule only; "
+                                               "unset: at the first and the last step", at_least=0)
 
     # ---- derived quantities (no state of their own)
     @property
@@ -1721,11 +1728,20 @@ def open_run_log(config: Hyperparameters, device: torch.device, world_size: int,
               console=False)
     log.write("=" * 100, console=False)
     log.write("\n".join(f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)), console=False)
+    log.write_lines(config_group_lines(), console=False)
     log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
     log.write(f"seed {config.seed} (repeat this run with --seed={config.seed})")
     for note in notes:
         log.write(note)
     return log
+
+
+def config_group_lines() -> list[str]:
+    """Two JSON lines after the config lines: each field's group, and the groups whose fields make
+    two runs the same experiment. records/ derives "the same experiment" from them, so a field's
+    group is said once, here, and never listed again by hand."""
+    groups = {f.name: f.metadata["group"] for f in fields(Hyperparameters)}
+    return [f"config_groups = {json.dumps(groups)}", f"experiment_groups = {json.dumps(list(EXPERIMENT_GROUPS))}"]
 
 
 def run_summary(config: Hyperparameters, result: dict, log: RunLog) -> str:
