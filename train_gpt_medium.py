@@ -13,10 +13,13 @@ Map of the file. The recipe, in the order data flows (what a record diff touches
   4. Model             masks, rotary, attention, MLP, block, GPT; the seed ideas' modules in one
                        section; initialization; optimizer groups
   5. Data              token shards and the loader
-  6. Training          optimizers, one step, evaluation, warm-up, the timed loop
+  6. Training          optimizers, one step, evaluation, warm-up, the timed loop and what it
+                       calls every run (resume, the non-finite check, validation and log lines,
+                       copies of the training state)
   7. main
-Below main, off in a record run: the command line and config checks, checkpoints, accounting
-and logging helpers, dry run, benchmark.
+Below main, what a record diff does not touch: the command line and config checks, run setup
+(called once before training: device, threads, seed, input and output checks, the log),
+checkpoints, accounting (parameters, FLOPs; the log's count lines), dry run, benchmark.
 
 Importing this module has no side effects; everything runs inside `main(argv)`.
 """
@@ -77,7 +80,7 @@ EXPERIMENT_GROUPS = ("recipe", "seed ideas", "execution")  # runs that agree on 
 
 @dataclass
 class Hyperparameters:
-    # ---- data and batch (SPEC §4)
+    # ---- data and batch (docs/recipe.md, Data)
     batch_slices: int = recipe(8, "slices of train_seq_len tokens per step; each rank takes batch_slices / world size",
                                at_least=1)
     train_seq_len: int = recipe(64 * 1024, "tokens per training slice (a multiple of attn_block_size)", at_least=1)
@@ -86,7 +89,7 @@ class Hyperparameters:
     vocab_size: int = recipe(50257, "vocabulary (GPT-2); the head is padded to a multiple of 128",
                              at_least=2, at_most=65536)
     eot_token: int = recipe(50256, "end-of-text token: starts a new document in the masks", at_least=0)
-    # ---- model (SPEC §2)
+    # ---- model (docs/recipe.md, Model)
     model_dim: int = recipe(1024, "width of the residual stream", at_least=1)
     num_layers: int = recipe(16, "transformer blocks", at_least=1)
     num_heads: int = recipe(8, "attention heads", at_least=1)
@@ -106,7 +109,7 @@ class Hyperparameters:
     rope_base: float = recipe(1024.0, "rotary base: frequencies (1/base)^linspace(0, 1, head_dim/4)", above=0)
     dtype: str = recipe("auto", "weights and activations: auto = bfloat16 on CUDA, float32 on CPU",
                         choices=("auto", "bfloat16", "float32"))
-    # ---- optimization (SPEC §3)
+    # ---- optimization (docs/recipe.md, Optimizers and schedules)
     num_iterations: int = recipe(5690, "training steps", at_least=1)
     cooldown_frac: float = recipe(0.7, "fraction of steps over which the lr decays linearly to 0", at_least=0, at_most=1)
     head_lr: float = recipe(1 / 320, "Adam lr of the output head", at_least=0)
@@ -121,7 +124,7 @@ class Hyperparameters:
     muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0)
     muon_weight_decay: float = recipe(0.01, "Muon decoupled weight decay (w *= 1 - lr*wd*mul)", at_least=0)
     mlp_weight_decay_mul: float = recipe(2.0, "weight decay multiplier of the MLP matrices", at_least=0)
-    # ---- seed ideas (SPEC §7): the defaults are the record; an idea that is off builds nothing
+    # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
     lore_input: bool = idea(False, "LoRE: input embeddings as a V x r table and an r -> d projection")
@@ -261,12 +264,14 @@ _compiled_functions: dict = {}
 
 
 def compiled(fn, **options):
-    """`fn` under torch.compile with static shapes, created on first use and kept for the process
-    (never at import: compiling needs a C++ or Triton toolchain and takes seconds). One compiled
-    function serves every caller; it compiles again for each new input shape or dtype."""
-    if fn not in _compiled_functions:
-        _compiled_functions[fn] = torch.compile(fn, dynamic=False, **options)
-    return _compiled_functions[fn]
+    """`fn` under torch.compile with static shapes and `options`, created on first use and kept for
+    the process (never at import: compiling needs a C++ or Triton toolchain and takes seconds). One
+    compiled function serves every caller with the same options; it compiles again for each new
+    input shape or dtype."""
+    key = (fn, tuple(sorted(options.items())))
+    if key not in _compiled_functions:
+        _compiled_functions[key] = torch.compile(fn, dynamic=False, **options)
+    return _compiled_functions[key]
 
 
 # (a, b, c) of each Newton-Schulz iteration: quintic steps tuned to pull singular values into
@@ -566,7 +571,7 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x))
 
 
-# ---- the seed ideas' modules (SPEC §7), each switched by its Hyperparameters field
+# ---- the seed ideas' modules (docs/ideas.md), each switched by its Hyperparameters field
 
 class LowRankEmbedding(nn.Module):
     """LoRE, input side (--lore_input): a V x r table followed by an r -> d projection."""
@@ -601,7 +606,7 @@ class Head(nn.Module):
 
 class LowRankHead(nn.Module):
     """LoRE, output side (--lore_output): d -> r (`down`) then r -> V_pad (`up`), fp32 storage.
-    Only `up` carries the vocabulary padding. Both factors start random (SPEC §7.2 init modes):
+    Only `up` carries the vocabulary padding. Both factors start random (the --lore_init modes):
     two zero factors would never receive a gradient."""
 
     def __init__(self, dim: int, rank: int, padded_vocab: int, init: str):
@@ -620,7 +625,7 @@ class LowRankHead(nn.Module):
 
 
 class ValueEmbeddings(nn.Module):
-    """The per-layer value embeddings, from K tables B_k (SPEC §7.3).
+    """The per-layer value embeddings, from K tables B_k (docs/ideas.md).
 
     native / grouped: layer l looks up table layout[l] (the record: K=5, 012..012).
     learned / frozen: a coefficient matrix A (L x K, fp32) makes layer l's table
@@ -699,7 +704,7 @@ class GPT(nn.Module):
         # one fp32 vector: skip weights (L), block lambdas (L x (2 + extra)), attention lambdas (L x 2)
         self.num_mix = 2 + config.num_extra_embeds
         self.scalars = nn.Parameter(torch.empty(L * (1 + self.num_mix + 2), dtype=torch.float32))
-        # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (SPEC §7.1, rejected upstream)
+        # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream)
         self.output_mix = nn.Parameter(torch.empty(2, dtype=torch.float32)) if config.x00_at_output else None
 
     def initial_value(self, name, shape, gen):
@@ -785,7 +790,7 @@ def _param_generator(seed: int, name: str) -> torch.Generator:
 
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> None:
-    """SPEC §2 / §7 init: each module says how its parameters start (`initial_value`); values are
+    """The record's init and the seed ideas': each module says how its parameters start (`initial_value`); values are
     drawn in fp32 on the CPU from per-parameter streams, then cast and copied."""
     for module_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
@@ -962,9 +967,20 @@ def steps_available(files: list[str], step_tokens: int) -> int:
     return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
 
 
-def load_data(config: Hyperparameters) -> tuple[list[str], torch.Tensor]:
-    """The train shard list and the validation tokens, checked against what the run needs
-    before anything is built or written."""
+@dataclass
+class RunData:
+    """What a run reads before anything is built: the train shards, the validation tokens, and the
+    bytes per token id for val_bpb (None, with the reason, when the run reports no val_bpb)."""
+    train_files: list[str]
+    val_tokens: torch.Tensor
+    token_bytes: Optional[np.ndarray]
+    no_token_bytes_reason: str = ""
+
+
+def load_data(config: Hyperparameters) -> RunData:
+    """The train shard list, the validation tokens and the byte table, checked against what the run
+    needs before anything is built or written (a bad table stops the run here, not after its log
+    was opened)."""
     cfg = config
     train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
     available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
@@ -975,7 +991,8 @@ def load_data(config: Hyperparameters) -> tuple[list[str], torch.Tensor]:
     val_tokens = torch.cat([read_shard(f) for f in val_files])
     if val_tokens.numel() < cfg.val_tokens + 1:
         raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
-    return train_files, val_tokens[:cfg.val_tokens + 1]
+    token_bytes, why_not = read_token_bytes(cfg)
+    return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
 
 
 # =============================================================================
@@ -992,10 +1009,9 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     adam = torch.optim.Adam([dict(params=groups[name], lr=lr, name=name) for name, lr in adam_lrs.items() if name in groups],
                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=0.0,
                             fused=fused)
-    muon_groups = [dict(params=groups["muon_attn"], name="muon_attn"),
-                   dict(params=groups["muon_mlp"], name="muon_mlp", wd_mul=config.mlp_weight_decay_mul)]
-    if "muon_lore" in groups:
-        muon_groups.append(dict(params=groups["muon_lore"], name="muon_lore"))
+    wd_muls = dict(muon_mlp=config.mlp_weight_decay_mul)
+    muon_groups = [dict(params=groups[name], name=name, wd_mul=wd_muls.get(name, 1.0))
+                   for name in ("muon_attn", "muon_mlp", "muon_lore") if name in groups]  # no attention: no muon_attn
     muon = Muon(muon_groups,
                 lr=config.muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
                 rank=rank, world_size=world_size, compile_update=compile_muon)
@@ -1047,7 +1063,6 @@ class Runner:
     """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks."""
 
     def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1):
-        check_world_size(config, world_size)
         self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
         self.micro_steps = config.batch_slices // world_size
         self.model = build_model(config, device)
@@ -1171,18 +1186,20 @@ class Stopwatch:
 
 
 def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
-          log: Optional[RunLog] = None, data: Optional[tuple] = None, resume: Optional[tuple] = None) -> dict:
-    """The timed run (SPEC §5): validate every val_every steps and at the end, log the step lines,
-    checkpoint every save_every steps; `resume` = (folder, meta) of a validated checkpoint."""
+          log: Optional[RunLog] = None, data: Optional[RunData] = None, resume: Optional[tuple] = None) -> dict:
+    """The timed run: validate every val_every steps and at the end, log the step lines,
+    checkpoint every save_every steps; `data` as load_data gives it (read here if None);
+    `resume` = (folder, meta) of a validated checkpoint."""
     cfg, N, log = config, config.num_iterations, log or RunLog(None)
-    train_files, val_tokens = data or load_data(cfg)
+    data = data or load_data(cfg)
+    train_files, val_tokens = data.train_files, data.val_tokens
     runner = Runner(cfg, device, rank, world_size)
     log.write_lines(accounting_lines(runner.model, cfg))
-    token_bytes = load_token_bytes(cfg, device, log)
+    token_bytes = token_bytes_on_device(data, cfg, device, log)
     runner.warmup()
     loader = DataLoader(train_files, cfg.train_seq_len, cfg.batch_slices, rank, world_size, device)
     start, train_time_ms, last_checkpoint = resume_from(resume, runner, loader, log)
-    history, clock = [], Stopwatch(device, world_size)
+    history, clock, eta = [], Stopwatch(device, world_size), Eta(start, N)
     clock.start()
     for step in range(start, N + 1):
         last = step == N
@@ -1207,10 +1224,124 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
             stop_if_nonfinite(runner, step + 1, last_checkpoint)
         approx_ms = train_time_ms + clock.peek()
         log.write(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
-                  console=(step + 1) % 10 == 0 or step + 1 == N)
+                  console=(step + 1) % 10 == 0 or step + 1 == N, console_suffix=eta.text(step + 1))
     log_run_end(runner, history[-1], device, log)
     return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
                 model=runner.model, checkpoint=last_checkpoint)
+
+
+# ---- what train() does besides training: resume, the non-finite check, validation, log lines
+
+class Eta:
+    """Wall-clock time left, validation included, from the pace of this process's steps so far
+    (console only: the log's step lines keep the speedrun's format)."""
+
+    def __init__(self, first_step: int, num_steps: int):
+        self.first_step, self.num_steps, self.t0 = first_step, num_steps, time.perf_counter()
+
+    def text(self, steps_done: int) -> str:
+        done = steps_done - self.first_step
+        if done <= 0 or steps_done >= self.num_steps:
+            return ""
+        left = (time.perf_counter() - self.t0) / done * (self.num_steps - steps_done)
+        return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
+
+
+def resume_from(resume: Optional[tuple], runner: Runner, loader: DataLoader, log: RunLog
+                ) -> tuple[int, float, Optional[Path]]:
+    """(first step, train time so far, last checkpoint): from a validated checkpoint, restored
+    after the warm-up (which must not touch what the checkpoint restores), or a fresh start."""
+    if resume is None:
+        return 0, 0.0, None
+    path, meta = resume
+    start, train_time_ms = load_checkpoint(runner, loader, path, meta)
+    log.write(f"resumed from {path} at step {start}/{runner.config.num_iterations}, train_time {train_time_ms:.0f}ms "
+              f"(saved by {meta['world_size']} process(es), now {runner.world_size})")
+    return start, train_time_ms, path
+
+
+def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
+    """Raise NonFiniteLossError if any training loss so far was nan/inf (one host sync)."""
+    bad, N = runner.nonfinite_step(), runner.config.num_iterations
+    if bad is not None:
+        raise NonFiniteLossError(f"non-finite training loss (nan or inf) in step {bad + 1}/{N} (the step "
+                                 f"logged as step:{bad + 1}/{N}); stopped at step {step} without saving; "
+                                 f"last good checkpoint: {last_checkpoint or 'none'}")
+
+
+def validate_and_log(runner: Runner, step: int, val_tokens: torch.Tensor, token_bytes: Optional[torch.Tensor],
+                     train_time_ms: float, log: RunLog, last_checkpoint: Optional[Path]) -> dict:
+    """Evaluate, write the val line (val_bpb appended after the speedrun's fields, so parsers keep
+    working); package_ms = training time + this evaluation (the final one's is the package time)."""
+    N, eval_start = runner.config.num_iterations, time.perf_counter()
+    val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
+    if not math.isfinite(val_loss):
+        raise NonFiniteLossError(f"non-finite validation loss {val_loss} at step {step}/{N}; stopped "
+                                 f"without saving; last good checkpoint: {last_checkpoint or 'none'}")
+    bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""
+    log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
+              f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
+    return dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms,
+                package_ms=train_time_ms + 1000 * (time.perf_counter() - eval_start))
+
+
+def log_step0_loss(loss: torch.Tensor, world_size: int, log: RunLog) -> None:
+    """The step-0 training loss, needed to compare inits; one sync, outside the steady state."""
+    if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss /= world_size
+    log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
+
+
+def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) -> None:
+    """The closing lines: final loss, perplexity, BPB and package time; learned lambdas; peak memory."""
+    bpb = f" val_bpb:{final['val_bpb']:.6f}" if final["val_bpb"] is not None else ""
+    log.write(f"final val_loss:{final['val_loss']:.6f} perplexity:{math.exp(final['val_loss']):.4f}{bpb} "
+              f"package_time:{final['package_ms']:.0f}ms (training + final evaluation)")
+    log.write_lines(learned_scalars_lines(runner.model), console=False)
+    allocated, reserved = peak_memory_mib(device)
+    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
+
+
+# ---- copies of the training state (the warm-up's restore; checkpoints use them too)
+
+def capture_state(model: nn.Module, optimizers, device=None) -> dict:
+    """Copies of every parameter and optimizer state tensor, keyed by parameter name (copied to
+    `device` if given: a checkpoint stages them on the CPU)."""
+    names = {p: n for n, p in model.named_parameters()}
+    return dict(model={k: _copy(v, device) for k, v in model.state_dict().items()},
+                optimizers=[optimizer_state(opt, names, device) for opt in optimizers])
+
+
+def optimizer_state(opt: torch.optim.Optimizer, names: dict, device=None) -> dict:
+    """One optimizer's state by parameter name (a sharded Muon holds only the matrices it owns)."""
+    return dict(state={names[p]: {k: _copy(v, device) for k, v in s.items()} for p, s in opt.state.items()},
+                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def _copy(v, device=None):
+    if not torch.is_tensor(v):
+        return v
+    return v.detach().clone() if device is None else v.detach().to(device, copy=True)
+
+
+def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
+    """Put back exactly what `capture_state` saw (states created since are dropped). State tensors
+    go to their parameter's device; a saved state without "groups" (a checkpoint) leaves the groups
+    to the schedules, which depend on the step only."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(saved["model"][k])
+    for opt, opt_saved in zip(optimizers, saved["optimizers"]):
+        step_on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # else Adam keeps it on the CPU
+        opt.state.clear()
+        for name, s in opt_saved["state"].items():
+            p = params[name]
+            opt.state[p] = {k: _copy(v, p.device if k != "step" or step_on_device else "cpu") for k, v in s.items()}
+        for group, g in zip(opt.param_groups, opt_saved.get("groups", [])):
+            group.update(g)
 
 
 # =============================================================================
@@ -1226,9 +1357,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         if "-h" in argv or "--help" in argv:
-            print(help_text())
+            print(help_text(), flush=True)
             return 0
         return run_training(parse_args(argv), rank)
+    except BrokenPipeError:  # `--help | head`: the reader left; nothing more to say
+        silence_stdout()
+        return 0
     except InputError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -1272,7 +1406,6 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         if distributed:
             dist.barrier()
         data = load_data(config)
-        read_token_bytes(config)  # a bad table stops the run here, not after its log was opened
         resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
         on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
         log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
@@ -1290,9 +1423,10 @@ def run_training(config: Hyperparameters, rank: int) -> int:
 
 
 # =============================================================================
-# Below main: what is off in a record run or serves tooling. The command line and config
-# checks, run setup, the loop's bookkeeping (resume, non-finite checks, log lines), state copies,
-# checkpoints, accounting, dry run, benchmark.
+# Below main: what a record diff does not touch. The command line and config checks; run setup,
+# called once before training (device, threads, seed, input and output checks, the log, the
+# byte table); checkpoints; accounting (also the log's parameter and FLOP lines); dry run;
+# benchmark. The timed loop's own helpers are in section 6.
 
 
 class ConfigError(InputError, ValueError):
@@ -1331,7 +1465,7 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
     if text is None:
         raise argparse.ArgumentTypeError(f"needs a value: --{f.name}=VALUE")
     try:
-        if kind == "Optional[int]" and text.lower() in ("none", "auto", ""):
+        if kind == "Optional[int]" and text.lower() in ("none", "auto"):
             return None
         if kind in ("int", "Optional[int]"):
             return int(text)
@@ -1670,6 +1804,14 @@ def recipe_notes(config: Hyperparameters) -> list[str]:
             f"comparable with the preset's); --activation_checkpointing saves memory without changing it"]
 
 
+def silence_stdout() -> None:
+    """Send what is still buffered or printed to stdout to /dev/null: the pipe's reader has gone
+    (`| head`), and the interpreter's final flush would otherwise raise BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 class RunLog:
     """Rank 0's log file and console; other ranks stay silent. A line that cannot be written
     (disk full, the folder gone) is a WriteError: the run stops rather than lose its record."""
@@ -1686,11 +1828,15 @@ class RunLog:
         for line in lines:
             self.write(line, console)
 
-    def write(self, text: str, console: bool = True) -> None:
+    def write(self, text: str, console: bool = True, console_suffix: str = "") -> None:
         if self.path is None:
             return
         if console and self.echo:
-            print(text, flush=True)
+            try:
+                print(text + console_suffix, flush=True)
+            except BrokenPipeError:  # the console's reader left (`| head`): the log file keeps everything
+                self.echo = False
+                silence_stdout()
         try:
             with open(self.path, "a") as f:
                 f.write(text + "\n")
@@ -1717,7 +1863,7 @@ def hardware_description(device: torch.device) -> str:
 
 def open_run_log(config: Hyperparameters, device: torch.device, world_size: int, notes: list[str],
                  rank: int) -> RunLog:
-    """Rank 0's log (SPEC §5): the script's source, versions and hardware, the resolved config
+    """Rank 0's log (docs/recipe.md, Training loop, timing and logs): the script's source, versions and hardware, the resolved config
     (seed included), then the run's notes; the other ranks get a silent log."""
     if rank != 0:
         return RunLog(None)
@@ -1752,65 +1898,6 @@ def run_summary(config: Hyperparameters, result: dict, log: RunLog) -> str:
         summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
                     f"unigram entropy {m['unigram_entropy']:.4f})")
     return f"{summary}\nlog: {log.path}"
-
-
-# ---- the training loop's bookkeeping
-
-def resume_from(resume: Optional[tuple], runner: Runner, loader: DataLoader, log: RunLog
-                ) -> tuple[int, float, Optional[Path]]:
-    """(first step, train time so far, last checkpoint): from a validated checkpoint, restored
-    after the warm-up (which must not touch what the checkpoint restores), or a fresh start."""
-    if resume is None:
-        return 0, 0.0, None
-    path, meta = resume
-    start, train_time_ms = load_checkpoint(runner, loader, path, meta)
-    log.write(f"resumed from {path} at step {start}/{runner.config.num_iterations}, train_time {train_time_ms:.0f}ms "
-              f"(saved by {meta['world_size']} process(es), now {runner.world_size})")
-    return start, train_time_ms, path
-
-
-def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
-    """Raise NonFiniteLossError if any training loss so far was nan/inf (one host sync)."""
-    bad, N = runner.nonfinite_step(), runner.config.num_iterations
-    if bad is not None:
-        raise NonFiniteLossError(f"non-finite training loss (nan or inf) in step {bad + 1}/{N} (the step "
-                                 f"logged as step:{bad + 1}/{N}); stopped at step {step} without saving; "
-                                 f"last good checkpoint: {last_checkpoint or 'none'}")
-
-
-def validate_and_log(runner: Runner, step: int, val_tokens: torch.Tensor, token_bytes: Optional[torch.Tensor],
-                     train_time_ms: float, log: RunLog, last_checkpoint: Optional[Path]) -> dict:
-    """Evaluate, write the SPEC §5 val line (val_bpb appended after the SPEC fields, so parsers keep
-    working); package_ms = training time + this evaluation (the final one's is the package time)."""
-    N, eval_start = runner.config.num_iterations, time.perf_counter()
-    val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
-    if not math.isfinite(val_loss):
-        raise NonFiniteLossError(f"non-finite validation loss {val_loss} at step {step}/{N}; stopped "
-                                 f"without saving; last good checkpoint: {last_checkpoint or 'none'}")
-    bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""
-    log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
-              f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
-    return dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms,
-                package_ms=train_time_ms + 1000 * (time.perf_counter() - eval_start))
-
-
-def log_step0_loss(loss: torch.Tensor, world_size: int, log: RunLog) -> None:
-    """The step-0 training loss, needed to compare inits; one sync, outside the steady state."""
-    if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
-        loss = loss.clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        loss /= world_size
-    log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
-
-
-def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) -> None:
-    """The closing lines: final loss, perplexity, BPB and package time; learned lambdas; peak memory."""
-    bpb = f" val_bpb:{final['val_bpb']:.6f}" if final["val_bpb"] is not None else ""
-    log.write(f"final val_loss:{final['val_loss']:.6f} perplexity:{math.exp(final['val_loss']):.4f}{bpb} "
-              f"package_time:{final['package_ms']:.0f}ms (training + final evaluation)")
-    log.write_lines(learned_scalars_lines(runner.model), console=False)
-    allocated, reserved = peak_memory_mib(device)
-    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
 
 
 def read_token_bytes(config: Hyperparameters) -> tuple[Optional[np.ndarray], str]:
@@ -1848,14 +1935,13 @@ def read_token_bytes(config: Hyperparameters) -> tuple[Optional[np.ndarray], str
     return table, ""
 
 
-def load_token_bytes(config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
+def token_bytes_on_device(data: RunData, config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
     """Bytes per token id (int64, padded ids 0) for val_bpb, or None (said in the log) without a table."""
-    table, why_not = read_token_bytes(config)
-    if table is None:
-        log.write(f"val_bpb: not reported ({why_not})")
+    if data.token_bytes is None:
+        log.write(f"val_bpb: not reported ({data.no_token_bytes_reason})")
         return None
     out = torch.zeros(config.padded_vocab_size, dtype=torch.int64)
-    out[:config.vocab_size] = torch.from_numpy(table.astype(np.int64))
+    out[:config.vocab_size] = torch.from_numpy(data.token_bytes.astype(np.int64))
     return out.to(device)
 
 
@@ -1878,46 +1964,6 @@ def peak_memory_mib(device: torch.device) -> tuple[int, int]:
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return rss, rss
-
-
-# ---- copies of the training state (the warm-up's restore, checkpoints)
-
-def capture_state(model: nn.Module, optimizers, device=None) -> dict:
-    """Copies of every parameter and optimizer state tensor, keyed by parameter name (copied to
-    `device` if given: a checkpoint stages them on the CPU)."""
-    names = {p: n for n, p in model.named_parameters()}
-    return dict(model={k: _copy(v, device) for k, v in model.state_dict().items()},
-                optimizers=[optimizer_state(opt, names, device) for opt in optimizers])
-
-
-def optimizer_state(opt: torch.optim.Optimizer, names: dict, device=None) -> dict:
-    """One optimizer's state by parameter name (a sharded Muon holds only the matrices it owns)."""
-    return dict(state={names[p]: {k: _copy(v, device) for k, v in s.items()} for p, s in opt.state.items()},
-                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
-
-
-def _copy(v, device=None):
-    if not torch.is_tensor(v):
-        return v
-    return v.detach().clone() if device is None else v.detach().to(device, copy=True)
-
-
-def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
-    """Put back exactly what `capture_state` saw (states created since are dropped). State tensors
-    go to their parameter's device; a saved state without "groups" (a checkpoint) leaves the groups
-    to the schedules, which depend on the step only."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            v.copy_(saved["model"][k])
-    for opt, opt_saved in zip(optimizers, saved["optimizers"]):
-        step_on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # else Adam keeps it on the CPU
-        opt.state.clear()
-        for name, s in opt_saved["state"].items():
-            p = params[name]
-            opt.state[p] = {k: _copy(v, p.device if k != "step" or step_on_device else "cpu") for k, v in s.items()}
-        for group, g in zip(opt.param_groups, opt_saved.get("groups", [])):
-            group.update(g)
 
 
 # ---- checkpoints: written atomically, validated on load, resumable on any world size
@@ -2249,7 +2295,7 @@ def keys_per_query(window: int, block_size: int) -> float:
 
 
 def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
-    """Model FLOPs per training token (SPEC §5): 6 x matmul weights + attention scores and values
+    """Model FLOPs per training token (docs/recipe.md, Model FLOPs): 6 x matmul weights + attention scores and values
     (12 x attn_dim x keys per query) averaged over the run's window schedule."""
     groups = parameter_groups(model)
     matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
@@ -2290,7 +2336,7 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
 
 
 def learned_scalars_lines(model: GPT) -> list[str]:
-    """The learned mixing weights per layer (SPEC §7.1: which layers use which embedding)."""
+    """The learned mixing weights per layer (which layers use which embedding)."""
     skip_w, block_lambdas, attn_lambdas = (t.detach().float().cpu() for t in model.scalar_views())
     names = ["x"] + [f"x0{e}" for e in range(block_lambdas.size(1) - 1)]
     lines = []
