@@ -446,3 +446,30 @@ def test_stopping_ablate_stops_the_run_it_was_making(tmp_path, sig, code):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
     if sig == signal.SIGTERM:
         assert "interrupted: rerun the same command to continue" in sweep.stderr.read()
+
+
+def test_arms_that_differ_in_many_fields_are_compared_and_their_changes_listed(tmp_path):
+    """A grid value may set many fields at once (a recipe name): the report compares the arms as usual
+    and lists every experiment-defining field each arm's logs change, not only the grid field."""
+    out = tmp_path / "out"
+    out.mkdir()
+    sweep = dict(preset="tiny", grid=[["recipe", ["x01", "smear"]]], seeds=[1, 2])
+    (out / "sweep.json").write_text(json.dumps(sweep))
+    smear = {"recipe": "'smear'", "num_iterations": "5535", "muon_lr": "0.03", "snoo_k": "28"}
+    for arm, losses, config in (("recipe-x01", [3.10, 3.12], {"recipe": "'x01'", "num_iterations": "5690",
+                                                                "muon_lr": "0.025", "snoo_k": "0"}),
+                                ("recipe-smear", [3.05, 3.08], smear)):
+        for seed, loss in zip((1, 2), losses):
+            log = write_run_log(out / "logs" / arm / f"seed{seed}" / "run.txt", loss, seed=seed)
+            extra = "".join(f"\nconfig {k} = {v}" for k, v in config.items())
+            log.write_text(log.read_text().replace("config seed = ", extra.lstrip("\n") + "\nconfig seed = "))
+    assert ablate.main(["--report-only", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["mixed_arms"] == {}
+    assert report["changes"] == {"recipe-smear": {"muon_lr": ["0.025", "0.03"], "num_iterations": ["5690", "5535"],
+                                                  "recipe": ["'x01'", "'smear'"], "snoo_k": ["0", "28"]}}
+    smear_arm = next(a for a in report["arms"] if a["name"] == "recipe-smear")
+    assert smear_arm["vs_baseline"]["val_loss"]["paired"]["mean_diff"] == pytest.approx(-0.045)
+    md = (out / "report.md").read_text()
+    assert "| `recipe=smear` | `muon_lr`: 0.025 → 0.03; `num_iterations`: 5690 → 5535; `recipe`: 'x01' → 'smear'; " \
+           "`snoo_k`: 0 → 28 |" in md
