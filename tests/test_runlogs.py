@@ -11,7 +11,7 @@ import pytest
 from test_plot import write_run_log
 from test_records import OUR_CONFIG, OUR_GROUPS, PASS_LOSSES, make_our_set, run_json, write_log
 
-from records import ablate, diff, plot, runlogs, stats
+from records import ablate, diff, plot, runlogs
 
 ROOT = Path(__file__).resolve().parents[1]
 
