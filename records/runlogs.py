@@ -25,8 +25,9 @@ The same experiment: runs are one experiment when their logs embed the same scri
 the same number of steps, and agree on every config field whose group is in the log's
 `experiment_groups` (the recipe, the seed ideas and the execution fields: what is computed and
 on what hardware and data; not the seed, the names or the output folders). Logs written before
-the group lines existed: every config field except `seed`. Upstream logs (no config lines): the
-script and the step count only.
+the group lines existed: every config field except `seed`, `run_id` and `log_dir` (the three that
+differ between the runs of one batch or sweep by construction). Upstream logs (no config lines):
+the script and the step count only.
 """
 
 import hashlib
@@ -37,7 +38,11 @@ from datetime import date
 from pathlib import Path
 
 SEPARATOR = "=" * 100  # ends the script source at the top of every log, and the versions block after it
-FALLBACK_RULE = "every config field except seed (a log written before the trainer wrote its field groups)"
+# Logs written before the trainer wrote its field groups: every config field but these, which differ
+# between the runs of one batch or sweep by construction.
+FALLBACK_IGNORED = ("seed", "run_id", "log_dir")
+FALLBACK_RULE = ("every config field except seed, run_id and log_dir (a log written before the trainer wrote "
+                 "its field groups)")
 GROUPS_RULE = "the config fields of the groups {}"
 UPSTREAM_RULE = "no config lines (upstream log format): the script and the step count only"
 
@@ -349,9 +354,9 @@ def has_groups(log: RunLog) -> bool:
 def experiment_config(log: RunLog) -> dict[str, str]:
     """The config fields that define the run's experiment, {field: logged repr}: those whose group is
     in the log's experiment groups (a field without a group counts); for a log written before the
-    group lines, every field except the seed; for an upstream log, none."""
+    group lines, every field except FALLBACK_IGNORED; for an upstream log, none."""
     if not has_groups(log):
-        return {k: v for k, v in log.config.items() if k != "seed"}
+        return {k: v for k, v in log.config.items() if k not in FALLBACK_IGNORED}
     return {k: v for k, v in log.config.items() if k not in log.groups or log.groups[k] in log.experiment_groups}
 
 

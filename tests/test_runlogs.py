@@ -40,10 +40,10 @@ def test_a_field_the_groups_line_does_not_name_counts(tmp_path):
     assert "muon_lr" in runlogs.experiment_config(log)
 
 
-def test_logs_without_group_lines_use_every_field_but_the_seed(tmp_path):
+def test_logs_without_group_lines_use_every_field_but_seed_run_id_and_log_dir(tmp_path):
     a = runlogs.read_log(our_log(tmp_path / "a.txt", 1, groups=None))
-    b = runlogs.read_log(our_log(tmp_path / "b.txt", 2, groups=None))
-    c = runlogs.read_log(our_log(tmp_path / "c.txt", 3, groups=None, log_dir="elsewhere"))
+    b = runlogs.read_log(our_log(tmp_path / "b.txt", 2, groups=None, run_id="arm_s2", log_dir="elsewhere"))
+    c = runlogs.read_log(our_log(tmp_path / "c.txt", 3, groups=None, preset="tiny"))  # bookkeeping, but not known
     assert runlogs.experiment_key(a) == runlogs.experiment_key(b)
     assert runlogs.experiment_key(a) != runlogs.experiment_key(c)
     assert runlogs.rule_of(a) == runlogs.FALLBACK_RULE
