@@ -4,8 +4,9 @@
 #   ./run.sh --preset tiny        # CPU-sized run on synthetic data
 #   ./run.sh --num_extra_embeds=2 # any --field=value of the Hyperparameters dataclass
 #   NPROC_PER_NODE=4 ./run.sh     # choose the number of processes (GPUs) on this machine
-#   RUNS=10 ./run.sh              # 10 runs one after another, each with its own fresh seed and log
-#                                 # (stops at the first failing run, with its exit status)
+#   RUNS=10 ./run.sh              # 10 runs one after another, each with its own fresh seed and log, into
+#                                 # logs/<run_id or preset>-<date>-<time>/ (or --log_dir); stops at the first
+#                                 # failing run (with its exit status); ends with a summary and the next command
 # Multi-node: run the same command on every node with NNODES, NODE_RANK (0 .. NNODES-1) and
 # MASTER_ADDR (node 0's address; MASTER_PORT defaults to 29500). World size = NNODES x processes per
 # node, and it must divide the step's slices (8 for the record: 1, 2, 4 or 8 GPUs in all).
@@ -42,22 +43,42 @@ else
   cmd=("${torchrun[@]}" --standalone --nproc_per_node="$nproc" train_gpt_medium.py "$@")
 fi
 
-# ---- repeated runs: a record is a claim over several runs, each with a seed the trainer draws afresh
-if [ "$runs" -eq 1 ]; then
+# ---- repeated runs: a record is a claim over several runs, each with a seed the trainer draws afresh.
+# RUNS=N gives the batch a log folder of its own (unless --log_dir is given) and ends with a summary
+# of its runs and the records/stats.py command that tests them.
+if [ -z "${RUNS+x}" ]; then
   exec "${cmd[@]}"
 fi
+log_dir="" preset=medium name="" prev=""
 for arg in "$@"; do
-  if [[ "$arg" == --seed || "$arg" == --seed=* ]]; then
-    echo "warning: RUNS=$runs with $arg: every run gets the same seed, so the runs are not independent" >&2
-  fi
+  case "$prev" in
+    --log_dir) log_dir=$arg ;; --preset) preset=$arg ;; --run_id) name=$arg ;;
+  esac
+  case "$arg" in
+    --log_dir=*) log_dir=${arg#*=} ;; --preset=*) preset=${arg#*=} ;; --run_id=*) name=${arg#*=} ;;
+    --seed|--seed=*)
+      echo "warning: RUNS=$runs with $arg: every run gets the same seed, so the runs are not independent" >&2 ;;
+  esac
+  prev=$arg
 done
+if [ -z "$log_dir" ]; then
+  log_dir="logs/${name:-$preset}-$(date +%Y%m%d-%H%M%S)"
+  base=$log_dir k=2
+  while [ -e "$log_dir" ]; do log_dir="$base-$k"; k=$((k + 1)); done
+  cmd+=("--log_dir=$log_dir")
+fi
+echo "run.sh: $runs run(s) into $log_dir/" >&2
+start=$(date +%s)
+status=0
 for ((i = 1; i <= runs; i++)); do
   echo "run.sh: starting run $i of $runs" >&2
-  status=0
   "${cmd[@]}" || status=$?
   if [ "$status" -ne 0 ]; then
     echo "run.sh: run $i of $runs failed with exit status $status; not starting the remaining $((runs - i))" >&2
-    exit "$status"
+    break
   fi
 done
-echo "run.sh: all $runs runs finished" >&2
+[ "$status" -eq 0 ] && echo "run.sh: all $runs runs finished" >&2
+echo >&2
+"$PYTHON" records/summary.py "$log_dir" --since "$start" --asked "$runs" || true
+exit "$status"

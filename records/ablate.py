@@ -13,14 +13,18 @@ one arm later than the one before), so drift of the machine hits all arms alike.
 seed gets the same --seed: the trainer derives each parameter's init from the seed and the
 parameter's name, so the tensors two arms share start identical.
 Each run is one launcher call logging to <out>/logs/<arm>/seed<S>/ (with stdout.log, stderr.log
-and run.json beside the log). Runs whose folder already holds a finished log are skipped, so
-rerunning an interrupted sweep completes only what is missing. Results: <out>/runs.csv,
+and run.json beside the log). Runs whose folder already holds a finished log of the same
+experiment and seed are skipped, so rerunning an interrupted sweep completes only what is
+missing; each finished log is read once (records/runlogs.py caches it). Results: <out>/runs.csv,
 <out>/report.md and <out>/report.json (the same statistics at full precision).
-Exit status: 0 all runs finished (or --dry_run, --report-only), 1 some run failed, 2 unusable input.
+Stopping the sweep (Ctrl-C, SIGTERM, even SIGKILL on Linux) stops the run it was making.
+Exit status: 0 all runs finished (or --dry_run, --report-only), 1 some run failed, 2 unusable input,
+130 / 143 interrupted by SIGINT / SIGTERM.
 """
 
 import argparse
 import csv
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -29,6 +33,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,15 +41,18 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
+if __name__ == "__main__":  # run as a script: the repository root instead of records/ on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import stats  # noqa: E402  (records/stats.py: log parsing and the tests)
+import numpy as np  # noqa: E402
+import tqdm  # noqa: E402
+
+from records import runlogs, stats  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_LAUNCHER = str(REPO / "run.sh")
-# Flags the sweep sets itself for every run; a grid or extra flag may not set them.
-MANAGED_FLAGS = ("preset", "seed", "run_id", "log_dir", "dry_run", "resume")
+# Trainer modes that make a run something else than a fresh training run; no arm or extra flag may set them.
+NOT_TRAINING = ("dry_run", "resume", "bench_steps")
 QUALITY = {"loss": "val_loss", "bpb": "val_bpb"}
 COMPARED = ("val_loss", "val_bpb", "train_time_s")  # metrics with paired and Welch tests in the report
 
@@ -157,81 +165,15 @@ def parse_seeds(text: str) -> list[int]:
 
 
 # -----------------------------------------------------------------------------
-# Reading a run's log
+# Reading a run's log (records/runlogs.py: one parse per log file)
 
-@dataclass
-class RunMetrics:
-    """Everything the report and the plots need from one finished log."""
-
-    log: Path
-    val_loss: float
-    train_time_s: float | None  # None: the final val line had no usable train_time
-    val_bpb: float | None = None
-    step0_train_loss: float | None = None
-    package_time_s: float | None = None
-    peak_memory_mib: int | None = None
-    params_total: int | None = None
-    history: list = field(default_factory=list)  # [{step, val_loss, train_time_s, val_bpb}], one per val line
-    lambdas: dict = field(default_factory=dict)  # {layer: {name: value}} from the final `lambdas layer` lines
-    config: dict = field(default_factory=dict)  # {field: repr text} from the `config` lines (stats.config_lines)
-    script: str | None = None  # digest of the embedded trainer source (stats.script_digest)
-
-
-_LINES = {  # the log lines stats.parse_log does not read (SPEC section 5 and the trainer's extras)
-    "params_total": re.compile(r"params total: ([\d,]+) "),
-    "step0_train_loss": re.compile(r"step0_train_loss:(\S+)$"),
-    "package_time_s": re.compile(r"final val_loss:.* package_time:(\d+)ms"),
-    "peak_memory_mib": re.compile(r"peak memory allocated: (\d+) MiB"),
-    "lambdas": re.compile(r"lambdas layer (\d+): (.*)$"),
-}
-
-
-def read_run(path: Path) -> tuple[RunMetrics | None, str | None]:
-    """(metrics, None) for a finished log, (None, why not) otherwise. Final loss, time and config come
-    from stats.parse_log; the val history from stats' step-line parser; the rest from the lines above,
-    read below the embedded source only (it holds the same f-strings)."""
+def read_run(path: Path) -> tuple[runlogs.RunLog | None, str | None]:
+    """(the log, None) for a finished log, (None, why not) otherwise."""
     try:
-        parsed = stats.parse_log(path)
-    except stats.UnusableInput as e:
+        log = runlogs.read_log(path)
+    except runlogs.LogError as e:
         return None, str(e)
-    if parsed.result is None:
-        return None, parsed.skip_reason
-    m = RunMetrics(Path(path), parsed.result.val_loss, parsed.result.train_time_s, config=parsed.config,
-                   script=parsed.script)
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    for line in text[len(stats.embedded_source(text) or ""):].splitlines():
-        if line.startswith("step:"):
-            step_line = stats._parse_step_line(line)
-            if step_line and "val_loss" in step_line[2]:
-                step, total, values = step_line
-                bpb = float(values["val_bpb"]) if "val_bpb" in values else None
-                m.history.append(dict(step=step, val_loss=float(values["val_loss"]),
-                                      train_time_s=float(values["train_time"][:-2]) / 1000, val_bpb=bpb))
-                if step == total:
-                    m.val_bpb = bpb
-            continue
-        for key, pattern in _LINES.items():
-            hit = pattern.match(line)
-            if hit is None:
-                continue
-            if key == "lambdas":
-                m.lambdas[int(hit[1])] = {k: float(v) for k, v in (t.split(":") for t in hit[2].split())}
-            elif key == "package_time_s":
-                m.package_time_s = int(hit[1]) / 1000
-            elif key == "step0_train_loss":
-                m.step0_train_loss = float(hit[1])
-            else:
-                setattr(m, key, int(hit[1].replace(",", "")))
-            break
-    return m, None
-
-
-def finished_logs(paths: list[Path]) -> list[RunMetrics]:
-    """The finished runs among log files and folders (folders searched recursively for *.txt)."""
-    files = []
-    for p in map(Path, paths):
-        files.extend(sorted(p.rglob("*.txt")) if p.is_dir() else [p])
-    return [m for m in (read_run(f)[0] for f in files if f.is_file()) if m is not None]
+    return (log, None) if log.finished else (None, log.skip_reason)
 
 
 # -----------------------------------------------------------------------------
@@ -241,7 +183,7 @@ def finished_logs(paths: list[Path]) -> list[RunMetrics]:
 class Outcome:
     run: Run
     status: str  # finished | failed | not run
-    metrics: RunMetrics | None = None
+    metrics: runlogs.RunLog | None = None
     reason: str = ""
 
 
@@ -270,8 +212,45 @@ def inspect(run: Run) -> Outcome:
     return Outcome(run, "failed", reason=f"exit 0 but no finished log ({why})")
 
 
+class Interrupted(Exception):
+    """SIGTERM reached the sweep (SIGINT arrives as KeyboardInterrupt)."""
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent dies
+
+
+def _die_with_parent():
+    """For preexec_fn: on Linux, the child gets SIGTERM when the sweep dies, even by SIGKILL; if the
+    sweep died before the child got there, the child leaves at once. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def setup():
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(143)
+    return setup
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ask the child to stop (SIGTERM: torchrun passes it to its workers), then kill it after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def launch(sweep: Sweep, run: Run) -> Outcome:
-    """One launcher call, its output in the run's folder; a rerun first sets unfinished logs aside."""
+    """One launcher call, its output in the run's folder; a rerun first sets unfinished logs aside.
+    An interrupt of the sweep while the run goes on stops the run, then propagates."""
     run.folder.mkdir(parents=True, exist_ok=True)
     for old in run.folder.glob("*.txt"):
         if read_run(old)[0] is None:
@@ -280,7 +259,12 @@ def launch(sweep: Sweep, run: Run) -> Outcome:
     start = time.perf_counter()
     with open(run.folder / "stdout.log", "w") as out, open(run.folder / "stderr.log", "w") as err:
         env = {k: v for k, v in os.environ.items() if k != "RUNS"}  # run.sh would repeat the run RUNS times
-        code = subprocess.run(cmd, stdout=out, stderr=err, env=env).returncode
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, preexec_fn=_die_with_parent())
+        try:
+            code = proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
     record = dict(command=cmd, exit_code=code, wall_s=round(time.perf_counter() - start, 3),
                   finished_at=time.strftime("%Y-%m-%d %H:%M:%S"))
     (run.folder / "run.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -290,48 +274,95 @@ def launch(sweep: Sweep, run: Run) -> Outcome:
 # -----------------------------------------------------------------------------
 # Checks before anything runs
 
-def check_sweep(sweep: Sweep, out: Path) -> None:
-    """Every arm a valid trainer config, distinct arms, a launcher that exists, and no finished log in
-    `out` from a different configuration. Raises SweepError naming the problem."""
-    sys.path.insert(0, str(REPO))
-    import train_gpt_medium as tg  # imports torch: only sweeps pay for it, not --report-only
+def flag_name(flag: str) -> str:
+    return flag.lstrip("-").partition("=")[0]
 
-    known = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
+
+def sweep_set_fields(sweep: Sweep) -> set[str]:
+    """The fields the sweep passes to every run itself (preset, seed, run id, log folder)."""
+    probe = Sweep(sweep.preset, [], [0])
+    return {flag_name(f) for f in trainer_flags(probe, plan(probe, Path("."))[0])}
+
+
+def check_out(out: Path) -> None:
+    """--out must be a folder, or a path where one can be made: SweepError otherwise. Writes nothing."""
+    if out.exists() and not out.is_dir():
+        raise SweepError(f"--out {out}: is a file, not a folder; give a folder (it is made if missing)")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise SweepError(f"--out {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SweepError(f"--out {out}: cannot write in {parent} (permission denied); choose another --out")
+
+
+def check_sweep_flags(sweep: Sweep, out: Path) -> None:
+    """The checks that need no trainer: fields set twice or owned by the sweep, arm names, the
+    baseline, the launcher, the output folder. Raises SweepError naming the problem."""
+    own = sweep_set_fields(sweep)
     for name, _ in sweep.grid:
-        if name not in known:
-            raise SweepError(f"--grid {name}=...: unknown field {name!r} (fields of the trainer's Hyperparameters)")
-        if name in MANAGED_FLAGS:
+        if name in own:
             raise SweepError(f"--grid {name}=...: the sweep sets --{name} itself; it cannot be an arm setting")
+        if name in NOT_TRAINING:
+            raise SweepError(f"--grid {name}=...: the runs of a sweep train from scratch; --{name} cannot be an arm setting")
     if len({name for name, _ in sweep.grid}) != len(sweep.grid):
         raise SweepError("--grid: a field is given twice; put all its values in one --grid FIELD=V1,V2")
     for flag in sweep.extra:
-        if flag.lstrip("-").partition("=")[0] in MANAGED_FLAGS:
-            raise SweepError(f"extra trainer flag {flag!r}: the sweep sets it itself (use --preset / --seeds / --out)")
-    configs = {}
-    for run in plan(sweep, out)[:len(sweep.arms())]:  # the first seed's block: validity does not depend on the seed
-        try:
-            cfg = tg.parse_args(trainer_flags(sweep, run))
-        except tg.ConfigError as e:
-            raise SweepError(f"arm {run.arm.label}: {e}") from None
-        key = repr([(f, getattr(cfg, f)) for f in sorted(known - {"run_id", "log_dir"})])
-        if key in configs:
-            raise SweepError(f"arms {configs[key]} and {run.arm.label} are the same configuration")
-        configs[key] = run.arm.label
+        if flag_name(flag) in own | set(NOT_TRAINING):
+            raise SweepError(f"extra trainer flag {flag!r}: the sweep sets it itself or cannot use it "
+                             "(use --preset / --seeds / --out)")
     sweep.baseline_arm()
     if len({a.name for a in sweep.arms()}) != len(sweep.arms()):
         raise SweepError("--grid: two arms map to the same folder name; use values that differ in letters or digits")
     launcher = shlex.split(sweep.launcher)
     if not launcher or shutil.which(launcher[0]) is None:
         raise SweepError(f"--launcher {sweep.launcher!r}: {launcher[0] if launcher else 'nothing'} is not an executable")
+    check_out(out)
+
+
+def expected_log(tg, config) -> runlogs.RunLog:
+    """The config lines (and field groups) the trainer would log for `config`, read back by records/runlogs.py,
+    so that arms and finished logs are compared by the same rule as everything else."""
+    lines = [f"config {f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config)]
+    return runlogs.parse_text("\n".join(lines + tg.config_group_lines()))
+
+
+def check_sweep(sweep: Sweep, out: Path) -> None:
+    """check_sweep_flags, then with the trainer: every arm a valid trainer config, arms that are
+    different experiments, and no finished log in `out` of another experiment or seed than its
+    run asks for. Raises SweepError naming the problem."""
+    check_sweep_flags(sweep, out)
+    sys.path.insert(0, str(REPO))
+    import train_gpt_medium as tg  # imports torch: after every check that does not need it
+
+    known = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
+    for name, _ in sweep.grid:
+        if name not in known:
+            raise SweepError(f"--grid {name}=...: unknown field {name!r} (fields of the trainer's Hyperparameters)")
+    experiments = {}
+    for run in plan(sweep, out)[:len(sweep.arms())]:  # the first seed's block: validity does not depend on the seed
+        try:
+            cfg = tg.parse_args(trainer_flags(sweep, run))
+        except tg.ConfigError as e:
+            raise SweepError(f"arm {run.arm.label}: {e}") from None
+        key = runlogs.experiment_config(expected_log(tg, cfg))
+        twin = next((label for label, other in experiments.items() if other == key), None)
+        if twin is not None:
+            raise SweepError(f"arms {twin} and {run.arm.label} are the same configuration (the same experiment: "
+                             "they differ in no field of the groups " + ", ".join(tg.EXPERIMENT_GROUPS) + ")")
+        experiments[run.arm.label] = key
     for run in plan(sweep, out):
         outcome = inspect(run)
         if outcome.status != "finished":
             continue
-        expected = tg.parse_args(trainer_flags(sweep, run))
-        for name, text in outcome.metrics.config.items():
-            if name in known and name != "log_dir" and repr(getattr(expected, name)) != text:
-                raise SweepError(f"--out {out}: {outcome.metrics.log} ran with {name} = {text}, this sweep asks for "
-                                 f"{getattr(expected, name)!r}; use another --out (or delete that run's folder)")
+        log = outcome.metrics
+        expected = expected_log(tg, tg.parse_args(trainer_flags(sweep, run))).config
+        checked = {**runlogs.experiment_config(log), **({"seed": log.seed} if log.seed is not None else {})}
+        for name, text in checked.items():
+            if name in expected and expected[name] != text:
+                raise SweepError(f"--out {out}: {log.path} ran with {name} = {text}, this sweep asks for "
+                                 f"{expected[name]}; use another --out (or delete that run's folder)")
 
 
 # -----------------------------------------------------------------------------
@@ -418,7 +449,34 @@ def summarize(sweep: Sweep, outcomes: list[Outcome]) -> dict:
                 arms=arms, interaction={m: interaction(sweep, by_arm, m) for m in ("val_loss", "val_bpb")},
                 failures=[dict(arm=o.run.arm.name, seed=o.run.seed, reason=o.reason)
                           for o in outcomes if o.status == "failed"],
-                scripts=dict(Counter(o.metrics.script for o in outcomes if o.status == "finished")))
+                scripts=dict(Counter(o.metrics.script for o in outcomes if o.status == "finished")),
+                changes=arm_changes(sweep, by_arm), mixed_arms=mixed_arms(sweep, by_arm))
+
+
+def _first_log(runs: list[Outcome]) -> runlogs.RunLog | None:
+    return next((o.metrics for o in runs if o.status == "finished"), None)
+
+
+def arm_changes(sweep: Sweep, by_arm: dict[str, list[Outcome]]) -> dict[str, dict[str, list[str]]]:
+    """{arm: {field: [baseline value, arm value]}}: the experiment-defining config fields in which each
+    arm's first finished log differs from the baseline's, however many fields its grid values set."""
+    base = _first_log(by_arm[sweep.baseline_arm().name])
+    out = {}
+    for arm in sweep.arms():
+        log = _first_log(by_arm[arm.name])
+        if base is not None and log is not None and arm != sweep.baseline_arm():
+            out[arm.name] = {k: list(v) for k, v in runlogs.config_differences(base, log).items()}
+    return out
+
+
+def mixed_arms(sweep: Sweep, by_arm: dict[str, list[Outcome]]) -> dict[str, list[str]]:
+    """{arm: [what sets each group apart]} for arms whose finished runs are more than one experiment."""
+    out = {}
+    for arm in sweep.arms():
+        groups = runlogs.group_runs([o.metrics for o in by_arm[arm.name] if o.status == "finished"])
+        if len(groups) > 1:
+            out[arm.name] = [f"{g.name}: {len(g.logs)} run(s), {g.differences(limit=3)}" for g in groups]
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -435,7 +493,7 @@ def write_csv(outcomes: list[Outcome], path: Path) -> None:
         for o in outcomes:
             row = dict(arm=o.run.arm.name, seed=o.run.seed, status=o.status, reason=o.reason)
             if o.metrics is not None:
-                row.update({k: getattr(o.metrics, k) for k in CSV_COLUMNS[3:-2]}, log=o.metrics.log)
+                row.update({k: getattr(o.metrics, k) for k in CSV_COLUMNS[3:-2]}, log=o.metrics.path)
             writer.writerow(row)
 
 
@@ -458,6 +516,30 @@ def _script_warning(s: dict) -> list[str]:
             "the `script` column of runs.csv says which). Compare like with like: rerun into a fresh --out."]
 
 
+def _mixed_warning(s: dict) -> list[str]:
+    """A warning per arm whose runs are more than one experiment (records/runlogs.py's rule)."""
+    out = []
+    for arm, groups in s["mixed_arms"].items():
+        out += ["", f"**Warning: arm `{arm}` holds runs of {len(groups)} different experiments** "
+                f"({'; '.join(groups)}): its statistics mix them. Rerun into a fresh --out."]
+    return out
+
+
+def _changes_section(sweep: Sweep, s: dict) -> list[str]:
+    """What each arm's logs say it changed against the baseline's (all experiment-defining fields)."""
+    if not s["changes"]:
+        return []
+    out = ["", "## What each arm changes", "",
+           "The experiment-defining config fields in which an arm's first finished log differs from the "
+           "baseline's (a grid value such as a recipe name can set many).", "",
+           "| arm | fields (baseline → arm) |", "|---|---|"]
+    labels = {a.name: a.label for a in sweep.arms()}
+    for arm, changed in s["changes"].items():
+        text = "; ".join(f"`{k}`: {a} → {b}" for k, (a, b) in changed.items()) or "none"
+        out.append(f"| `{labels[arm]}` | {text} |")
+    return out
+
+
 def render_report(sweep: Sweep, s: dict) -> str:
     """report.md: arms, deltas against the baseline with both tests, bands, the 2x2 interaction, failures."""
     base = next(a for a in s["arms"] if a["name"] == s["baseline"])
@@ -468,7 +550,7 @@ def render_report(sweep: Sweep, s: dict) -> str:
            f"Baseline: `{base['label']}`. Deltas are arm − baseline (negative loss = better).",
            "Paired test: over the seeds where both arms finished (one seed: the same initial values of every "
            "tensor the two arms share). Welch's test: all finished runs, unpaired. 95% confidence intervals, "
-           "two-sided p.", *_script_warning(s), "",
+           "two-sided p.", *_script_warning(s), *_mixed_warning(s), "",
            "## Arms", "",
            "| arm | n | val loss (mean ± std) | val BPB (mean ± std) | step-0 train loss | train time s | "
            "package time s | params | peak memory MiB |",
@@ -502,6 +584,7 @@ def render_report(sweep: Sweep, s: dict) -> str:
             for a, c in rows:
                 by_seed = dict(zip(c["seeds"], c["deltas"]))
                 out.append(f"| `{a['label']}` | " + " | ".join(_num(by_seed.get(x), "+.6f") for x in sweep.seeds) + " |")
+    out += _changes_section(sweep, s)
     if s["band_loss"] is not None or s["band_time"] is not None:
         out += ["", "## Tolerance bands", "",
                 f"Inside: mean {s['band_metric']} at most baseline + {_num(s['band_loss'], 'g')} and mean package "
@@ -537,7 +620,7 @@ def write_results(sweep: Sweep, out: Path, outcomes: list[Outcome]) -> dict:
     summary = summarize(sweep, outcomes)
     write_csv(outcomes, out / "runs.csv")
     (out / "report.md").write_text(render_report(sweep, summary))
-    (out / "report.json").write_text(json.dumps(stats._json_safe(summary), indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps(stats.json_safe(summary), indent=2) + "\n")
     return summary
 
 
@@ -549,39 +632,58 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _say(line: str) -> None:
+    """A progress line on stdout, printed around the progress bar (if one is drawn on stderr)."""
+    with tqdm.tqdm.external_write_mode(file=sys.stdout):
+        print(line, flush=True)
+
+
 def run_sweep(sweep: Sweep, out: Path) -> list[Outcome]:
-    """Run what is missing, seed-major, with a progress line per run; results rewritten after each run."""
-    runs, outcomes = plan(sweep, out), []
-    todo = sum(inspect(r).status != "finished" for r in runs)
+    """Run what is missing, seed-major, with a progress line per run and, on a terminal, a progress bar
+    with the elapsed time and an ETA (tqdm, on stderr); results rewritten after each run.
+
+    Every run's folder is looked at once before the loop and the launched run's once after it, so a
+    sweep of n runs reads each finished log once (not n times)."""
+    runs = plan(sweep, out)
+    outcomes = [inspect(r) for r in runs]
+    write_results(sweep, out, outcomes)
+    todo = sum(o.status != "finished" for o in outcomes)
+    tqdm.tqdm.monitor_interval = 0  # no monitor thread: the runs are started with fork
+    bar = tqdm.tqdm(total=todo, desc="sweep", unit="run", file=sys.stderr, disable=None, smoothing=0,
+                    dynamic_ncols=True)
     start, durations = time.perf_counter(), []
-    for i, run in enumerate(runs, start=1):
-        where = f"[run {i}/{len(runs)}] arm {run.arm.label}, seed {run.seed}"
-        outcome = inspect(run)
-        if outcome.status == "finished":
-            print(f"{where}: finished before ({outcome.metrics.log}), skipped", flush=True)
-        else:
-            todo -= 1
-            eta = _clock(np.mean(durations) * (todo + 1)) if durations else "unknown until one run ends"
-            print(f"{where}: running; {todo} left after this, elapsed {_clock(time.perf_counter() - start)}, "
-                  f"remaining ~{eta}", flush=True)
-            t0 = time.perf_counter()
-            outcome = launch(sweep, run)
-            durations.append(time.perf_counter() - t0)
-            result = (f"val_loss {outcome.metrics.val_loss:.6f}" if outcome.status == "finished"
-                      else f"FAILED: {outcome.reason} (see {run.folder / 'stderr.log'})")
-            print(f"{where}: {result} in {durations[-1]:.1f} s", flush=True)
-        outcomes.append(outcome)
-        write_results(sweep, out, outcomes + [inspect(r) for r in runs[i:]])
+    for i, run in enumerate(runs):
+        where = f"[run {i + 1}/{len(runs)}] arm {run.arm.label}, seed {run.seed}"
+        if outcomes[i].status == "finished":
+            _say(f"{where}: finished before ({outcomes[i].metrics.path}), skipped")
+            continue
+        todo -= 1
+        eta = _clock(np.mean(durations) * (todo + 1)) if durations else "unknown until one run ends"
+        _say(f"{where}: running; {todo} left after this, elapsed {_clock(time.perf_counter() - start)}, "
+             f"remaining ~{eta}")
+        t0 = time.perf_counter()
+        outcomes[i] = launch(sweep, run)
+        durations.append(time.perf_counter() - t0)
+        bar.update(1)
+        result = (f"val_loss {outcomes[i].metrics.val_loss:.6f}" if outcomes[i].status == "finished"
+                  else f"FAILED: {outcomes[i].reason} (see {run.folder / 'stderr.log'})")
+        _say(f"{where}: {result} in {durations[-1]:.1f} s")
+        write_results(sweep, out, outcomes)
+    bar.close()
     return outcomes
 
 
 def load_sweep(out: Path) -> Sweep:
     """The sweep saved in <out>/sweep.json."""
     path = Path(out) / "sweep.json"
+    if Path(out).exists() and not Path(out).is_dir():
+        raise SweepError(f"--out {out}: is a file, not a sweep's output folder")
     if not path.exists():
         raise SweepError(f"--out {out}: no sweep.json there (not the output folder of an ablate.py sweep)")
     try:
         return Sweep(**json.loads(path.read_text()))
+    except OSError as e:
+        raise SweepError(f"{path}: cannot read: {e.strerror or e}") from None
     except (ValueError, TypeError) as e:  # not JSON, or not the fields a sweep has
         raise SweepError(f"{path}: not a sweep description ({e}); re-run the sweep command to rewrite it") from None
 
@@ -620,7 +722,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise SweepError("--report-only needs --out DIR (the sweep's output folder)")
             sweep = Sweep(**{**asdict(load_sweep(args.out)), **overrides})
             sweep.baseline_arm()
-            summary = write_results(sweep, args.out, [inspect(r) for r in plan(sweep, args.out)])
+            try:
+                summary = write_results(sweep, args.out, [inspect(r) for r in plan(sweep, args.out)])
+            except OSError as e:
+                raise SweepError(f"--out {args.out}: cannot write the report: {e.strerror or e}") from None
             if not summary["runs"]["finished"]:
                 raise SweepError(f"--out {args.out}: no finished runs yet")
             print(f"wrote {args.out / 'runs.csv'} and {args.out / 'report.md'}")
@@ -638,14 +743,21 @@ def main(argv: list[str] | None = None) -> int:
             state = " (finished before: would be skipped)" if inspect(run).status == "finished" else ""
             print(f"[run {i}/{len(runs)}] arm {run.arm.label}, seed {run.seed}{state}\n  {shlex.join(command(sweep, run))}")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(asdict(sweep), indent=2) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps(asdict(sweep), indent=2) + "\n")
+    except OSError as e:
+        print(f"error: --out {out}: cannot write there: {e.strerror or e}; choose another --out", file=sys.stderr)
+        return 2
     print(f"{len(runs)} runs ({len(sweep.arms())} arms x {len(sweep.seeds)} seeds) into {out}", flush=True)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         outcomes = run_sweep(sweep, out)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted) as e:
         print(f"\ninterrupted: rerun the same command to continue; finished runs are kept in {out}", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, Interrupted) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     failed = [o for o in outcomes if o.status == "failed"]
     print(f"wrote {out / 'runs.csv'} and {out / 'report.md'}; {len(outcomes) - len(failed)} finished, {len(failed)} failed")
     return 1 if failed else 0

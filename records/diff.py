@@ -8,9 +8,9 @@ by name); with --nearest, with the earlier record whose script differs least (fe
 OTHER may be another record folder or a .py file.
 
 Printed: the unified diff of the scripts (or, with --stat, the counts of added and removed lines per
-section of the script), then the fields whose `config` lines differ between the first logs of the
-two folders (seed, run_id and the other stats.NON_EXPERIMENT_FIELDS left out): a record may change
-flags alone. A warning on stderr names a folder that holds more than one distinct script and says
+section of the script), then the config fields that define the experiment (records/runlogs.py: the
+groups the logs name as experiment-defining, so not the seed, names or output folders) and differ
+between the first logs of the two folders: a record may change flags alone. A warning on stderr names a folder that holds more than one distinct script and says
 which one was compared.
 Exit status: 0 with the comparison printed (an empty diff if the scripts are equal), 2 when there
 is no predecessor or no script to compare.
@@ -18,26 +18,16 @@ is no predecessor or no script to compare.
 
 import argparse
 import difflib
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # run as a script: the repository root instead of records/ on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from records import runlogs  # noqa: E402
+
 SCRIPT_NAME = "train_gpt_medium.py"
-
-
-def _load_stats():
-    """records/stats.py, which holds the folder-name and log parsers (records/ is not a package)."""
-    name = "records_stats"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("stats.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-stats = _load_stats()
 
 
 class DiffError(Exception):
@@ -48,11 +38,11 @@ class DiffError(Exception):
 # Finding the records to compare
 
 def _record_folder(record: Path) -> Path:
-    """`record` with a name stats.record_name understands ("." and ".." resolved), else DiffError."""
+    """`record` with a name runlogs.record_name understands ("." and ".." resolved), else DiffError."""
     record = Path(record)
-    if stats.record_name(record.name) is None:
+    if runlogs.record_name(record.name) is None:
         record = record.resolve()  # "." or "..": the folder's own name is only known resolved
-    if stats.record_name(record.name) is None:
+    if runlogs.record_name(record.name) is None:
         raise DiffError(f"{record} is not a record folder named YYYY-MM-DD, YYYY-MM-DD_Name or YYYY-MM-DD-Name; "
                         "give OTHER to compare against")
     return record
@@ -61,7 +51,7 @@ def _record_folder(record: Path) -> Path:
 def earlier_records(record: Path) -> list[Path]:
     """The sibling record folders that sort before `record` (by date, then name), oldest first."""
     record = _record_folder(record)
-    siblings = [p.name for p in stats.record_folders(record.parent)]
+    siblings = [p.name for p in runlogs.record_folders(record.parent)]
     return [record.parent / name for name in siblings[: siblings.index(record.name)]]
 
 
@@ -108,7 +98,7 @@ def folder_scripts(folder: Path) -> list[tuple[str, str]]:
     if script.is_file():
         found.append((SCRIPT_NAME, script.read_text(encoding="utf-8")))
     for log in _logs(folder):
-        source = stats.embedded_source(log.read_text(encoding="utf-8", errors="replace"))
+        source = runlogs.embedded_source(log.read_text(encoding="utf-8", errors="replace"))
         if source is not None:
             found.append((log.name, source))
     return found
@@ -132,7 +122,7 @@ def read_script(source: Path) -> tuple[str, str]:
     logs = _logs(source)
     if not logs:
         raise DiffError(f"{source} has neither {SCRIPT_NAME} nor a *.txt log to take the script from")
-    text = stats.embedded_source(logs[0].read_text(encoding="utf-8", errors="replace"))
+    text = runlogs.embedded_source(logs[0].read_text(encoding="utf-8", errors="replace"))
     if text is None:
         raise DiffError(f"{source}: log {logs[0].name} has no line of 100 '=' ending an embedded script")
     return text, f"{folder}/{logs[0].name} (embedded source)"
@@ -144,7 +134,7 @@ def script_warning(folder: Path) -> str | None:
         return None
     by_digest: dict[str, list[str]] = {}
     for name, text in folder_scripts(folder):
-        by_digest.setdefault(stats.script_digest(text), []).append(name)
+        by_digest.setdefault(runlogs.script_digest(text), []).append(name)
     if len(by_digest) < 2:
         return None
     kinds = "; ".join(", ".join(names) for names in by_digest.values())
@@ -216,8 +206,8 @@ def diff_stat(old: Path, new: Path) -> str:
 # -----------------------------------------------------------------------------
 # Configs: the `config` lines of each folder's first log
 
-def first_log_config(source: Path) -> tuple[dict[str, str], str] | str:
-    """({field: repr}, label) from the first log of a folder, or a sentence saying why there is none."""
+def first_log(source: Path) -> tuple[runlogs.RunLog, str] | str:
+    """(the first log of a folder, read, its label), or a sentence saying why there is no config to compare."""
     source = Path(source)
     if not source.is_dir():
         return f"{source} is a script, not a folder of logs"
@@ -225,28 +215,23 @@ def first_log_config(source: Path) -> tuple[dict[str, str], str] | str:
     name = source.resolve().name
     if not logs:
         return f"{name} has no log"
-    config = stats.config_lines(logs[0].read_text(encoding="utf-8", errors="replace"))
-    if not config:
+    log = runlogs.read_log(logs[0])
+    if not log.config:
         return f"{name}/{logs[0].name} has no config lines (upstream log format)"
-    return config, f"{name}/{logs[0].name}"
-
-
-def config_differences(old: dict[str, str], new: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """{field: (old repr, new repr)} over the fields that differ, NON_EXPERIMENT_FIELDS left out."""
-    names = sorted((set(old) | set(new)) - set(stats.NON_EXPERIMENT_FIELDS))
-    missing = "(not logged)"
-    return {n: (old.get(n, missing), new.get(n, missing)) for n in names if old.get(n) != new.get(n)}
+    return log, f"{name}/{logs[0].name}"
 
 
 def config_report(old: Path, new: Path) -> str:
-    """The config section of the output: the differing fields old -> new, or why no comparison was made."""
-    sides = [first_log_config(old), first_log_config(new)]
+    """The config section of the output: the experiment-defining fields that differ old -> new, or why
+    no comparison was made."""
+    sides = [first_log(old), first_log(new)]
     reasons = [s for s in sides if isinstance(s, str)]
     if reasons:
         return f"config not compared: {'; '.join(reasons)}\n"
-    (old_cfg, old_label), (new_cfg, new_label) = sides
-    changed = config_differences(old_cfg, new_cfg)
-    head = f"config {old_label} -> {new_label} ({', '.join(stats.NON_EXPERIMENT_FIELDS)} not compared)"
+    (old_log, old_label), (new_log, new_label) = sides
+    changed = runlogs.config_differences(old_log, new_log)
+    rules = sorted({runlogs.rule_of(old_log), runlogs.rule_of(new_log)})
+    head = f"config {old_label} -> {new_label} (compared: {'; '.join(rules)})"
     if not changed:
         return f"{head}: no difference\n"
     return "\n".join([f"{head}:"] + [f"  {k}: {a} -> {b}" for k, (a, b) in changed.items()]) + "\n"

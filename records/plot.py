@@ -4,25 +4,28 @@
     python records/plot.py ablation PATH ... [--metric loss|bpb] [--baseline ARM] [--band-loss X] [--band-time R] [-o ablation.png]
     python records/plot.py lambdas LOG [-o lambdas.png]
 
-PATH is a log file (one run), a folder of logs (searched recursively; one group drawn as its mean
-with a min-max band), or the output folder of records/ablate.py (one group per arm). Only finished
-logs count (those with the final `step:N/N val_loss` line). Exit status: 0 written, 2 unusable
-input (a path without finished runs, a log without lambdas lines): nothing is drawn then.
+PATH is a log file (one run), a folder of logs (searched recursively), or the output folder of
+records/ablate.py (one group per arm). A group is drawn as its mean with a min-max band; a folder
+(or arm) whose runs are more than one experiment (records/runlogs.py's rule, the one stats.py
+tests by) is drawn as one group per experiment, labelled `PATH [A: what differs]`, never as one
+mix. Only finished logs count (those with the final `step:N/N val_loss` line). -o takes any file
+type matplotlib writes (.png, .pdf, .svg, ...). Exit status: 0 written, 2 unusable input (a path
+without finished runs, a log without lambdas lines, an output path that cannot be written): nothing
+is drawn then.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-import matplotlib
-import matplotlib.ticker
+if __name__ == "__main__":  # run as a script: the repository root instead of records/ on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ablate  # noqa: E402  (log reading and the sweep's layout)
+from records import ablate, runlogs  # noqa: E402
+
+plt = None  # matplotlib.pyplot, imported by _matplotlib() once the arguments are known to be good
 
 
 class PlotError(Exception):
@@ -32,9 +35,31 @@ class PlotError(Exception):
 # -----------------------------------------------------------------------------
 # Input: groups of finished runs
 
-def groups(paths: list[str]) -> list[tuple[str, list[ablate.RunMetrics]]]:
-    """(label, finished runs) per log file, per folder, or per arm of an ablate.py output folder.
-    Raises PlotError naming the first path that has no finished run."""
+def _matplotlib():
+    """matplotlib.pyplot, drawing to files only (imported on first use: argument errors come first)."""
+    global plt
+    if plt is None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot
+        plt = matplotlib.pyplot
+    return plt
+
+
+def split_by_experiment(label: str, logs: list[runlogs.RunLog]) -> list[tuple[str, list[runlogs.RunLog]]]:
+    """One (label, runs) per experiment among `logs`: the label alone for one experiment, else
+    `label [A: what differs]` per group, and a note on stderr saying so."""
+    experiments = runlogs.group_runs(logs)
+    if len(experiments) == 1:
+        return [(label, experiments[0].logs)]
+    print(f"note: {label} holds {len(experiments)} experiments; drawn as {len(experiments)} groups: "
+          + "; ".join(f"{g.name}: {g.differences(limit=3)}" for g in experiments), file=sys.stderr)
+    return [(f"{label} [{g.name}: {g.differences(limit=2)}]", g.logs) for g in experiments]
+
+
+def groups(paths: list[str]) -> list[tuple[str, list[runlogs.RunLog]]]:
+    """(label, finished runs) per experiment of each log file, folder, or arm of an ablate.py output
+    folder. Raises PlotError naming the first path that has no finished run."""
     out = []
     for path in map(Path, paths):
         if not path.exists():
@@ -47,17 +72,20 @@ def groups(paths: list[str]) -> list[tuple[str, list[ablate.RunMetrics]]]:
             for arm in sweep.arms():
                 runs = [o.metrics for o in done if o.run.arm == arm]
                 if runs:
-                    out.append((arm.label, runs))
+                    out.extend(split_by_experiment(arm.label, runs))
             continue
-        runs = ablate.finished_logs([path])
+        try:
+            runs = [log for log in runlogs.read_logs([path], recursive=True, empty_ok=True) if log.finished]
+        except runlogs.LogError as e:
+            raise PlotError(str(e)) from None
         if not runs:
             what = "log did not finish" if path.is_file() else "folder holds no finished log (*.txt)"
             raise PlotError(f"{path}: no finished runs: the {what}; a finished log has the final `step:N/N val_loss` line")
-        out.append((path.stem if path.is_file() else path.name, runs))
+        out.extend(split_by_experiment(path.stem if path.is_file() else path.name, runs))
     return out
 
 
-def mean_curve(runs: list[ablate.RunMetrics], x_key: str) -> tuple[np.ndarray, ...]:
+def mean_curve(runs: list[runlogs.RunLog], x_key: str) -> tuple[np.ndarray, ...]:
     """x, mean, min, max of the val loss at the val steps every run has (x averaged over runs)."""
     steps = sorted(set.intersection(*({h["step"] for h in r.history} for r in runs)))
     table = [{h["step"]: h for h in r.history} for r in runs]
@@ -66,10 +94,28 @@ def mean_curve(runs: list[ablate.RunMetrics], x_key: str) -> tuple[np.ndarray, .
     return x, loss.mean(axis=0), loss.min(axis=0), loss.max(axis=0)
 
 
+def output_format(path: Path) -> str:
+    """The file type -o asks for (its suffix), if matplotlib can write it; else PlotError."""
+    _matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = path.suffix[1:].lower()
+    if kind not in kinds:
+        given = f"ends in {path.suffix!r}" if path.suffix else "has no file type"
+        raise PlotError(f"-o {path}: {given}; give a name ending in one of "
+                        + ", ".join(f".{k}" for k in sorted(kinds)) + " (e.g. .png)")
+    return kind
+
+
 def _save(fig, path: Path, dpi: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
+    """Write the picture; a folder that cannot be made or written is a PlotError naming the path."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight", format=path.suffix[1:].lower())
+    except OSError as e:
+        raise PlotError(f"-o {path}: cannot write: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
@@ -148,9 +194,10 @@ def plot_ablation(data, out: Path, metric: str, baseline: str | None, band_loss:
     _save(fig, out, dpi)
 
 
-def plot_lambdas(run: ablate.RunMetrics, out: Path, dpi: int) -> None:
+def plot_lambdas(run: runlogs.RunLog, out: Path, dpi: int) -> None:
     """The learned lambdas per layer: the block's mixing weights (x, x00, x01, ...) and the attention
     and skip weights, from the log's final `lambdas layer i:` lines."""
+    from matplotlib.ticker import MaxNLocator
     layers = sorted(run.lambdas)
     names = list(run.lambdas[layers[0]])
     mix = [n for n in names if n == "x" or n.startswith("x0")]
@@ -160,13 +207,13 @@ def plot_lambdas(run: ablate.RunMetrics, out: Path, dpi: int) -> None:
         for name in chosen:
             ax.plot(layers, [run.lambdas[i].get(name, np.nan) for i in layers], marker="o", markersize=3, label=name)
         ax.axhline(0, color="black", linewidth=0.5)
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title, fontsize="medium")
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("learned value")
-    fig.suptitle(f"learned lambdas: {run.log.name}", fontsize="medium")
+    fig.suptitle(f"learned lambdas: {run.path.name}", fontsize="medium")
     _save(fig, out, dpi)
 
 
@@ -198,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     out = args.output or Path(f"{args.command}.png")
     try:
+        output_format(out)
         if args.command == "curves":
             if args.zoom is not None and not 0 < args.zoom < 1:
                 raise PlotError(f"--zoom {args.zoom}: give the fraction of training to show, 0 < FRAC < 1")
@@ -222,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise PlotError(f"{args.paths[0]}: holds {len(runs)} finished logs; give one log file")
             run = runs[0]
             if not run.lambdas:
-                raise PlotError(f"{run.log}: no `lambdas layer i:` lines (a log from before they were written)")
+                raise PlotError(f"{run.path}: no `lambdas layer i:` lines (a log from before they were written)")
             plot_lambdas(run, out, args.dpi)
     except (PlotError, ablate.SweepError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,57 +1,64 @@
 """Statistics for speedrun records: does a set of runs support the claim, and does an ablation matter?
 
-    python records/stats.py [PATH ...] [--target 2.92] [--alpha 0.01] [--time-vs SECONDS|PATH] [--pool] [--json]
+    python records/stats.py [PATH ...] [--group G] [--target 2.92] [--alpha 0.01] [--time-vs SECONDS|NAME|PATH] [--pool] [--json]
     python records/stats.py --values FILE|a,b,c [--target ...] [--alpha ...] [--time-vs ...] [--json]
     python records/stats.py PATH ... --table [--target ...] [--alpha ...] [--pool] [--json]
     python records/stats.py --compare A B [--pool] [--json]
+    python records/stats.py --published [--json]
 
 PATH and A, B are log files or folders of logs (every *.txt in the folder, not recursive).
 Without PATH the newest record folder under --records-dir is used (folder names `YYYY-MM-DD`,
-`YYYY-MM-DD_Name` or `YYYY-MM-DD-Name`).
+`YYYY-MM-DD_Name` or `YYYY-MM-DD-Name`). NAME is a published upstream record (x01, snoo,
+update_smoothing, smoothed_snoo, backout, smear, bulk; records/published.json).
 
-Runs are grouped into experiments before any test: the script embedded in the log, the logged
-`config` lines (except the fields in NON_EXPERIMENT_FIELDS, e.g. the seed) and the step count.
-Logs of more than one experiment are reported group by group and refused as one claim unless
---pool is given. A byte-identical copy of a log counts once.
+Runs are grouped into experiments before any test (records/runlogs.py: the same embedded script,
+the same step count, and the same value of every config field in the groups the log names as
+experiment-defining; the seed, names and output folders do not count). Logs of more than one
+experiment are reported group by group and refused as one claim: --group G tests group G alone,
+--pool all of them as one set. A byte-identical copy of a log counts once.
+
+A text report of runs near the 2.92 target also says where they stand against the latest
+published record (Welch's one-sided test of the training times); --time-vs makes a time test
+part of the verdict.
 
 Exit status:
   0  the claim holds (mean loss below --target with p < --alpha, and, with --time-vs, the mean
-     time below the reference with p < --alpha); --compare and --table: the report was printed
+     time below the reference with p < --alpha); --compare, --table, --published: the report was printed
   1  the claim does not hold (including: fewer than 2 runs, so no t-test)
   2  unusable input (missing path, no finished run, a bad flag or --values entry), or logs of
-     more than one experiment without --pool
+     more than one experiment without --group or --pool
 """
 
 import argparse
-import hashlib
 import json
 import math
-import re
+import shlex
 import sys
-from dataclasses import dataclass, field
-from datetime import date
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from scipy import stats
+if __name__ == "__main__":  # run as a script: the repository root instead of records/ on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-SEPARATOR = "=" * 100  # ends the script source at the top of every log, and the versions block after it
+import numpy as np  # noqa: E402
+from scipy import stats  # noqa: E402
 
-# Config fields that do not change what is trained or how it is timed, so runs that differ only in
-# them are the same experiment: the seed (runs must differ in it) and where things are written or read
-# back. Everything else logged as `config x = y` (including compile, attention, warmup_steps and the
-# data paths) separates experiments.
-NON_EXPERIMENT_FIELDS = ("seed", "run_id", "log_dir", "device", "dry_run", "save_every", "checkpoint_dir",
-                         "resume", "force_resume", "token_bytes_file")
+from records import published, runlogs  # noqa: E402
+from records.runlogs import RunLog, RunResult  # noqa: E402
 
 # Targets of the speedrun tracks, for the hint when every run is far from the target given.
-KNOWN_TARGETS = {2.92: "GPT-2 Medium track", 3.28: "GPT-2 small (124M) track"}
+MEDIUM_TARGET = 2.92
+KNOWN_TARGETS = {MEDIUM_TARGET: "GPT-2 Medium track", 3.28: "GPT-2 small (124M) track"}
 FAR_FROM_TARGET = 0.1  # every run this far above (or below) the target: probably the wrong --target
 POWER_LEVELS = (0.8, 0.9)
 MAX_RUNS = 1_000_000  # the power search gives up beyond this many runs
+MAX_TRAIN_SECONDS = 86_400  # a training time above a day is not in seconds (milliseconds, most likely)
+MAX_LOSS = 30.0  # a val loss (nats per token) above this is not a loss: the columns are swapped
 POWER_METHOD = ("noncentral-t power of the one-sided one-sample t-test, with the true mean and std "
                 "taken to be the observed ones")
 SINGLE_RUN_METHOD = "normal model with the observed mean and std"
+FULL_PRECISION = 6  # decimals the trainer prints a loss with
 
 
 class UnusableInput(Exception):
@@ -59,275 +66,32 @@ class UnusableInput(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Record folder names (diff.py uses these too)
+# Sets of runs: logs grouped into experiments
 
-RECORD_NAME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[_-](.+))?")
+def set_warnings(runs: list[RunResult], logs: list[RunLog] = (), exact_decimals: bool = True) -> list[str]:
+    """Warnings about one set of runs: coarse losses, different printings mixed, repeated seeds.
 
-
-def record_name(name: str) -> tuple[str, str] | None:
-    """(date, label) of a record folder name `YYYY-MM-DD`, `YYYY-MM-DD_Label` or `YYYY-MM-DD-Label`, else None.
-
-    The label is "" for a bare date; a date that does not exist (2025-13-01) is not a record name.
+    exact_decimals: the decimals are as printed (logs). Hand-typed values (--values) lose their
+    trailing zeros (2.91920 reads as 2.9192), so there only the finest value says how the set was
+    printed, and fewer decimals elsewhere prove nothing.
     """
-    m = RECORD_NAME.fullmatch(name)
-    if m is None:
-        return None
-    try:
-        date.fromisoformat(m[1])
-    except ValueError:
-        return None
-    return m[1], m[2] or ""
-
-
-def record_folders(parent: Path) -> list[Path]:
-    """The record folders directly in `parent`, oldest first (by date, then label)."""
-    found = [(record_name(p.name), p) for p in Path(parent).iterdir() if p.is_dir()]
-    return [p for key, p in sorted((k, p) for k, p in found if k is not None)]
-
-
-def newest_record(records_dir: Path) -> Path:
-    """The record folder in `records_dir` that sorts last (date first, then label)."""
-    if not Path(records_dir).is_dir():
-        raise UnusableInput(f"no such records folder: {records_dir}")
-    folders = record_folders(records_dir)
-    if not folders:
-        raise UnusableInput(f"no record folders (YYYY-MM-DD, YYYY-MM-DD_Name or YYYY-MM-DD-Name) in {records_dir}")
-    return folders[-1]
-
-
-# -----------------------------------------------------------------------------
-# Logs: the embedded script, the config lines and the step lines (SPEC section 5)
-
-def embedded_source(text: str) -> str | None:
-    """The script at the top of a log: everything before the first line of exactly 100 `=`, or None."""
-    lines = text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        if line.rstrip("\r\n") == SEPARATOR:
-            return "".join(lines[:i])
-    return None
-
-
-def script_digest(source: str) -> str:
-    """A short hash of a script's text. Trailing newlines are ignored: the logger adds one to the file's."""
-    return hashlib.sha256(source.rstrip("\r\n").encode("utf-8")).hexdigest()[:12]
-
-
-_CONFIG_LINE = re.compile(r"config (\w+) = (.*)")
-
-
-def config_lines(text: str) -> dict[str, str]:
-    """{field: logged repr} from the `config <field> = <repr>` lines after the embedded script.
-
-    Upstream logs have none: {}. The source above the separator is skipped because it may hold the
-    same f-string.
-    """
-    source = embedded_source(text)
-    body = text[len(source):] if source is not None else text
-    return {m[1]: m[2] for m in map(_CONFIG_LINE.fullmatch, body.splitlines()) if m}
-
-
-# The values a step line may carry and the exact formats the trainer prints them in (SPEC section 5).
-# train_time and step_avg end every step line, so a line truncated mid-line misses one of them or
-# its `ms` unit and is rejected instead of yielding a wrong number. Other `key:value` tokens pass.
-_NUMBER = r"\d+(?:\.\d+)?"
-_FIELDS = {
-    "val_loss": re.compile(_NUMBER),
-    "train_time": re.compile(_NUMBER + "ms"),
-    "step_avg": re.compile(f"(?:{_NUMBER}|nan)ms"),
-}
-_STEP = re.compile(r"step:(\d+)/(\d+)")
-
-
-@dataclass
-class RunResult:
-    """The outcome of one finished run: its final val loss and its training time (None: not known)."""
-
-    path: Path
-    steps: int
-    val_loss: float
-    train_time_s: float | None
-    decimals: int = 6  # digits after the point the loss was printed with (older upstream logs: 4)
-
-
-@dataclass
-class ParsedLog:
-    """What one log file gave: a result if the run finished, else the reason it is skipped."""
-
-    path: Path
-    result: RunResult | None
-    skip_reason: str | None
-    warnings: list[str]
-    script: str | None = None  # script_digest of the embedded source; None: no separator line
-    config: dict[str, str] = field(default_factory=dict)  # the config lines, {} for upstream logs
-    content_digest: str = ""  # hash of the whole file, to find copies
-
-
-def _parse_step_line(line: str) -> tuple[int, int, dict[str, str]] | None:
-    """(step, total, {key: value}) of a `step:` line, or None if any part of it is malformed."""
-    head, *tokens = line.split()
-    m = _STEP.fullmatch(head)
-    if m is None:
-        return None
-    step, total = int(m[1]), int(m[2])
-    values = {}
-    for token in tokens:
-        key, sep, value = token.partition(":")
-        if not (key and sep and value) or key in values:
-            return None
-        if key in _FIELDS and not _FIELDS[key].fullmatch(value):
-            return None
-        values[key] = value
-    if step > total or "train_time" not in values or "step_avg" not in values:
-        return None
-    return step, total, values
-
-
-def parse_log(path: Path) -> ParsedLog:
-    """Read a training log (ours or upstream's) and find the val line at the final step.
-
-    Only lines that start with `step:` count: the embedded source at the top of a log holds the
-    same f-strings, but indented. A `step:` line that does not parse is reported as a warning
-    naming the file and line and is otherwise ignored. The embedded script's hash and the config
-    lines are kept for grouping runs into experiments.
-    Raises UnusableInput if the file cannot be read.
-    """
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UnusableInput(f"cannot read {path}: {e.strerror or e}") from e
-    text = raw.decode("utf-8", errors="replace")
-    warnings, last_seen, final, total = [], None, None, None
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.startswith("step:"):
-            continue
-        parsed = _parse_step_line(line)
-        # a different total step count within one file means it mixes runs or is corrupt
-        if parsed is None or (total is not None and parsed[1] != total):
-            warnings.append(f"{path}:{lineno}: unparseable step line ignored: {line[:120]!r}")
-            continue
-        step, total, values = parsed
-        last_seen = f"{step}/{total}"
-        if "val_loss" in values and step == total:
-            loss = values["val_loss"]
-            final = RunResult(path, total, float(loss), float(values["train_time"][:-2]) / 1000.0,
-                              decimals=len(loss.partition(".")[2]))
-    source = embedded_source(text)
-    script = script_digest(source) if source is not None else None
-    extra = dict(script=script, config=config_lines(text), content_digest=hashlib.sha256(raw).hexdigest())
-    if final is not None:
-        return ParsedLog(path, final, None, warnings, **extra)
-    reason = f"did not finish (last step seen: {last_seen or 'none'}"
-    reason += f"; {len(warnings)} unparseable step line(s))" if warnings else ")"
-    return ParsedLog(path, None, reason, warnings, **extra)
-
-
-def collect_logs(paths: list[Path]) -> list[ParsedLog]:
-    """Parse every log named by `paths` (files, or folders whose *.txt files are logs)."""
-    files = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            logs = sorted(p.glob("*.txt"))
-            if not logs:
-                raise UnusableInput(f"no *.txt logs in folder {p}")
-            files.extend(logs)
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise UnusableInput(f"no such file or folder: {p}")
-    unique = {}
-    for f in files:
-        unique.setdefault(f.resolve(), f)  # a file named twice counts once
-    return [parse_log(f) for f in unique.values()]
-
-
-# -----------------------------------------------------------------------------
-# Experiments: which runs may be pooled into one claim
-
-def drop_duplicates(parsed: list[ParsedLog]) -> tuple[list[ParsedLog], list[str]]:
-    """(the logs with each byte-identical copy removed, one warning per copy naming both files)."""
-    first, kept, warnings = {}, [], []
-    for p in parsed:
-        original = first.setdefault(p.content_digest, p)
-        if original is p:
-            kept.append(p)
-        else:
-            warnings.append(f"{original.path} and {p.path} are byte-identical copies of one log: "
-                            f"counted once (as {original.path})")
-    return kept, warnings
-
-
-def experiment_key(log: ParsedLog) -> tuple:
-    """What makes runs the same experiment: script hash, config without NON_EXPERIMENT_FIELDS, step count."""
-    config = tuple(sorted((k, v) for k, v in log.config.items() if k not in NON_EXPERIMENT_FIELDS))
-    return log.script, config, log.result.steps
-
-
-@dataclass
-class Experiment:
-    """The finished runs of one experiment, and what sets it apart from the others in the same input."""
-
-    name: str  # "A", "B", ... in order of the first run's file name
-    logs: list[ParsedLog]
-    distinct: dict[str, str]  # the key parts that differ between experiments: {"script": ..., "steps": ..., field: value}
-
-    @property
-    def runs(self) -> list[RunResult]:
-        return [p.result for p in self.logs]
-
-    def describe_key(self) -> str:
-        """One line: script hash, steps, and the config fields that set this group apart."""
-        log = self.logs[0]
-        parts = [f"script {log.script or 'unknown (no line of 100 =)'}", f"{log.result.steps} steps"]
-        config = {k: v for k, v in self.distinct.items() if k not in ("script", "steps")}
-        if not log.config:
-            parts.append("no config lines (upstream log format)")
-        elif config:
-            parts.append("config " + " ".join(f"{k}={v}" for k, v in config.items()))
-        else:
-            parts.append("same config (seed and fields that do not change training aside)")
-        return ", ".join(parts)
-
-
-def group_runs(finished: list[ParsedLog]) -> list[Experiment]:
-    """Group finished runs into experiments (experiment_key), naming each group and what sets it apart."""
-    groups: dict[tuple, list[ParsedLog]] = {}
-    for log in sorted(finished, key=lambda p: str(p.path)):
-        groups.setdefault(experiment_key(log), []).append(log)
-    keys = list(groups)
-    differing = {}
-    if len({k[0] for k in keys}) > 1:
-        differing["script"] = lambda k: str(k[0])
-    if len({k[2] for k in keys}) > 1:
-        differing["steps"] = lambda k: str(k[2])
-    configs = [dict(k[1]) for k in keys]
-    for name in sorted({n for c in configs for n in c}):
-        if len({c.get(name) for c in configs}) > 1:
-            differing[name] = lambda k, name=name: dict(k[1]).get(name, "(not logged)")
-    return [Experiment(_group_name(i), groups[k], {name: get(k) for name, get in differing.items()})
-            for i, k in enumerate(keys)]
-
-
-def _group_name(i: int) -> str:
-    return chr(ord("A") + i) if i < 26 else f"G{i + 1}"
-
-
-def set_warnings(runs: list[RunResult], logs: list[ParsedLog] = ()) -> list[str]:
-    """Warnings about one set of runs: losses rounded to 4 decimals, 4- and 6-decimal runs mixed, repeated seeds."""
     out = []
-    coarse = [r for r in runs if r.decimals < 6]
+    finest = max(r.decimals for r in runs)
+    coarse = [r for r in runs if r.decimals < FULL_PRECISION] if exact_decimals else \
+        (list(runs) if finest < FULL_PRECISION else [])
     if coarse:
         names = ", ".join(str(r.path) for r in coarse[:3]) + (", ..." if len(coarse) > 3 else "")
-        out.append(f"{len(coarse)} of {len(runs)} run(s) give the loss with only {min(r.decimals for r in coarse)} "
-                   f"decimals ({names}): each loss is rounded by up to half a unit in the last digit, "
+        digits = min(r.decimals for r in coarse) if exact_decimals else finest
+        out.append(f"{len(coarse)} of {len(runs)} run(s) give the loss with {'only' if exact_decimals else 'at most'} "
+                   f"{digits} decimals ({names}): each loss is rounded by up to half a unit in the last digit, "
                    "so p and the bound are approximate")
-        if len(coarse) < len(runs):
+        if exact_decimals and len(coarse) < len(runs):
             out.append(f"this set mixes {len(coarse)} coarse-decimal loss(es) with {len(runs) - len(coarse)} "
-                       "6-decimal one(s): were they printed by different scripts?")
+                       f"{FULL_PRECISION}-decimal one(s): were they printed by different scripts?")
     seeds: dict[str, list[str]] = {}
     for log in logs:
-        if "seed" in log.config:
-            seeds.setdefault(log.config["seed"], []).append(str(log.path))
+        if log.seed is not None:
+            seeds.setdefault(log.seed, []).append(str(log.path))
     for seed, paths in seeds.items():
         if len(paths) > 1:
             out.append(f"runs {', '.join(paths)} share seed {seed}: not independent runs (give each run a fresh seed)")
@@ -339,8 +103,9 @@ class RunSet:
     """The runs read from some paths: every log (copies removed), its experiments, and what to warn about."""
 
     label: str
-    parsed: list[ParsedLog]
-    groups: list[Experiment]
+    paths: list
+    parsed: list[RunLog]
+    groups: list[runlogs.Experiment]
     warnings: list[str]
     duplicates: list[str]
 
@@ -348,17 +113,33 @@ class RunSet:
 def load_runs(paths: list[Path], label: str | None = None) -> RunSet:
     """Read, de-duplicate and group the logs at `paths`. Raises UnusableInput if no run finished."""
     label = label or ", ".join(map(str, paths))
-    parsed = collect_logs(paths)
-    parsed, duplicates = drop_duplicates(parsed)
-    finished = [p for p in parsed if p.result is not None]
+    try:
+        parsed = runlogs.read_logs(paths)
+    except runlogs.LogError as e:
+        raise UnusableInput(str(e)) from None
+    parsed, duplicates = runlogs.drop_duplicates(parsed)
+    finished = [p for p in parsed if p.finished]
     if not finished:
         raise UnusableInput(f"no finished runs in {label}")
     warnings = [w for p in parsed for w in p.warnings] + duplicates
-    return RunSet(label, parsed, group_runs(finished), warnings, duplicates)
+    return RunSet(label, list(paths), parsed, runlogs.group_runs(finished), warnings, duplicates)
 
 
-def pooled_or_refused(rs: RunSet, pool: bool, what: str = "claim") -> tuple[list[ParsedLog], str | None]:
-    """(the runs to test as one set, None) or (all runs, the refusal message) when `rs` mixes experiments."""
+def selection_hint(rs: RunSet, command: str | None) -> str:
+    """One line per group: how to test it alone (`command` with --group), and what sets it apart."""
+    lines = []
+    for g in rs.groups:
+        what = f"{len(g.runs)} run(s), {g.differences(limit=4)}"
+        lines.append(f"  {command} --group {g.name}    # {what}" if command else f"  group {g.name}: {what}")
+    return "\n".join(lines)
+
+
+def pooled_or_refused(rs: RunSet, pool: bool, what: str = "claim", command: str | None = None
+                      ) -> tuple[list[RunLog], str | None]:
+    """(the runs to test as one set, None) or (all runs, the refusal message) when `rs` mixes experiments.
+
+    The refusal ends with how to choose: one command per group when `command` (the user's command
+    line without --group) is given, else the groups and what sets each apart."""
     logs = [p for g in rs.groups for p in g.logs]
     if len(rs.groups) == 1:
         return logs, None
@@ -366,8 +147,24 @@ def pooled_or_refused(rs: RunSet, pool: bool, what: str = "claim") -> tuple[list
     if pool:
         rs.warnings.append(f"--pool: {len(rs.groups)} experiments (groups {names}) tested as one {what}")
         return logs, None
-    return logs, (f"{rs.label} holds {len(rs.groups)} experiments (groups {names}: different scripts, configs "
-                  f"or step counts); split the folder or pass --pool to test them as one {what}")
+    head = (f"{rs.label} holds {len(rs.groups)} experiments (groups {names}: different scripts, configs "
+            f"or step counts).")
+    if command:
+        return logs, (f"{head} Test one of them (or split the folder), or pass --pool to test them all as one "
+                      f"{what}:\n{selection_hint(rs, command)}")
+    return logs, (f"{head} Give one of them: split the folder or pass --pool to test them all as one {what}. "
+                  f"The groups (`python records/stats.py {rs.label}` lists their runs):\n{selection_hint(rs, None)}")
+
+
+def select_group(rs: RunSet, name: str) -> RunSet:
+    """The RunSet narrowed to experiment `name` (--group)."""
+    for g in rs.groups:
+        if g.name == name:
+            kept = {id(log) for log in g.logs}
+            parsed = [p for p in rs.parsed if not p.finished or id(p) in kept]
+            return RunSet(f"{rs.label} group {name}", rs.paths, parsed, [g], rs.warnings, rs.duplicates)
+    raise UnusableInput(f"--group {name}: {rs.label} has no group {name}; its groups: "
+                        + ", ".join(g.name for g in rs.groups))
 
 
 # -----------------------------------------------------------------------------
@@ -412,15 +209,13 @@ def claim_test(losses: list[float], target: float, alpha: float) -> dict:
             "upper_bound_95": None, "holds": False}
     if n < 2:
         return {**none, "note": f"n = {n}: no sample std, so no t-test; a t-test needs at least 2 runs"}
-    std = _spread(losses)
-    if std is None:
+    if _spread(losses) is None:
         return {**none, "note": f"all {n} losses are equal: no spread, so no t-test "
                                 "(copies of one log, or runs with the same seed?)"}
     res = stats.ttest_1samp(losses, target, alternative="less")
-    mean, sem = float(np.mean(losses)), std / math.sqrt(n)
-    return {"t": float(res.statistic), "p": float(res.pvalue), "df": n - 1,
-            "upper_bound": mean + float(stats.t.ppf(1 - alpha, n - 1)) * sem, "upper_bound_level": 1 - alpha,
-            "upper_bound_95": mean + float(stats.t.ppf(0.95, n - 1)) * sem,
+    return {"t": float(res.statistic), "p": float(res.pvalue), "df": int(res.df),
+            "upper_bound": float(res.confidence_interval(1 - alpha).high), "upper_bound_level": 1 - alpha,
+            "upper_bound_95": float(res.confidence_interval(0.95).high),
             "holds": bool(res.pvalue < alpha), "note": None}
 
 
@@ -474,45 +269,46 @@ def single_run_chance(losses: list[float], target: float) -> dict:
 
 
 def welch(a: list[float], b: list[float]) -> dict:
-    """Welch's two-sample t-test of B against A: means, B - A, its 95% CI (Welch-Satterthwaite df), two-sided p."""
+    """Welch's two-sample t-test of B against A (scipy's ttest_ind, equal_var=False): means, B - A,
+    its 95% CI and the Welch-Satterthwaite df from scipy's result, t, two-sided p."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    diff = b.mean() - a.mean()
-    with np.errstate(divide="ignore", invalid="ignore"):  # identical runs: se = 0, df undefined
-        se = np.sqrt(va + vb)
-        df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-        half = stats.t.ppf(0.975, df) * se
-    res = stats.ttest_ind(b, a, equal_var=False)
-    return {"mean_a": float(a.mean()), "mean_b": float(b.mean()), "diff_b_minus_a": float(diff),
-            "ci95": [float(diff - half), float(diff + half)], "df": float(df), "se": float(se),
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():  # identical runs: no spread
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = stats.ttest_ind(b, a, equal_var=False)
+        ci = res.confidence_interval(0.95)
+    return {"mean_a": float(a.mean()), "mean_b": float(b.mean()), "diff_b_minus_a": float(b.mean() - a.mean()),
+            "ci95": [float(ci.low), float(ci.high)], "df": float(res.df),
             "t": float(res.statistic), "p_two_sided": float(res.pvalue)}
 
 
 def paired_test(a: list[float], b: list[float]) -> dict:
-    """Paired t-test of B against A (a[i] and b[i] share seed i): mean of B - A, its 95% CI, t, two-sided p.
+    """Paired t-test of B against A (a[i] and b[i] share seed i), scipy's ttest_rel(b, a): mean of
+    B - A, its 95% CI, df, t, two-sided p.
 
-    The same test as scipy.stats.ttest_rel(b, a). Pairing removes what the two runs of one seed
-    have in common (the initial values of the tensors they share), so it can see smaller deltas than
-    Welch's test. Fewer than 2 pairs, or deltas that are all equal, give nan where undefined.
+    Pairing removes what the two runs of one seed have in common (the initial values of the
+    tensors they share), so it can see smaller deltas than Welch's test. Fewer than 2 pairs, or
+    deltas that are all equal, give nan where undefined.
     """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1:
         raise ValueError(f"paired_test needs two equally long lists, got {a.shape} and {b.shape}")
-    deltas, n = b - a, len(a)
-    mean = float(deltas.mean()) if n else math.nan
+    n = len(a)
+    mean = float((b - a).mean()) if n else math.nan
     if n < 2:
         return {"n": n, "mean_diff": mean, "ci95": [math.nan, math.nan], "df": n - 1,
                 "t": math.nan, "p_two_sided": math.nan}
-    with np.errstate(divide="ignore", invalid="ignore"):  # all deltas equal: se = 0
-        half = stats.t.ppf(0.975, n - 1) * deltas.std(ddof=1) / math.sqrt(n)
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():  # all deltas equal: se = 0
+        warnings.simplefilter("ignore", RuntimeWarning)
         res = stats.ttest_rel(b, a)
-    return {"n": n, "mean_diff": mean, "ci95": [float(mean - half), float(mean + half)], "df": n - 1,
+        ci = res.confidence_interval(0.95)
+    return {"n": n, "mean_diff": mean, "ci95": [float(ci.low), float(ci.high)], "df": int(res.df),
             "t": float(res.statistic), "p_two_sided": float(res.pvalue)}
 
 
 @dataclass
 class TimeReference:
-    """What --time-vs compares the training times with: a number of seconds, or the runs of another set."""
+    """What the training times are compared with: a number of seconds (a published mean, or one
+    given), or the runs of another set (logs, or a published record's per-run times)."""
 
     label: str
     seconds: float | None = None
@@ -524,29 +320,31 @@ def time_test(times: list[float], ref: TimeReference, alpha: float) -> dict:
 
     Against a number: one-sample t-test (H1: mean < seconds) and the one-sided 1 - alpha upper bound of
     the mean. Against other runs: Welch's test (H1: mean < their mean) and the one-sided 1 - alpha upper
-    bound of (mean - their mean).
+    bound of (mean - their mean), both from scipy's result.
     """
     base = {"reference": ref.label, "level": 1 - alpha, "t": None, "p": None, "df": None, "holds": False}
     if len(times) < 2:
         return {**base, "method": None, "note": "a time test needs at least 2 runs with a train time"}
+    mean = float(np.mean(times))
     if ref.seconds is not None:
-        std = _spread(times)
-        if std is None:
+        if _spread(times) is None:
             return {**base, "method": None, "note": "all train times are equal: no spread, no t-test"}
         res = stats.ttest_1samp(times, ref.seconds, alternative="less")
-        mean = float(np.mean(times))
         return {**base, "method": "one-sample t-test, H1: mean < reference", "mean": mean,
-                "upper_bound": mean + float(stats.t.ppf(1 - alpha, len(times) - 1)) * std / math.sqrt(len(times)),
-                "t": float(res.statistic), "p": float(res.pvalue), "df": len(times) - 1,
+                "upper_bound": float(res.confidence_interval(1 - alpha).high),
+                "t": float(res.statistic), "p": float(res.pvalue), "df": int(res.df),
                 "holds": bool(res.pvalue < alpha), "note": None}
-    w = welch(ref.times, times)
-    if not (w["se"] > 0 and math.isfinite(w["df"])):
+    if _spread(times) is None and _spread(ref.times) is None:
         return {**base, "method": None, "note": "no spread in either set of train times: no Welch test"}
-    p = float(stats.t.cdf(w["t"], w["df"]))
-    return {**base, "method": "Welch's t-test, H1: mean < reference runs' mean", "mean": w["mean_b"],
-            "reference_mean": w["mean_a"], "reference_n": len(ref.times), "diff": w["diff_b_minus_a"],
-            "upper_bound": w["diff_b_minus_a"] + float(stats.t.ppf(1 - alpha, w["df"])) * w["se"],
-            "t": w["t"], "p": p, "df": w["df"], "holds": bool(p < alpha), "note": None}
+    with warnings.catch_warnings():  # one set without spread is fine for Welch; scipy warns of cancellation
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = stats.ttest_ind(times, ref.times, equal_var=False, alternative="less")
+    ref_mean = float(np.mean(ref.times))
+    return {**base, "method": "Welch's t-test, H1: mean < reference runs' mean", "mean": mean,
+            "reference_mean": ref_mean, "reference_n": len(ref.times), "diff": mean - ref_mean,
+            "upper_bound": float(res.confidence_interval(1 - alpha).high),
+            "t": float(res.statistic), "p": float(res.pvalue), "df": float(res.df),
+            "holds": bool(res.pvalue < alpha), "note": None}
 
 
 def target_hint(losses: list[float], target: float) -> str | None:
@@ -562,14 +360,49 @@ def target_hint(losses: list[float], target: float) -> str | None:
     return f"every run is far {where} the target {target}; did you mean another --target?"
 
 
+def published_reference(record: published.PublishedRecord) -> TimeReference:
+    """A published record as a time reference: its per-run times (Welch), or its mean (one-sample)."""
+    if record.train_time_s is not None:
+        return TimeReference(f"{record.label}, published, {len(record.train_time_s)} runs", times=list(record.train_time_s))
+    return TimeReference(f"{record.label}, published mean of {record.n_times} runs", seconds=record.mean_train_time_s)
+
+
+def not_medium_track(losses: list[float], target: float, logs: list[RunLog] = ()) -> str | None:
+    """Why a set of runs is not compared with the published medium-track records, or None when it is:
+    the target must be the medium track's, the runs near it, and none of them a CPU run."""
+    if target != MEDIUM_TARGET:
+        return f"--target {target} is not the medium track's {MEDIUM_TARGET}"
+    if target_hint(losses, target):
+        return f"the runs are far from the {MEDIUM_TARGET} target (not medium-track runs)"
+    cpu = [log for log in logs if log.device == "cpu" or log.config.get("preset") == "'tiny'"]
+    if cpu:
+        return f"{len(cpu)} run(s) ran on the CPU or with the tiny preset (not medium-track runs)"
+    return None
+
+
+def against_latest(losses: list[float], times: list[float], target: float, alpha: float,
+                   logs: list[RunLog] = ()) -> dict:
+    """Where a set stands against the latest published record: its time test when the runs are
+    medium-track runs with times, else why not."""
+    record = published.latest()
+    why_not = not_medium_track(losses, target, logs)
+    if why_not is None and len(times) < 2:
+        why_not = "no training times" if not times else "a time test needs at least 2 runs with a training time"
+    out = {"record": record.recipe, "label": record.label, "mean_train_time_s": record.mean_train_time_s,
+           "n": record.n_times, "not_compared": why_not, "test": None}
+    if why_not is None:
+        out["test"] = time_test(times, published_reference(record), alpha)
+    return out
+
+
 def analyse(losses: list[float], times: list[float | None], target: float, alpha: float,
-            time_vs: TimeReference | None = None) -> dict:
+            time_vs: TimeReference | None = None, logs: list[RunLog] = ()) -> dict:
     """Every figure of the claim check for one set of runs; `holds` is the overall verdict."""
     known_times = [t for t in times if t is not None]
     out = {"val_loss": describe(losses), "t_test": claim_test(losses, target, alpha),
            "power": power_estimate(losses, target, alpha), "single_run_below": single_run_chance(losses, target),
            "train_time_s": describe(known_times) if known_times else None, "time_vs": None,
-           "hint": target_hint(losses, target)}
+           "hint": target_hint(losses, target), "latest_record": against_latest(losses, known_times, target, alpha, logs)}
     if time_vs is not None:
         out["time_vs"] = time_test(known_times, time_vs, alpha)
     out["holds"] = out["t_test"]["holds"] and (out["time_vs"] is None or out["time_vs"]["holds"])
@@ -580,12 +413,12 @@ def analyse(losses: list[float], times: list[float | None], target: float, alpha
 # -----------------------------------------------------------------------------
 # Text report
 
-def _json_safe(obj):
+def json_safe(obj):
     """obj with nan and infinities replaced by None, which strict JSON can carry."""
     if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
@@ -597,7 +430,7 @@ def _describe_line(name: str, d: dict, spec: str) -> str:
             f"median={d['median']:{spec}} min={d['min']:{spec}} max={d['max']:{spec}}")
 
 
-def _report_runs(parsed: list[ParsedLog], out: list[str]) -> None:
+def _report_runs(parsed: list[RunLog], out: list[str]) -> None:
     for p in parsed:
         if p.result:
             r = p.result
@@ -619,19 +452,36 @@ def _power_line(pw: dict, n: int, alpha: float) -> str:
             f"{pw['power_at_n']:.2f} chance ({pw['method']})")
 
 
-def _time_vs_line(tv: dict) -> list[str]:
+def _time_test_text(tv: dict) -> str:
     level = f"{100 * tv['level']:.10g}%"
+    if "reference_mean" in tv:
+        return (f"Welch one-sided, H1: mean < {tv['reference_mean']:.3f}s, the mean of its {tv['reference_n']} runs): "
+                f"difference={tv['diff']:.3f}s {level} upper bound of difference={tv['upper_bound']:.3f}s "
+                f"t={tv['t']:.4f} p={tv['p']:.4g}")
+    return (f"one-sample t, H1: mean < {tv['reference']}): {level} upper bound of mean={tv['upper_bound']:.3f}s "
+            f"t={tv['t']:.4f} p={tv['p']:.4g}")
+
+
+def _time_vs_line(tv: dict) -> list[str]:
     if tv["note"]:
         return [f"time vs {tv['reference']}: not tested: {tv['note']}"]
-    if "reference_mean" in tv:
-        head = (f"time vs {tv['reference']} (Welch one-sided, H1: mean < {tv['reference_mean']:.3f}s, "
-                f"the mean of its {tv['reference_n']} runs): difference={tv['diff']:.3f}s "
-                f"{level} upper bound of difference={tv['upper_bound']:.3f}s")
-    else:
-        head = (f"time vs {tv['reference']} (one-sample t, H1: mean < {tv['reference']}): "
-                f"{level} upper bound of mean={tv['upper_bound']:.3f}s")
-    return [f"{head} t={tv['t']:.4f} p={tv['p']:.4g}",
+    return [f"time vs {tv['reference']} ({_time_test_text(tv)}",
             f"time verdict: {'faster' if tv['holds'] else 'not shown to be faster'}"]
+
+
+def _latest_line(lr: dict, time_vs: dict | None) -> str:
+    head = f"against the latest published record, {lr['label']} (mean {lr['mean_train_time_s']:.2f}s over {lr['n']} runs)"
+    if lr["not_compared"]:
+        return f"{head}: not compared: {lr['not_compared']}"
+    tv = lr["test"]
+    if tv["note"]:
+        return f"{head}: not tested: {tv['note']}"
+    if time_vs is not None and time_vs.get("reference") == tv["reference"]:
+        return f"{head}: the time test above"
+    verdict = "faster" if tv["holds"] else "not shown to be faster"
+    p = f"p={tv['p']:.4g}, {'Welch one-sided' if 'reference_mean' in tv else 'one-sample one-sided'} test"
+    return (f"{head}: {verdict} ({p}); a record must also beat it: add --time-vs {lr['record']} "
+            "to make this part of the verdict")
 
 
 def analysis_lines(a: dict, target: float, alpha: float) -> list[str]:
@@ -643,8 +493,8 @@ def analysis_lines(a: dict, target: float, alpha: float) -> list[str]:
     else:
         out.append(f"one-sided t-test against {target} (H1: mean < {target}): t={test['t']:.4f} p={test['p']:.4g} "
                    f"{level_label(alpha)} upper bound of mean={test['upper_bound']:.6f}")
-        if alpha != 0.05:  # SPEC §6 reports the 95% bound whatever alpha the claim uses
-            out.append(f"one-sided 95% upper bound of mean (the SPEC's figure)={test['upper_bound_95']:.6f}")
+        if alpha != 0.05:  # the 95% bound is the figure upstream READMEs publish, whatever alpha the claim uses
+            out.append(f"one-sided 95% upper bound of mean={test['upper_bound_95']:.6f}")
     if a["hint"]:
         out.append(f"hint: {a['hint']}")
     out.append(_power_line(a["power"], n, alpha))
@@ -655,6 +505,8 @@ def analysis_lines(a: dict, target: float, alpha: float) -> list[str]:
         out.append(_describe_line("train_time (s)", a["train_time_s"], ".3f"))
     if a["time_vs"]:
         out.extend(_time_vs_line(a["time_vs"]))
+    if a.get("latest_record"):
+        out.append(_latest_line(a["latest_record"], a["time_vs"]))
     out.append(f"verdict at alpha={alpha}: {a['verdict']}")
     return out
 
@@ -673,14 +525,23 @@ def _run_json(run: RunResult, group: str | None = None) -> dict:
 # -----------------------------------------------------------------------------
 # Commands
 
-def _analyse_logs(logs: list[ParsedLog], args, time_vs: TimeReference | None) -> tuple[dict, list[str]]:
+def _analyse_logs(logs: list[RunLog], args, time_vs: TimeReference | None) -> tuple[dict, list[str]]:
     runs = [p.result for p in logs]
-    a = analyse([r.val_loss for r in runs], [r.train_time_s for r in runs], args.target, args.alpha, time_vs)
+    a = analyse([r.val_loss for r in runs], [r.train_time_s for r in runs], args.target, args.alpha, time_vs, logs)
     return a, set_warnings(runs, logs)
 
 
+def check_seconds(seconds: float, what: str) -> None:
+    """A training time that cannot be seconds: UnusableInput with the likely unit."""
+    if seconds > MAX_TRAIN_SECONDS:
+        raise UnusableInput(f"{what}: {seconds:.15g} s is more than a day, not a training time in seconds; "
+                            f"milliseconds? ({seconds:.15g} ms = {seconds / 1000:.15g} s): give seconds")
+
+
 def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
-    """--time-vs: a number of seconds, or a log file / folder whose runs' train times are the reference."""
+    """--time-vs: a number of seconds, a published record's name, or a log file / folder whose runs'
+    train times are the reference. A bare name that is both a record and a local folder means the
+    record (write ./NAME for the folder)."""
     if spec is None:
         return None
     try:
@@ -689,10 +550,17 @@ def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
         seconds = None
     if seconds is not None:
         if not (math.isfinite(seconds) and seconds > 0):
-            raise UnusableInput(f"--time-vs {spec}: give a positive number of seconds or a log folder")
+            raise UnusableInput(f"--time-vs {spec}: give a positive number of seconds, a published record or a log folder")
+        check_seconds(seconds, f"--time-vs {spec}")
         return TimeReference(f"{seconds:g}s", seconds=seconds)
+    record = published.find(spec) if "/" not in spec else None
+    if record is not None:
+        if Path(spec).exists():
+            _print_warnings([f"--time-vs {spec}: the published record {record.label}; for the folder write ./{spec}"])
+        return published_reference(record)
     if not Path(spec).exists():
-        raise UnusableInput(f"--time-vs {spec}: neither a number of seconds nor an existing log file or folder")
+        raise UnusableInput(f"--time-vs {spec}: neither a number of seconds, a published record "
+                            f"({', '.join(published.names())}) nor an existing log file or folder")
     rs = load_runs([Path(spec)])
     logs, refusal = pooled_or_refused(rs, pool, "reference")
     if refusal:
@@ -704,11 +572,26 @@ def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
     return TimeReference(spec, times=times)
 
 
+def _command_line(args) -> str:
+    """The user's claim command, for the per-group commands of a refusal."""
+    parts = ["python", "records/stats.py", *map(str, args.paths)]
+    for flag, value in (("--target", args.target if args.target != MEDIUM_TARGET else None),
+                        ("--alpha", args.alpha if args.alpha != 0.01 else None), ("--time-vs", args.time_vs)):
+        if value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
 def _run_claim(args) -> int:
-    paths = args.paths or [newest_record(args.records_dir)]
+    try:
+        paths = args.paths or [runlogs.newest_record(args.records_dir)]
+    except runlogs.LogError as e:
+        raise UnusableInput(str(e)) from None
     rs = load_runs(paths)
+    if args.group:
+        rs = select_group(rs, args.group)
     time_vs = time_reference(args.time_vs, args.pool)
-    logs, refusal = pooled_or_refused(rs, args.pool)
+    logs, refusal = pooled_or_refused(rs, args.pool, command=_command_line(args) if args.paths else None)
     groups, warnings = [], list(rs.warnings)
     for g in rs.groups:
         a, w = _analyse_logs(g.logs, args, time_vs)
@@ -721,24 +604,25 @@ def _run_claim(args) -> int:
         claim, w = _analyse_logs(logs, args, time_vs)
         warnings += w
     if args.json:
-        payload = {"paths": [str(p) for p in paths], "target": args.target, "alpha": args.alpha,
+        payload = {"paths": [str(p) for p in paths], "group": args.group, "target": args.target, "alpha": args.alpha,
                    "runs": [_run_json(r, g.name) for g in rs.groups for r in g.runs],
-                   "skipped": [{"path": str(p.path), "reason": p.skip_reason} for p in rs.parsed if p.result is None],
+                   "skipped": [{"path": str(p.path), "reason": p.skip_reason} for p in rs.parsed if not p.finished],
                    "warnings": warnings, "duplicates": rs.duplicates, "groups": groups,
                    "pooled": len(rs.groups) > 1 and args.pool, "refused": refusal}
-        claim_keys = ("val_loss", "t_test", "power", "single_run_below", "train_time_s", "time_vs", "hint")
+        claim_keys = ("val_loss", "t_test", "power", "single_run_below", "train_time_s", "time_vs", "latest_record", "hint")
         payload.update({k: claim[k] if claim else None for k in claim_keys})
         payload["verdict"] = claim["verdict"] if claim else "refused"
-        print(json.dumps(_json_safe(payload), indent=2))
+        print(json.dumps(json_safe(payload), indent=2))
     else:
         _print_warnings(warnings)
         finished = sum(len(g.runs) for g in rs.groups)
-        out = [f"logs: {', '.join(map(str, paths))}", f"{finished} finished run(s), {len(rs.parsed) - finished} skipped"]
+        head = f"logs: {', '.join(map(str, paths))}" + (f" (group {args.group})" if args.group else "")
+        out = [head, f"{finished} finished run(s), {len(rs.parsed) - finished} skipped"]
         if len(rs.groups) == 1:
             _report_runs(rs.parsed, out)
             out.append(f"experiment: {rs.groups[0].describe_key()}")
         else:
-            _report_runs([p for p in rs.parsed if p.result is None], out)
+            _report_runs([p for p in rs.parsed if not p.finished], out)
             out.append(f"{len(rs.groups)} experiments in these logs (different scripts, configs or step counts):")
             for g, info in zip(rs.groups, groups):
                 out.append(f"group {g.name}: {len(g.runs)} run(s), {info['key']}")
@@ -757,7 +641,8 @@ def _run_claim(args) -> int:
 
 def parse_values(spec: str) -> list[RunResult]:
     """--values: a file with one `loss` or `loss time_s` per line (blank lines and # comments skipped),
-    or a comma-separated list of losses. Raises UnusableInput naming the file and line of a bad entry."""
+    or a comma-separated list of losses. Raises UnusableInput naming the file and line of a bad entry,
+    a loss that cannot be one, or a time that cannot be in seconds."""
     path = Path(spec)
     if path.is_file():
         try:
@@ -778,6 +663,13 @@ def parse_values(spec: str) -> list[RunResult]:
                                 "write one `loss` or `loss time_s` per line, or a,b,c") from None
         if len(numbers) > 2 or not all(map(math.isfinite, numbers)):
             raise UnusableInput(f"{where}: expected `loss` or `loss time_s`, got {' '.join(fields)!r}")
+        if not 0 < numbers[0] <= MAX_LOSS:
+            raise UnusableInput(f"{where}: {fields[0]} is not a validation loss (nats per token, 0 to {MAX_LOSS:g}); "
+                                "is it a time? write `loss time_s` on each line, loss first")
+        if len(numbers) == 2:
+            if not numbers[1] > 0:
+                raise UnusableInput(f"{where}: {fields[1]} is not a training time in seconds")
+            check_seconds(numbers[1], where)
         decimals = len(fields[0].partition(".")[2])
         runs.append(RunResult(Path(where), 0, numbers[0], numbers[1] if len(numbers) == 2 else None, decimals))
     if not runs:
@@ -793,9 +685,9 @@ def _run_values(args) -> int:
     if time_vs is not None and runs[0].train_time_s is None:
         raise UnusableInput("--time-vs needs train times: write `loss time_s` on each line of the --values file")
     claim = analyse([r.val_loss for r in runs], [r.train_time_s for r in runs], args.target, args.alpha, time_vs)
-    warnings = set_warnings(runs)
+    warnings = set_warnings(runs, exact_decimals=False)
     if args.json:
-        print(json.dumps(_json_safe({"values": args.values, "target": args.target, "alpha": args.alpha,
+        print(json.dumps(json_safe({"values": args.values, "target": args.target, "alpha": args.alpha,
                                      "runs": [_run_json(r) for r in runs], "warnings": warnings, **claim}), indent=2))
     else:
         _print_warnings(warnings)
@@ -811,7 +703,7 @@ def table_rows(args, time_vs: TimeReference | None) -> list[dict]:
     """
     rows = []
     for path in args.paths:
-        if Path(path).is_dir() and record_name(Path(path).name) is None and not any(Path(path).glob("*.txt")):
+        if Path(path).is_dir() and runlogs.record_name(Path(path).name) is None and not any(Path(path).glob("*.txt")):
             continue  # records/*/ also matches folders that are not records, such as __pycache__
         try:
             rs = load_runs([path])
@@ -848,21 +740,44 @@ def _table_cells(row: dict, alpha: float, with_time_test: bool) -> list[str]:
              num(test["upper_bound"], ".6f"), num(time["mean"] if time else None, ".3f")] + time_p + [verdict])
 
 
+def _print_table(rows: list[dict], header: str, alpha: float, with_time_test: bool) -> None:
+    cells = [_table_cells(r, alpha, with_time_test) for r in [None] + rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
+    print(header)
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+
+
 def _run_table(args) -> int:
     if not args.paths:
         raise UnusableInput("--table needs the folders to tabulate, e.g. records/*/")
     time_vs = time_reference(args.time_vs, args.pool)
     rows = table_rows(args, time_vs)
     if args.json:
-        print(json.dumps(_json_safe({"target": args.target, "alpha": args.alpha, "rows": rows}), indent=2))
+        print(json.dumps(json_safe({"target": args.target, "alpha": args.alpha, "rows": rows}), indent=2))
     else:
         _print_warnings([f"{r['path']}: {w}" for r in rows for w in r.get("warnings") or ()])
-        cells = [_table_cells(r, args.alpha, time_vs is not None) for r in [None] + rows]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
-        print(f"target {args.target}, alpha {args.alpha}" + (f", time vs {time_vs.label}" if time_vs else ""))
-        for c in cells:
-            print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+        _print_table(rows, f"target {args.target}, alpha {args.alpha}" + (f", time vs {time_vs.label}" if time_vs else ""),
+                     args.alpha, time_vs is not None)
     return 2 if not rows or all(r["error"] for r in rows) else 0
+
+
+def _run_published(args) -> int:
+    """--published: one row per published record, its figures recomputed from the data."""
+    rows = []
+    for r in published.load():
+        times = list(r.train_time_s) if r.train_time_s else [None] * len(r.val_loss)
+        a = analyse(list(r.val_loss), times, args.target, args.alpha)
+        if r.train_time_s is None:
+            a["train_time_s"] = {"mean": r.mean_train_time_s, "n": r.n_times}
+        rows.append({"path": f"{r.recipe or '-'} {r.date} {r.name}", "group": None, "error": None, "recipe": r.recipe,
+                     "name": r.name, "date": r.date, "steps": r.steps, "source": f"{r.folder}: {r.source}", **a})
+    if args.json:
+        print(json.dumps(json_safe({"target": args.target, "alpha": args.alpha, "rows": rows}), indent=2))
+    else:
+        _print_table(rows, f"published upstream medium-track records (records/published.json), target {args.target}, "
+                           f"alpha {args.alpha}", args.alpha, False)
+    return 0
 
 
 def _run_compare(args) -> int:
@@ -881,9 +796,9 @@ def _run_compare(args) -> int:
     loss = welch([r.val_loss for r in ra], [r.val_loss for r in rb])
     time = welch([r.train_time_s for r in ra], [r.train_time_s for r in rb])
     if args.json:
-        print(json.dumps(_json_safe({
-            "a": {"path": a_path, "n": len(ra), "skipped": sum(p.result is None for p in pa)},
-            "b": {"path": b_path, "n": len(rb), "skipped": sum(p.result is None for p in pb)},
+        print(json.dumps(json_safe({
+            "a": {"path": a_path, "n": len(ra), "skipped": sum(not p.finished for p in pa)},
+            "b": {"path": b_path, "n": len(rb), "skipped": sum(not p.finished for p in pb)},
             "difference": "B - A", "val_loss": loss, "train_time_s": time,
         }), indent=2))
         return 0
@@ -904,14 +819,17 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="*", metavar="PATH", help="log files or folders of logs")
+    parser.add_argument("--group", metavar="G", help="test only experiment G of the PATH set (A, B, ... as listed)")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="Welch's t-test of set B against set A")
     parser.add_argument("--values", metavar="FILE|a,b,c",
                         help="test these losses instead of logs: a file (`loss` or `loss time_s` per line) or a,b,c")
     parser.add_argument("--table", action="store_true", help="one row per PATH and experiment")
-    parser.add_argument("--time-vs", metavar="SECONDS|PATH",
-                        help="also test that the mean train time is below SECONDS, or below the runs in PATH")
+    parser.add_argument("--published", action="store_true", help="one row per published upstream record")
+    parser.add_argument("--time-vs", metavar="SECONDS|NAME|PATH",
+                        help="also test that the mean train time is below SECONDS, a published record's "
+                             "(x01 ... bulk), or the runs in PATH")
     parser.add_argument("--pool", action="store_true", help="test runs of different experiments as one set")
-    parser.add_argument("--target", type=float, default=2.92, help="val loss the mean must be below")
+    parser.add_argument("--target", type=float, default=MEDIUM_TARGET, help="val loss the mean must be below")
     parser.add_argument("--alpha", type=float, default=0.01, help="significance level of the claim")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--records-dir", type=Path, default=Path(__file__).resolve().parent,
@@ -921,18 +839,24 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # usage errors exit 2, --help exits 0; return them instead of raising
         return e.code
     modes = [name for name, on in (("PATH ...", args.paths and not args.table), ("--compare", args.compare),
-                                   ("--values", args.values), ("--table", args.table)) if on]
+                                   ("--values", args.values), ("--table", args.table),
+                                   ("--published", args.published)) if on]
     if len(modes) > 1:
-        print(f"error: give only one of PATH ..., --compare A B, --values, --table PATH ... (got {', '.join(modes)})",
+        print(f"error: give only one of PATH ..., --compare A B, --values, --table PATH ..., --published "
+              f"(got {', '.join(modes)})", file=sys.stderr)
+        return 2
+    if args.group and (args.compare or args.values or args.table or args.published or args.pool):
+        print("error: --group selects one experiment of PATH ...; it goes with neither --pool nor another mode",
               file=sys.stderr)
         return 2
     if not 0 < args.alpha < 1:
         print(f"error: --alpha {args.alpha}: must be between 0 and 1, e.g. 0.01", file=sys.stderr)
         return 2
-    run = _run_compare if args.compare else _run_values if args.values else _run_table if args.table else _run_claim
+    run = (_run_compare if args.compare else _run_values if args.values else _run_table if args.table
+           else _run_published if args.published else _run_claim)
     try:
         return run(args)
-    except UnusableInput as e:
+    except (UnusableInput, runlogs.LogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

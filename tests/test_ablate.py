@@ -7,9 +7,13 @@ Expected statistics are computed here with scipy from the CSV's numbers.
 
 import csv
 import json
+import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_plot import assert_png, write_run_log  # noqa: E402
-from test_records import _load  # noqa: E402  (loads records/<name>.py)
 
-ablate = _load("ablate")
-plot = _load("plot")
+from records import ablate, plot, stats  # noqa: E402
 
 GRID = ["--grid", "lore_input=false,true", "--grid", "lore_output=false,true"]
 BASE, IN, OUT, BOTH = ("lore_input-false__lore_output-false", "lore_input-true__lore_output-false",
@@ -323,7 +325,7 @@ def test_a_finished_log_of_another_configuration_blocks_the_sweep(tmp_path, caps
 
 def test_paired_test_equals_scipy_ttest_rel():
     a, b = [3.10, 3.12, 3.09, 3.15], [3.08, 3.11, 3.05, 3.14]
-    got = _load("stats").paired_test(a, b)
+    got = stats.paired_test(a, b)
     ref = sps.ttest_rel(b, a)
     d = np.subtract(b, a)
     half = sps.t.ppf(0.975, 3) * d.std(ddof=1) / 2
@@ -333,7 +335,7 @@ def test_paired_test_equals_scipy_ttest_rel():
 
 
 def test_paired_test_of_one_pair_has_no_test():
-    got = _load("stats").paired_test([1.0], [1.5])
+    got = stats.paired_test([1.0], [1.5])
     assert got["mean_diff"] == 0.5 and np.isnan(got["t"]) and np.isnan(got["p_two_sided"])
 
 
@@ -348,3 +350,126 @@ def test_runs_of_different_trainer_scripts_are_flagged_in_the_report(tmp_path):
     assert "**Warning: the finished runs come from 2 different trainer scripts**" in report.read_text()
     scripts = [row["script"] for row in read_csv(tmp_path / "out" / "runs.csv") if row["status"] == "finished"]
     assert len(set(scripts)) == 2
+
+
+# -----------------------------------------------------------------------------
+# Path mistakes: one line, exit 2, nothing run or written
+
+def _out_is_a_file(tmp_path):
+    (tmp_path / "f.txt").write_text("keep me")
+    return tmp_path / "f.txt", "is a file, not a folder"
+
+
+def _out_under_a_file(tmp_path):
+    (tmp_path / "f.txt").write_text("keep me")
+    return tmp_path / "f.txt" / "out", "is a file, not a folder"
+
+
+def _out_under_proc(tmp_path):
+    return Path("/proc/no-such-dir/out"), "cannot write there: No such file or directory"
+
+
+def _out_unwritable(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into any folder")
+    (tmp_path / "ro").mkdir(mode=0o555)
+    return tmp_path / "ro" / "out", "permission denied"
+
+
+@pytest.mark.parametrize("make", [_out_is_a_file, _out_under_a_file, _out_under_proc, _out_unwritable])
+def test_an_unusable_out_is_one_line_and_exit_2(tmp_path, capsys, make):
+    argv, calls = fake_sweep(tmp_path)
+    out, message = make(tmp_path)
+    argv[argv.index("--out") + 1] = str(out)
+    assert ablate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out}: ") and message in err and len(err.splitlines()) == 1, err
+    assert not calls.exists()
+    if (tmp_path / "f.txt").exists():
+        assert (tmp_path / "f.txt").read_text() == "keep me"
+
+
+def test_report_only_on_a_file_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "f.txt").write_text("keep me")
+    assert ablate.main(["--report-only", "--out", str(tmp_path / "f.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {tmp_path / 'f.txt'}: is a file, not a sweep's output folder\n"
+
+
+# -----------------------------------------------------------------------------
+# Stopping the sweep stops its run
+
+SLEEPER = '''import os, sys, time
+open({pidfile!r}, "w").write(str(os.getpid()))
+time.sleep(120)
+'''
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its (dead) parent's reaper counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _wait(predicate, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("sig, code", [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143)])
+def test_stopping_ablate_stops_the_run_it_was_making(tmp_path, sig, code):
+    pidfile = tmp_path / "child.pid"
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER.format(pidfile=str(pidfile)))
+    cmd = [sys.executable, str(ROOT / "records" / "ablate.py"), "--preset", "tiny", "--grid", "lore_input=false,true",
+           "--seeds", "1", "--out", str(tmp_path / "out"), "--launcher", shlex.join([sys.executable, str(script)])]
+    sweep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait(lambda: pidfile.exists() and pidfile.read_text(), 120), sweep.stderr.read() if sweep.poll() else ""
+        child = int(pidfile.read_text())
+        assert _alive(child)
+        sweep.send_signal(sig)
+        assert sweep.wait(timeout=30) == code
+        assert _wait(lambda: not _alive(child), 15), f"run {child} outlived the sweep"
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    if sig == signal.SIGTERM:
+        assert "interrupted: rerun the same command to continue" in sweep.stderr.read()
+
+
+def test_arms_that_differ_in_many_fields_are_compared_and_their_changes_listed(tmp_path):
+    """A grid value may set many fields at once (a recipe name): the report compares the arms as usual
+    and lists every experiment-defining field each arm's logs change, not only the grid field."""
+    out = tmp_path / "out"
+    out.mkdir()
+    sweep = dict(preset="tiny", grid=[["recipe", ["x01", "smear"]]], seeds=[1, 2])
+    (out / "sweep.json").write_text(json.dumps(sweep))
+    smear = {"recipe": "'smear'", "num_iterations": "5535", "muon_lr": "0.03", "snoo_k": "28"}
+    for arm, losses, config in (("recipe-x01", [3.10, 3.12], {"recipe": "'x01'", "num_iterations": "5690",
+                                                                "muon_lr": "0.025", "snoo_k": "0"}),
+                                ("recipe-smear", [3.05, 3.08], smear)):
+        for seed, loss in zip((1, 2), losses):
+            log = write_run_log(out / "logs" / arm / f"seed{seed}" / "run.txt", loss, seed=seed)
+            extra = "".join(f"\nconfig {k} = {v}" for k, v in config.items())
+            log.write_text(log.read_text().replace("config seed = ", extra.lstrip("\n") + "\nconfig seed = "))
+    assert ablate.main(["--report-only", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["mixed_arms"] == {}
+    assert report["changes"] == {"recipe-smear": {"muon_lr": ["0.025", "0.03"], "num_iterations": ["5690", "5535"],
+                                                  "recipe": ["'x01'", "'smear'"], "snoo_k": ["0", "28"]}}
+    smear_arm = next(a for a in report["arms"] if a["name"] == "recipe-smear")
+    assert smear_arm["vs_baseline"]["val_loss"]["paired"]["mean_diff"] == pytest.approx(-0.045)
+    md = (out / "report.md").read_text()
+    assert "| `recipe=smear` | `muon_lr`: 0.025 → 0.03; `num_iterations`: 5690 → 5535; `recipe`: 'x01' → 'smear'; " \
+           "`snoo_k`: 0 → 28 |" in md

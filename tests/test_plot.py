@@ -5,20 +5,15 @@ versions blocks with config, val, final, lambdas and peak-memory lines.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 
+from records import plot
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_records import _load  # noqa: E402  (loads records/<name>.py)
-
-plot = _load("plot")
 
 
 def write_run_log(path, final_loss, *, steps=8, seconds=2.0, seed=1, finish=True, lambdas=True, bpb_per_nat=0.42):
@@ -144,3 +139,31 @@ def test_one_empty_path_among_good_ones_is_refused(two_sets, capsys):
     out = two_sets / "never.png"
     assert plot.main(["curves", str(two_sets / "base"), str(two_sets / "empty"), "-o", str(out)]) == 2
     assert f"{two_sets / 'empty'}: no finished runs" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("x.jpgx", "ends in '.jpgx'; give a name ending in one of "),
+    ("picture", "has no file type; give a name ending in one of "),
+])
+def test_an_output_name_matplotlib_cannot_write_is_refused_before_drawing(two_sets, capsys, name, message):
+    out = two_sets / name
+    assert plot.main(["curves", str(two_sets / "base"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: -o {out}: {message}") and ".png" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_an_output_folder_that_cannot_be_written_is_one_line_and_exit_2(two_sets, capsys, where):
+    (two_sets / "f.txt").write_text("keep me")
+    out = two_sets / "f.txt" / "c.png" if where == "under_a_file" else Path("/proc/no-such-dir/c.png")
+    assert plot.main(["curves", str(two_sets / "base"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: -o {out}: cannot write: ") and len(err.splitlines()) == 1
+    assert (two_sets / "f.txt").read_text() == "keep me"
+
+
+def test_other_file_types_matplotlib_writes_are_accepted(two_sets):
+    out = two_sets / "curves.svg"
+    assert plot.main(["curves", str(two_sets / "base"), "-o", str(out)]) == 0
+    assert out.read_text().lstrip().startswith("<?xml")

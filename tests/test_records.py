@@ -1,10 +1,9 @@
-"""Tests of the record tools: records/stats.py (claim check, grouping, power, Welch comparison, log parsing),
-records/diff.py and run.sh's RUNS loop.
+"""Tests of the record tools: records/stats.py (claim check, grouping, power, Welch comparison),
+records/runlogs.py (log parsing), records/diff.py and run.sh's RUNS loop.
 
 Expected statistics are computed here from textbook formulas, not by calling the tools' code paths.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -17,19 +16,11 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from records import diff as diff_cli
+from records import runlogs
+from records import stats as stats_cli
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"records_{name}", ROOT / "records" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-stats_cli = _load("stats")
-diff_cli = _load("diff")
 
 # The embedded source of a real log holds the log f-strings indented; the last line is an indented
 # step line that would parse (and give a wrong loss) if indentation were ignored.
@@ -48,12 +39,19 @@ TIMES = [1412.451, 1410.902, 1415.337, 1411.004, 1413.876, 1409.998]
 SLOWER_TIMES = [t + 3.0 * (i % 3) for i, t in enumerate(TIMES)]
 
 
+# The field groups of OUR_CONFIG's fields, as the trainer logs them (config_groups).
+OUR_GROUPS = {"preset": "bookkeeping", "run_id": "bookkeeping", "seed": "bookkeeping", "log_dir": "bookkeeping",
+              "num_iterations": "recipe", "muon_lr": "recipe", "device": "execution"}
+EXPERIMENT_GROUPS = ["recipe", "seed ideas", "execution"]
+
+
 def write_log(path, loss, time_s, *, steps=10, decimals=6, finish=True, nan_avg=False, extra="", source=SOURCE,
-              config=None):
-    """A log in the SPEC section 5 format: source, versions block, step lines, peak memory.
+              config=None, groups=None):
+    """A log in the trainer's format: source, versions block, step lines, peak memory.
 
     Without `config` it is an upstream published log; with it ({field: value}) one of ours, whose
-    `config <field> = <repr>` lines follow the versions block.
+    `config <field> = <repr>` lines follow the versions block, then, with `groups` ({field: group}),
+    the config_groups and experiment_groups lines (a log written before them has none).
     """
     ms = time_s * 1000
 
@@ -62,6 +60,8 @@ def write_log(path, loss, time_s, *, steps=10, decimals=6, finish=True, nan_avg=
 
     lines = [source.rstrip("\n"), "", "=" * 100, "Python 3.11.7", "PyTorch 2.5.1", "NVIDIA H100 80GB HBM3", "=" * 100]
     lines += [f"config {k} = {v!r}" for k, v in (config or {}).items()]
+    if groups is not None:
+        lines += [f"config_groups = {json.dumps(groups)}", f"experiment_groups = {json.dumps(EXPERIMENT_GROUPS)}"]
     lines.append(f"step:0/{steps} val_loss:{10.8258:.{decimals}f} train_time:0ms step_avg:nanms")
     for s in range(1, (steps if finish else steps // 2) + 1):
         t = ms * s / steps
@@ -105,32 +105,32 @@ def assert_describe(got, x):
 
 
 def test_parse_log_ignores_indented_source_and_mid_run_val(tmp_path):
-    parsed = stats_cli.parse_log(write_log(tmp_path / "a.txt", 2.917123, 1412.451))
+    parsed = runlogs.parse_log(write_log(tmp_path / "a.txt", 2.917123, 1412.451))
     assert parsed.warnings == []
     assert (parsed.result.val_loss, parsed.result.train_time_s, parsed.result.steps) == (2.917123, 1412.451, 10)
 
 
 @pytest.mark.parametrize("decimals", [4, 6])
 def test_parse_log_reads_4_and_6_decimal_losses(tmp_path, decimals):
-    parsed = stats_cli.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, decimals=decimals))
+    parsed = runlogs.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, decimals=decimals))
     assert parsed.warnings == []
     assert parsed.result.val_loss == 2.9194
 
 
 def test_parse_log_accepts_nan_step_avg(tmp_path):
-    parsed = stats_cli.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, nan_avg=True))
+    parsed = runlogs.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, nan_avg=True))
     assert parsed.warnings == []
     assert (parsed.result.val_loss, parsed.result.train_time_s) == (2.9194, 1412.451)
 
 
 def test_parse_log_tolerates_extra_key_value_tokens(tmp_path):
-    parsed = stats_cli.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, extra=" val_bpb:1.234567 note:x"))
+    parsed = runlogs.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, extra=" val_bpb:1.234567 note:x"))
     assert parsed.warnings == []
     assert parsed.result.val_loss == 2.9194
 
 
 def test_parse_log_reports_unfinished_run_with_last_step(tmp_path):
-    parsed = stats_cli.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, finish=False))
+    parsed = runlogs.parse_log(write_log(tmp_path / "a.txt", 2.9194, 1412.451, finish=False))
     assert parsed.result is None
     assert "did not finish" in parsed.skip_reason and "5/10" in parsed.skip_reason
 
@@ -141,7 +141,7 @@ def test_parse_log_warns_on_garbled_lines_with_file_and_line(tmp_path):
     garbled = ["step:7/10 train_time:98", "step:8/10 train_time:abcms step_avg:1.00ms",
                "step:10/10 val_loss:0.1x train_time:1ms step_avg:1.00ms"]
     path.write_text("\n".join(lines + garbled) + "\n")
-    parsed = stats_cli.parse_log(path)
+    parsed = runlogs.parse_log(path)
     assert len(parsed.warnings) == 3
     for i, warning in enumerate(parsed.warnings):
         assert warning.startswith(f"{path}:{len(lines) + i + 1}:")
@@ -152,7 +152,7 @@ def test_parse_log_truncated_final_val_line_is_not_used(tmp_path):
     path = write_log(tmp_path / "a.txt", 2.9194, 1412.451)
     text = path.read_text()
     path.write_text(text[: text.index("val_loss:2.919400") + len("val_loss:2.91")])
-    parsed = stats_cli.parse_log(path)
+    parsed = runlogs.parse_log(path)
     assert parsed.result is None
     assert len(parsed.warnings) == 1 and "did not finish" in parsed.skip_reason
 
@@ -407,12 +407,13 @@ def test_diff_folder_without_script_or_log_exits_2(tmp_path, capsys):
 OUR_CONFIG = {"preset": "medium", "run_id": "", "seed": 0, "log_dir": "logs", "num_iterations": 10, "muon_lr": 0.025}
 
 
-def make_our_set(folder, losses, times=TIMES, first_seed=100, **config):
-    """A folder of logs in our format: config lines, a different seed (and log_dir) per run."""
+def make_our_set(folder, losses, times=TIMES, first_seed=100, groups=OUR_GROUPS, **config):
+    """A folder of logs in our format: config lines (and, unless groups=None, the field groups), a
+    different seed (and log_dir) per run."""
     folder.mkdir(parents=True, exist_ok=True)
     for i, (loss, t) in enumerate(zip(losses, times)):
         cfg = {**OUR_CONFIG, "seed": first_seed + i, "log_dir": f"logs/machine{i}", **config}
-        write_log(folder / f"ours{first_seed + i}.txt", loss, t, config=cfg)
+        write_log(folder / f"ours{first_seed + i}.txt", loss, t, config=cfg, groups=groups)
     return folder
 
 
@@ -453,7 +454,7 @@ def test_different_scripts_are_two_groups(tmp_path, capsys):
     folder = make_our_set(tmp_path / "r", PASS_LOSSES[:3])
     for i, loss in enumerate(PASS_LOSSES[3:]):
         write_log(folder / f"z{i}.txt", loss, 1400.0, source=SOURCE + "# the record's change\n",
-                  config={**OUR_CONFIG, "seed": 7 + i})
+                  config={**OUR_CONFIG, "seed": 7 + i}, groups=OUR_GROUPS)
     code, data = run_json(capsys, folder)
     assert code == 2
     assert [len(g["runs"]) for g in data["groups"]] == [3, 3]
@@ -515,7 +516,7 @@ def test_mixing_4_and_6_decimal_losses_in_one_group_warns(tmp_path, capsys):
 
 def test_runs_sharing_a_seed_warn(tmp_path, capsys):
     folder = make_our_set(tmp_path / "r", PASS_LOSSES[:3])
-    write_log(folder / "again.txt", PASS_LOSSES[3], 1411.0, config={**OUR_CONFIG, "seed": 101})
+    write_log(folder / "again.txt", PASS_LOSSES[3], 1411.0, config={**OUR_CONFIG, "seed": 101}, groups=OUR_GROUPS)
     stats_cli.main([str(folder)])
     assert re.search(r"runs .*/again\.txt, .*/ours101\.txt share seed 101", capsys.readouterr().err)
 
@@ -702,7 +703,7 @@ def test_table_leaves_out_folders_that_are_neither_records_nor_hold_logs(tmp_pat
     ("2025-01-18Name", None),
 ])
 def test_record_name_forms(name, expected):
-    assert stats_cli.record_name(name) == expected
+    assert runlogs.record_name(name) == expected
 
 
 def test_default_path_recognises_every_name_form(tmp_path, capsys):
@@ -802,20 +803,26 @@ def run_sh(tmp_path, python, args, **env):
     return subprocess.run([str(ROOT / "run.sh"), *args], capture_output=True, text=True, env=environ, timeout=60)
 
 
+def trainer_calls(calls):
+    """The launcher's trainer calls among the fake Python's calls (run.sh also runs records/summary.py)."""
+    return [line for line in calls.read_text().splitlines() if line.startswith("train_gpt_medium.py")]
+
+
 def test_run_sh_runs_repeats_the_trainer_with_the_same_args(tmp_path):
     python, calls = fake_python(tmp_path)
-    proc = run_sh(tmp_path, python, ["--preset", "tiny", "--val_every=3"], RUNS="3")
+    proc = run_sh(tmp_path, python, ["--preset", "tiny", "--val_every=3", f"--log_dir={tmp_path / 'batch'}"], RUNS="3")
     assert proc.returncode == 0
-    assert calls.read_text().splitlines() == ["train_gpt_medium.py --preset tiny --val_every=3"] * 3
+    # with RUNS the arguments are the user's, plus --log_dir only when the user gave none (see test_claim_flow.py)
+    assert trainer_calls(calls) == [f"train_gpt_medium.py --preset tiny --val_every=3 --log_dir={tmp_path / 'batch'}"] * 3
     assert [line for line in proc.stderr.splitlines() if "starting run" in line] == [
         f"run.sh: starting run {i} of 3" for i in (1, 2, 3)]
 
 
 def test_run_sh_stops_at_the_first_failing_run_with_its_exit_status(tmp_path):
     python, calls = fake_python(tmp_path, fail_at=2, code=7)
-    proc = run_sh(tmp_path, python, ["--preset", "tiny"], RUNS="4")
+    proc = run_sh(tmp_path, python, ["--preset", "tiny", f"--log_dir={tmp_path / 'batch'}"], RUNS="4")
     assert proc.returncode == 7
-    assert len(calls.read_text().splitlines()) == 2
+    assert len(trainer_calls(calls)) == 2
     assert "run 2 of 4 failed with exit status 7" in proc.stderr
 
 
@@ -847,10 +854,12 @@ def test_diff_script_entry_point_returns_exit_status(tmp_path):
     assert proc.returncode == 2 and "nope" in proc.stderr
 
 
-def test_text_report_also_gives_the_spec_95_percent_bound_when_alpha_differs(tmp_path, capsys):
+def test_text_report_also_gives_the_95_percent_bound_when_alpha_differs(tmp_path, capsys):
     folder = make_set(tmp_path / "r", PASS_LOSSES)
     stats_cli.main([str(folder)])  # default alpha 0.01
-    line = re.search(r"^one-sided 95% upper bound of mean \(the SPEC's figure\)=(\S+)$", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    assert "SPEC" not in out
+    line = re.search(r"^one-sided 95% upper bound of mean=(\S+)$", out, re.M)
     x = np.asarray(PASS_LOSSES)
     expected = x.mean() + sps.t.ppf(0.95, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
     assert float(line[1]) == pytest.approx(expected, abs=1e-6)

@@ -2,7 +2,6 @@
 writes a log in the SPEC §5 format."""
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -117,8 +116,7 @@ def test_tiny_preset_learns_and_logs_in_spec_format(tmp_path, monkeypatch, capsy
     assert final < (meta["unigram_entropy"] + meta["conditional_entropy"]) / 2, (final, meta)
     assert "final val_loss" in capsys.readouterr().out
     # and the records tool reads the same numbers back
-    sys.path.insert(0, str(ROOT / "records"))
-    import stats
-    parsed = stats.parse_log(log_file)
+    from records import runlogs
+    parsed = runlogs.read_log(log_file)
     assert parsed.warnings == [] and parsed.result.val_loss == final
     assert parsed.result.train_time_s == int(vals[-1][4]) / 1000

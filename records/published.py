@@ -1,0 +1,70 @@
+"""The upstream GPT-2 Medium speedrun records from 2025-09-11 on, as data (records/published.json).
+
+Each record holds every run's final validation loss and training time as its README publishes
+them, the step count, the record's name, recipe name, date and where in the upstream repository
+the numbers come from. A claim made with this repository is compared with them: `stats.py
+--time-vs bulk` tests a set of runs against a record's published times, and every text report of
+medium-track runs says where they stand against the latest record.
+"""
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA = Path(__file__).resolve().with_name("published.json")
+
+
+@dataclass(frozen=True)
+class PublishedRecord:
+    recipe: str | None  # x01, snoo, ...; None for a record outside the x01 lineage
+    name: str
+    date: str
+    folder: str  # in the upstream repository
+    steps: int
+    val_loss: tuple[float, ...]
+    train_time_s: tuple[float, ...] | None  # per run; None where only a mean is published
+    mean_train_time_s: float  # the mean of train_time_s, or the published mean
+    n_times: int  # how many runs the time figures are over
+    source: str
+    notes: str
+
+    @property
+    def label(self) -> str:
+        """e.g. `bulk (BulkSmallTrackTransfer, 2025-12-31)`."""
+        return f"{self.recipe or self.name} ({self.name}, {self.date})"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: Path) -> tuple[PublishedRecord, ...]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    out = []
+    for r in data["records"]:
+        times = tuple(r["train_time_s"]) if r.get("train_time_s") is not None else None
+        mean = sum(times) / len(times) if times else r["mean_train_time_s"]
+        out.append(PublishedRecord(r["recipe"], r["name"], r["date"], r["folder"], r["steps"], tuple(r["val_loss"]),
+                                   times, mean, len(times) if times else r["n_times"], r["source"], r["notes"]))
+    return tuple(sorted(out, key=lambda r: r.date))
+
+
+def load(path: Path = DATA) -> list[PublishedRecord]:
+    """Every record in the data file, oldest first (read once per process)."""
+    return list(_load(Path(path)))
+
+
+def names(records: list[PublishedRecord] | None = None) -> list[str]:
+    """The recipe names --time-vs accepts, oldest first."""
+    return [r.recipe for r in (records or load()) if r.recipe]
+
+
+def find(name: str, records: list[PublishedRecord] | None = None) -> PublishedRecord | None:
+    """The record with this recipe name (x01, snoo, ...) or upstream name (case-insensitive), else None."""
+    for r in records or load():
+        if name.lower() in {(r.recipe or "").lower(), r.name.lower()}:
+            return r
+    return None
+
+
+def latest(records: list[PublishedRecord] | None = None) -> PublishedRecord:
+    """The newest record of the lineage (one with a recipe name): the one a new claim must beat."""
+    return [r for r in records or load() if r.recipe][-1]
