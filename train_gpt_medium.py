@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -1887,9 +1888,11 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per Hyperparameters field, in the field's group, with its type, default and range."""
     parser = _ArgumentParser(
         prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-        description="GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium). "
-                    "Flags take --flag=value or --flag value; booleans may be bare (--flag means true).",
-        epilog="--preset tiny overrides: " + " ".join(f"--{k}={to_text(v)}" for k, v in PRESETS["tiny"].items()))
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium, "
+                                  "--recipe x01). Flags take --flag=value or --flag value; booleans may be bare "
+                                  "(--flag means true).", HELP_WIDTH),
+        epilog=help_epilog())
     groups = {}
     for f in fields(Hyperparameters):
         group = f.metadata["group"]
@@ -1910,8 +1913,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HELP_WIDTH = 100
+
+
 def help_text() -> str:
     return build_parser().format_help()
+
+
+def recipe_flags(name: str, preset: str = "medium") -> str:
+    values = recipe_values(preset, name)
+    return " ".join(f"--{k}={to_text(v)}" for k, v in values.items()) or "nothing (the defaults)"
+
+
+def recipe_facts(name: str) -> str:
+    """What recipe `name`'s record published: mean time, runs, p-value (and where it was timed)."""
+    r = RECIPES[name]
+    where = f", {r.time_note}" if r.time_note else ""
+    return f"{r.mean_time_s:.2f} s mean over {r.runs} runs{where}, p={r.p_value:g}"
+
+
+def recipe_summary(config: Hyperparameters) -> str:
+    """One line naming the run's recipe: its record, what it changes, its published result, what it sets."""
+    r = RECIPES[config.recipe]
+    return (f"recipe {config.recipe}: record {r.folder}: {r.change}; published {recipe_facts(config.recipe)}; "
+            f"sets {recipe_flags(config.recipe, config.preset)}")
+
+
+def help_epilog() -> str:
+    """The presets' and recipes' values, after the flags."""
+    tiny = textwrap.fill("--preset tiny overrides: " + " ".join(f"--{k}={to_text(v)}" for k, v in PRESETS["tiny"].items()),
+                         HELP_WIDTH, break_on_hyphens=False)
+    lines = [tiny, ""] + textwrap.wrap(
+        "recipes (--recipe NAME: the record's values after --preset, before your flags; its published mean "
+        "training time on 8xH100, runs, p-value of mean val loss < 2.92):", HELP_WIDTH)
+    for name, r in RECIPES.items():
+        lines += textwrap.wrap(f"{name} ({r.date}, {r.folder}): {r.change}", HELP_WIDTH, initial_indent="  ",
+                               subsequent_indent=" " * 6)
+        body = f"published {recipe_facts(name)}; sets {recipe_flags(name)}"
+        lines += textwrap.wrap(body, HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False)
+    lines += [""] + textwrap.wrap(
+        "With --preset tiny a recipe keeps its switches and the preset its scale: 200 steps for every recipe (the "
+        "records' step cuts are too small to mean anything at 200 steps), Snoo's period stays 28 steps, "
+        "update_smoothing's 3000-step beta ramp becomes 107 steps (the same share of the run). docs/recipes.md "
+        "says what each recipe computes.", HELP_WIDTH)
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str]) -> Hyperparameters:
@@ -2163,6 +2208,7 @@ def open_run_log(config: Hyperparameters, device: torch.device, world_size: int,
     log.write_lines(config_group_lines(), console=False)
     log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
     log.write(f"seed {config.seed} (repeat this run with --seed={config.seed})")
+    log.write(recipe_summary(config))
     for note in notes:
         log.write(note)
     return log
@@ -2617,12 +2663,101 @@ def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
     return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
 
 
-def optimizer_state_bytes(group: str, p: nn.Parameter) -> int:
+def optimizer_state_bytes(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> int:
     """Adam: two moments in the parameter's dtype. Muon: an fp32 momentum, plus the 16 low bits of
-    the fp32 master for bf16 weights (held once, by the rank that owns the matrix)."""
+    the fp32 master for bf16 weights, plus with update smoothing the smoothed update in the weight's
+    dtype (held once, by the rank that owns the matrix)."""
     if group.startswith("muon"):
-        return p.numel() * (4 + (2 if p.dtype == torch.bfloat16 else 0))
+        smoothing = config is not None and config.muon_update_smoothing != "off"
+        return p.numel() * (4 + (2 if p.dtype == torch.bfloat16 else 0) + (p.element_size() if smoothing else 0))
     return 2 * p.numel() * p.element_size()
+
+
+def snoo_state_bytes(model: GPT, config: Hyperparameters) -> int:
+    """Snoo's anchors and momentum buffers: two copies of every parameter, on every process."""
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters()) if config.snoo_period else 0
+
+
+def muon_owned_bytes(model: GPT, config: Hyperparameters, world_size: int) -> list[int]:
+    """Per rank, the Muon state of the matrices it owns: Muon's dealing (each group split by shape,
+    largest first, round-robin over the ranks)."""
+    per_rank = [0] * world_size
+    for name, params in parameter_groups(model).items():
+        if not name.startswith("muon"):
+            continue
+        params = sorted(params, key=lambda p: p.numel(), reverse=True)
+        for shape in dict.fromkeys(p.shape for p in params):
+            for i, p in enumerate(q for q in params if q.shape == shape):
+                per_rank[i % world_size] += optimizer_state_bytes(name, p, config)
+    return per_rank
+
+
+def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> dict[str, int]:
+    """What one process holds besides activations: parameters, their gradients, Adam's moments
+    (replicated), the Muon state of the busiest rank, Snoo's state (replicated)."""
+    groups = parameter_groups(model)
+    params = sum(p.numel() * p.element_size() for ps in groups.values() for p in ps)
+    adam = sum(optimizer_state_bytes(n, p) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
+    return dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)),
+                snoo=snoo_state_bytes(model, config))
+
+
+# The peak memory a record logged with this model and batch on 8xH100 (x01: 53,988 MiB allocated) is the
+# base of the predicted peak of other configurations of the same shapes: it moves by what they hold
+# more per GPU (state_bytes_per_gpu) and by the activations the head-input ideas keep for the backward
+# pass, in (T, d) bf16 tensors of a rank's sequence: the mix keeps both norms besides its output (2:
+# 256 MiB at 65,536 tokens; the 2025-10-04 log shows +256 MiB over its predecessor), the subtract
+# form the difference it normalizes (1), and the smear nothing the compiler cannot recompute from
+# those (the 2025-11-02 log: -2 MiB).
+KEPT_ACTIVATIONS = dict(mix=2, subtract=1, off=0)
+# Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
+# accounted above: a configuration that differs from the record only in these gets a prediction.
+PEAK_NEUTRAL_FIELDS = {
+    "num_iterations", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
+    "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
+    "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
+    "snoo_period", "snoo_lr", "snoo_momentum", "snoo_low_bits", "muon_update_smoothing", "smoothing_beta_start",
+    "smoothing_beta", "smoothing_ramp_steps", "lr_floor", "backout", "backout_layer", "head_smear"}
+PEAK_WORLD_SIZE = 8
+
+
+def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
+    """Peak allocated MiB per GPU of an 8-GPU run, from x01's logged peak (see KEPT_ACTIVATIONS), or
+    None for a configuration whose shapes or execution differ from the record's in other ways."""
+    base = make_config()
+    differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
+               and f.name not in PEAK_NEUTRAL_FIELDS and getattr(config, f.name) != getattr(base, f.name)]
+    if (differs or config.activation_checkpointing or config.compile is False or config.attention == "sdpa"
+            or config.dtype == "float32"):
+        return None
+
+    def per_gpu(cfg):
+        with torch.device("meta"):
+            model = GPT(cfg, torch.bfloat16)
+        return sum(state_bytes_per_gpu(model, cfg, PEAK_WORLD_SIZE).values())
+
+    tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
+    activations = KEPT_ACTIVATIONS[config.backout] * tokens * config.model_dim * 2
+    extra = per_gpu(config) - per_gpu(base) + activations
+    return RECIPES["x01"].peak_mib + round(extra / 2**20)
+
+
+def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
+    """Per GPU of an 8-GPU run: what each process holds, and the predicted peak next to the logged
+    peak of the recipe's record (when the configuration is the record's shapes)."""
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    held = state_bytes_per_gpu(model, config, PEAK_WORLD_SIZE)
+    lines = ["per GPU of 8: " + ", ".join(f"{k} {mib(v)}" for k, v in held.items())
+             + " (muon: the rank owning the most; snoo: anchors and momentum, two copies of every parameter)"]
+    predicted, logged = predicted_peak_mib(config), RECIPES[config.recipe].peak_mib
+    if predicted is None:
+        lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
+                     f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
+    else:
+        lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
+                     f"record logged {logged:,} MiB (x01's logged {RECIPES['x01'].peak_mib:,} MiB plus the state and "
+                     "kept activations this configuration adds)")
+    return lines
 
 
 def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
@@ -2632,11 +2767,14 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
     lines, total_param_b, total_state_b = [], 0, 0
     for name, params in parameter_groups(model).items():
         param_b = sum(p.numel() * p.element_size() for p in params)
-        state_b = sum(optimizer_state_bytes(name, p) for p in params)
+        state_b = sum(optimizer_state_bytes(name, p, config) for p in params)
         total_param_b, total_state_b = total_param_b + param_b, total_state_b + state_b
         dtypes = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
         lines.append(f"params {name}: {counts[name]:,} ({dtypes}) {mib(param_b):.1f} MiB, optimizer state {mib(state_b):.1f} MiB")
     lines.append(f"params total: {counts['total']:,} {mib(total_param_b):.1f} MiB, optimizer state {mib(total_state_b):.1f} MiB")
+    if config.snoo_period:
+        lines.append(f"snoo state: {mib(snoo_state_bytes(model, config)):.1f} MiB on every process (an anchor and a "
+                     "momentum buffer per parameter)")
     lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
     return lines
 
@@ -2687,8 +2825,10 @@ def dry_run(config: Hyperparameters) -> int:
 
     model = meta_model(device)
     print("\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in fields(config)))
+    print(recipe_summary(config))
     print(f"dry run on {device} ({why}): {str(model.dtype).removeprefix('torch.')} weights")
     print("\n".join(accounting_lines(model, config)))
+    print("\n".join(memory_lines(model, config)))
     if weight_dtype(config, other) != model.dtype:
         other_model = meta_model(other)
         total = next(line for line in accounting_lines(other_model, config) if line.startswith("params total:"))
