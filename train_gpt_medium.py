@@ -1074,7 +1074,10 @@ def build_model(config: Hyperparameters, device="cpu") -> GPT:
         model = GPT(config, weight_dtype(config, device))
     if torch.device(device).type == "meta":
         return model
-    model.to_empty(device=device)
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}  # lr_mul, wd_mul, ...
+    model.to_empty(device=device)  # new Parameter objects: the attributes set at creation are put back
+    for name, p in model.named_parameters():
+        p.__dict__.update(attributes[name])
     init_parameters(model, config.init_seed)
     return model
 
