@@ -283,6 +283,21 @@ def test_force_resume_accepts_the_differences_and_says_so(saved_run, synthetic_d
     assert len(notes) == 1 and "--embed_lr: checkpoint 0.3, now 0.5" in notes[0] and "num_iterations" in notes[0]
 
 
+def test_forcing_snoo_onto_a_checkpoint_without_it_anchors_at_the_restored_weights(saved_run, synthetic_dir, tmp_path):
+    """The outer steps keep their place on the step grid: the counter is the checkpoint's step."""
+    path = saved_run / "step_000002"
+    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, f"--resume={path}", "--snoo_period=3", "--force_resume"))
+    runner = tg.Runner(config, CPU)
+    loader = tg.DataLoader(tg.shard_files(config.train_files, "train_files"), config.train_seq_len,
+                           config.batch_slices, 0, 1, CPU)
+    tg.load_checkpoint(runner, loader, path, tg.validate_checkpoint(path))
+    assert runner.outer.counter == 2 and runner.outer.momentum_buffers == {}
+    saved = torch.load(path / "main.pt", weights_only=True)["model"]
+    assert "snoo" not in torch.load(path / "main.pt", weights_only=True)
+    for name, anchor in runner.outer.anchors.items():
+        assert torch.equal(anchor, saved[name]), name
+
+
 @pytest.mark.parametrize("flag,field", [("--mlp_ratio=2", "mlp_ratio"), ("--dtype=bfloat16", "dtype")])
 def test_a_different_model_shape_or_storage_is_refused_even_when_forced(saved_run, synthetic_dir, tmp_path,
                                                                         flag, field):

@@ -638,3 +638,57 @@ def test_the_log_names_the_recipe_and_the_learned_head_input_weights(recipe_runs
         assert f"recipe {name}: record {tg.RECIPES[name].folder}" in body
     assert "backout from layer 11: a:" in recipe_runs["backout"] and "head smear: c:" in recipe_runs["smear"]
     assert "head smear:" not in recipe_runs["backout"] and "backout from layer" not in recipe_runs["snoo"]
+
+
+# ---- the GPU path: what runs compiled there compiles whole and computes the same
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["interpolated", "ema"])
+def test_compiled_smoothed_muon_update_agrees_with_eager_to_fp32_rounding(form):
+    """fullgraph compile of the update with smoothing (fp32 weights; the scalars refilled in place,
+    so a new beta compiles nothing); three steps of a new lr, momentum and beta each. Fused
+    multiply-adds and the norm's summation order round differently: within 1e-7 on weights of
+    magnitude 0.25 (as the plain update, tests/test_gpu_path.py)."""
+    gen = torch.Generator().manual_seed(6)
+    start = torch.randn(48, 24, generator=gen) * 0.05
+    grads = [torch.randn(48, 24, generator=gen) for _ in range(3)]
+    runs = []
+    for compile_update in (False, True):
+        p = torch.nn.Parameter(start.clone())
+        opt = tg.Muon([dict(params=[p], wd_mul=2.0)], lr=0.02, momentum=0.9, weight_decay=0.01,
+                      compile_update=compile_update, update_smoothing=form)
+        for step, g in enumerate(grads):
+            opt.param_groups[0].update(lr=0.025 / (1 + step), momentum=0.85 + 0.04 * step,
+                                       update_smoothing=0.5 - 0.1 * step)
+            p.grad = g.clone()
+            opt.step()
+        runs.append((p.detach().clone(), opt.state[p]["smoothed_update"].clone()))
+    (w_eager, s_eager), (w_compiled, s_compiled) = runs
+    torch.testing.assert_close(w_compiled, w_eager, rtol=0, atol=1e-7)
+    torch.testing.assert_close(s_compiled, s_eager, rtol=0, atol=1e-6)
+    assert not torch.equal(w_eager, start)
+
+
+@pytest.mark.parametrize("module", ["mix", "subtract", "smear"])
+def test_head_input_modules_compile_whole_and_round_once_to_bf16(module):
+    """What the compiled model runs on a GPU: one graph (fullgraph), bf16 out, computed in fp32
+    and rounded once: within half a bf16 ulp (2^-8 relative) of the float64 formula."""
+    gen = torch.Generator().manual_seed(7)
+    h, h_b = torch.randn(256, 64, generator=gen).bfloat16(), torch.randn(256, 64, generator=gen).bfloat16()
+    m = tg.HeadSmear() if module == "smear" else tg.Backout(module, 11)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    compiled = torch.compile(m, fullgraph=True, dynamic=False)(*((h,) if module == "smear" else (h, h_b)))
+    assert compiled.dtype == torch.bfloat16
+    w = (m.weight if module == "smear" else m.weights).detach().tolist()
+    norm = lambda x: x / x.square().mean(-1, keepdim=True).sqrt()
+    x, x_b = h.double(), h_b.double()
+    if module == "mix":
+        want = w[0] * norm(x) + w[1] * norm(x_b)
+    elif module == "subtract":
+        want = norm(x - w[0] * x_b)
+    else:
+        want = torch.cat([x[:1], x[1:] + w[0] * x[:-1]])
+    torch.testing.assert_close(compiled.double(), want, rtol=2**-8 + 1e-5, atol=1e-5)
