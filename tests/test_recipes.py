@@ -692,3 +692,35 @@ def test_head_input_modules_compile_whole_and_round_once_to_bf16(module):
     else:
         want = torch.cat([x[:1], x[1:] + w[0] * x[:-1]])
     torch.testing.assert_close(compiled.double(), want, rtol=2**-8 + 1e-5, atol=1e-5)
+
+
+def records_compiled_tail(master, smoothed, update, beta, lr, interpolated: bool):
+    """The records' smoothing written as their scripts do (bf16 S and update, beta a float64 0-d
+    tensor), followed by their fp32 master update, for torch.compile."""
+    smoothed.copy_(beta * smoothed + (1 - beta) * update)
+    applied = beta * smoothed + (1 - beta) * update if interpolated else smoothed
+    master.add_(other=applied, alpha=-lr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["interpolated", "ema"])
+def test_smoothing_computes_what_the_records_compiled_expressions_compute(form):
+    """Compiled (Inductor, on the CPU), the records' expressions keep the new S in fp32 for the
+    applied update and round only what is stored; smooth_update does that explicitly, eagerly.
+    Bit for bit on 65,536 bf16 elements, beta 0.2 (as an fp32 scalar, as Muon passes it)."""
+    gen = torch.Generator().manual_seed(8)
+    S = torch.randn(1 << 16, generator=gen).bfloat16()
+    u = torch.randn(1 << 16, generator=gen).bfloat16()
+    master = torch.randn(1 << 16, generator=gen)
+    lr = 0.03 * 2**0.5
+    want_master, want_S = master.clone(), S.clone()
+    torch.compile(records_compiled_tail, dynamic=False)(want_master, want_S, u, torch._as_tensor_fullprec(0.2),
+                                                        torch._as_tensor_fullprec(lr), form == "interpolated")
+    got_S = S.clone()
+    applied = tg.smooth_update(u, got_S, torch.tensor(0.2), torch.tensor(1 - 0.2), form == "ema")
+    got_master = master.addcmul(applied.float(), torch.tensor(-lr))
+    assert torch.equal(got_S, want_S)
+    assert torch.equal(got_master.view(torch.int32), want_master.view(torch.int32))
+    rounded_first = master.addcmul((torch.tensor(0.2) * got_S.float() + torch.tensor(0.8) * u.float()
+                                    if form == "interpolated" else got_S.float()), torch.tensor(-lr))
+    assert not torch.equal(rounded_first, want_master)  # applying the stored (rounded) S would differ
