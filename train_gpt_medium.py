@@ -1896,11 +1896,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--recipe x01). Flags take --flag=value or --flag value; booleans may be bare "
                                   "(--flag means true).", HELP_WIDTH),
         epilog=help_epilog())
-    groups = {}
+    section, current = None, None
     for f in fields(Hyperparameters):
-        group = f.metadata["group"]
-        if group not in groups:
-            groups[group] = parser.add_argument_group(group)
+        if f.metadata["group"] != current:  # a group's heading again where its fields resume (as in the README)
+            current = f.metadata["group"]
+            section = parser.add_argument_group(current)
         kind = _kind(f)
         allowed = range_text(f)
         help_line = f"{f.metadata['meaning']} [default {to_text(f.default)}{'; ' + allowed if allowed else ''}]"
@@ -1912,7 +1912,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(nargs="?", const=True, metavar="true|false")
         elif kind.startswith("tuple"):
             kwargs.update(metavar="LIST")
-        groups[group].add_argument(f"--{f.name}", **kwargs)
+        section.add_argument(f"--{f.name}", **kwargs)
     return parser
 
 
