@@ -602,9 +602,10 @@ LEARN_STEPS = 20
 
 @pytest.fixture(scope="module")
 def recipe_runs(synthetic_dir, tmp_path_factory):
-    """Every recipe, tiny, LEARN_STEPS steps on the session's synthetic data: {recipe: log body}."""
+    """Every later recipe, tiny, LEARN_STEPS steps on the session's synthetic data: {recipe: log
+    body}. (x01, the defaults, learns in tests/test_training.py's full tiny run.)"""
     bodies = {}
-    for name in tg.RECIPES:
+    for name in LATER:
         out = tmp_path_factory.mktemp(f"recipe_{name}")
         argv = ["--preset=tiny", f"--recipe={name}", "--seed=0", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
                 f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false",
@@ -622,11 +623,11 @@ def val_losses(body: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(tg.RECIPES))
+@pytest.mark.parametrize("name", LATER)
 def test_every_recipe_learns_from_the_same_start(name, recipe_runs):
     """All start at ln(512) = 6.238 (the zero head; backout (1, 0) and smear 0 change nothing at step
     0) and lose more than half a nat in 20 steps (measured: 5.28 without the head-input ideas,
-    4.4-4.6 with them; the synthetic data's unigram entropy is 6.07)."""
+    4.92 and 4.93 with them; the synthetic data's unigram entropy is 6.07)."""
     first, last = val_losses(recipe_runs[name])
     assert first == pytest.approx(math.log(512), abs=1e-4)
     assert last < first - 0.5, last
