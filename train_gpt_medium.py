@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -138,6 +139,27 @@ class Hyperparameters:
     ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
     ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
                         choices=("direct", "materialized"))
+    # ---- later records (2025-09 .. 2025-11): docs/recipes.md; each off by default, --recipe sets them together
+    snoo_period: int = recipe(0, "Snoo outer step after the inner step of steps 0, N, 2N, ...: anchor <- weights "
+                              "moved by an outer Nesterov step on (anchor - weights); 0: off", at_least=0)
+    snoo_lr: float = recipe(0.68, "Snoo outer learning rate", at_least=0)
+    snoo_momentum: float = recipe(0.37, "Snoo outer Nesterov momentum", at_least=0, below=1)
+    snoo_low_bits: str = recipe("keep", "what an outer step does to the low 16 bits of Muon's fp32 master of a bf16 "
+                                "weight it rewrites: keep them (stale, as the records) or clear them",
+                                choices=("keep", "clear"))
+    muon_update_smoothing: str = recipe("off", "EMA S <- beta*S + (1-beta)*u of Muon's orthogonalized update u, "
+                                        "applying beta*S + (1-beta)*u (interpolated) or S (ema)",
+                                        choices=("off", "interpolated", "ema"))
+    smoothing_beta_start: float = recipe(0.2, "update smoothing beta at step 0", at_least=0, below=1)
+    smoothing_beta: float = recipe(0.2, "update smoothing beta from smoothing_ramp_steps on", at_least=0, below=1)
+    smoothing_ramp_steps: int = recipe(0, "steps (absolute, not a fraction of the run) of the linear beta ramp",
+                                       at_least=0)
+    lr_floor: float = recipe(0.0, "the lr multiplier's cooldown ends at this floor instead of 0", at_least=0, at_most=1)
+    backout: str = recipe("off", "head input from the last block's output h and backout_layer's output h_b: "
+                          "mix = a*norm(h) + b*norm(h_b), (a, b) learned from (1, 0), no norm after; "
+                          "subtract = norm(h - lambda*h_b), lambda learned from 0.5", choices=("off", "mix", "subtract"))
+    backout_layer: int = recipe(11, "the block whose output backout mixes in or subtracts", at_least=0)
+    head_smear: bool = recipe(False, "head input y_t = x_t + c*x_(t-1) (across document boundaries), c learned from 0")
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
     device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
     compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
@@ -152,6 +174,8 @@ class Hyperparameters:
                                      "(never elsewhere)")
     # ---- bookkeeping: names, seeds, outputs, checkpoints, tool modes
     preset: str = bookkeeping("medium", "starting point the other flags override", choices=("medium", "tiny"))
+    recipe: str = bookkeeping("x01", "a record's recipe on top of the preset (see the list at the end of --help): "
+                              "it sets the fields it names, your flags override them")
     run_id: str = bookkeeping("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
     seed: Optional[int] = bookkeeping(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
                                       at_least=0)
@@ -232,20 +256,91 @@ PRESETS: dict[str, dict] = {
 }
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """A medium-track record as values of the fields above (over the x01 defaults), with what its
+    record published upstream (records/track_2_medium/<folder>/ of KellerJordan/modded-nanogpt)."""
+    values: dict
+    date: str
+    folder: str
+    change: str  # what it changes, one line
+    mean_time_s: float  # the record's published mean training time
+    runs: int
+    p_value: float  # one-sided test of mean val loss < 2.92
+    peak_mib: int  # "peak memory allocated" in its log (8xH100)
+    time_note: str = ""
+    # under another preset, the recipe's values for fields the preset does not set; these replace them
+    at_preset: dict = field(default_factory=dict)
+
+
+SNOO = dict(snoo_period=28, snoo_lr=0.68, snoo_momentum=0.37)
+SMOOTHED_SNOO = dict(SNOO, muon_update_smoothing="ema", smoothing_beta_start=0.2, smoothing_beta=0.2,
+                     smoothing_ramp_steps=0, lr_floor=0.01, muon_lr=0.03)
+
+# `--recipe NAME`: applied after the preset, before your flags. A preset keeps its scale (where it and
+# the recipe set the same field, as tiny's num_iterations, the preset wins) and the recipe its
+# switches; `at_preset` adapts constants that count steps. Under tiny: 200 steps for every recipe
+# (the records' cuts of 15-155 steps are what each idea buys at full length, 0.3-2.7%, which 200
+# steps cannot resolve; equal lengths keep the tiny recipes comparable step for step), Snoo's
+# period stays 28 inner steps (8 outer steps in 200), and the 3000-step smoothing ramp keeps its
+# share of the run: 3000 / 5610 x 200 = 107 steps.
+RECIPES: dict[str, Recipe] = {
+    "x01": Recipe({}, "2025-09-11", "2025-09-11_GPT2MediumX01", "the defaults: a second input embedding",
+                  1412.45, 19, 3.6e-4, 53_988),
+    "snoo": Recipe(dict(SNOO, muon_lr=0.027, num_iterations=5640), "2025-09-16", "2025-09-16_Snoo",
+                   "Snoo outer optimizer (period 28, lr 0.68, momentum 0.37)", 1404.03, 30, 0.0032, 56_505),
+    "update_smoothing": Recipe(
+        dict(muon_update_smoothing="interpolated", smoothing_beta_start=0.5, smoothing_beta=0.2,
+             smoothing_ramp_steps=3000, lr_floor=0.01, muon_lr=0.03, num_iterations=5610),
+        "2025-09-17", "2025-09-17_UpdateSmoothing",
+        "Muon update smoothing, applied beta*S + (1-beta)*u, beta 0.5 -> 0.2 over 3000 steps; lr floor 0.01 (no Snoo)",
+        1410.96, 160, 3.2e-5, 54_036, time_note="on the author's machine, where x01 took 1422.9 s",
+        at_preset=dict(tiny=dict(smoothing_ramp_steps=107))),
+    "smoothed_snoo": Recipe(dict(SMOOTHED_SNOO, num_iterations=5590), "2025-09-30", "2025-09-30_SmoothedSnooMedium",
+                            "Snoo + Muon update smoothing applying S, beta 0.2; lr floor 0.01",
+                            1405.70, 160, 1.2e-11, 56_556, time_note="on the author's machine"),
+    "backout": Recipe(dict(SMOOTHED_SNOO, backout="mix", backout_layer=11, num_iterations=5550), "2025-10-04",
+                      "2025-10-04_GPT2MediumLayerReuse", "smoothed_snoo + head input a*norm(h15) + b*norm(h11)",
+                      1384.62, 22, 1.26e-4, 56_812),
+    "smear": Recipe(dict(SMOOTHED_SNOO, backout="mix", backout_layer=11, head_smear=True, num_iterations=5535),
+                    "2025-11-02", "2025-11-02-Smear-MTP", "backout + head input smeared from the previous position",
+                    1374.69, 26, 1.13e-5, 56_810),
+}
+
+
+def recipe_values(preset: str, name: str) -> dict:
+    """The fields recipe `name` sets under `preset`: its values, except those the preset sets itself
+    (its scale), then its values for that preset."""
+    if name not in RECIPES:
+        raise ConfigError(f"--recipe: unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    entry = RECIPES[name]
+    kept = {k: v for k, v in entry.values.items() if k not in PRESETS[preset]}
+    return {**kept, **entry.at_preset.get(preset, {})}
+
+
 # =============================================================================
 # 2. Schedules: learning rate, Muon momentum, attention window
 
 def lr_multiplier(step: int, config: Hyperparameters) -> float:
-    """1.0, then a linear cooldown to 0 over the last cooldown_frac of the run."""
+    """1.0, then a linear cooldown over the last cooldown_frac of the run, from 1 to lr_floor (0 in
+    the record): w * (1 - floor) + floor with w = (1 - x) / cooldown_frac going from 1 to 0."""
     x = step / config.num_iterations
     if x < 1 - config.cooldown_frac:
         return 1.0
-    return max((1 - x) / config.cooldown_frac, 0.0)
+    cooldown = max((1 - x) / config.cooldown_frac, 0.0)
+    return cooldown * (1 - config.lr_floor) + config.lr_floor  # floor 0: exactly `cooldown`
 
 
 def muon_momentum(step: int, config: Hyperparameters) -> float:
     frac = min(step / config.muon_momentum_warmup_steps, 1.0) if config.muon_momentum_warmup_steps else 1.0
     return (1 - frac) * config.muon_momentum_start + frac * config.muon_momentum
+
+
+def update_smoothing_beta(step: int, config: Hyperparameters) -> float:
+    """Muon update smoothing's beta: linear from smoothing_beta_start to smoothing_beta over the
+    first smoothing_ramp_steps steps (absolute steps, however long the run), then constant."""
+    frac = min(step / config.smoothing_ramp_steps, 1) if config.smoothing_ramp_steps else 1
+    return (1 - frac) * config.smoothing_beta_start + frac * config.smoothing_beta
 
 
 def window_blocks(step: int, config: Hyperparameters) -> int:
@@ -258,7 +353,7 @@ def window_blocks(step: int, config: Hyperparameters) -> int:
 
 
 # =============================================================================
-# 3. Muon: orthogonalized momentum for the matrices inside the blocks
+# 3. Muon: orthogonalized momentum for the matrices inside the blocks; Snoo, an outer step around all
 
 _compiled_functions: dict = {}
 
@@ -314,22 +409,40 @@ def store_halves(master: torch.Tensor, weight: torch.Tensor, low_bits: torch.Ten
 
 def muon_update(weight: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,
                 low_bits: Optional[torch.Tensor], momentum: torch.Tensor, one_minus_momentum: torch.Tensor,
-                decay: torch.Tensor, step_size: torch.Tensor) -> None:
-    """One matrix's Muon step, in place: momentum, Nesterov, orthogonalization, decoupled weight
-    decay and the update, on the fp32 master (the weight itself, or bf16 weight + low bits).
+                decay: torch.Tensor, step_size: torch.Tensor, smoothed_update: Optional[torch.Tensor] = None,
+                smoothing: Optional[torch.Tensor] = None, one_minus_smoothing: Optional[torch.Tensor] = None,
+                apply_smoothed: bool = False) -> None:
+    """One matrix's Muon step, in place: momentum, Nesterov, orthogonalization, (update smoothing),
+    decoupled weight decay and the update, on the fp32 master (the weight itself, or bf16 weight +
+    low bits).
 
     The scalars are 0-d fp32 tensors on the matrix's device, refilled in place each step, so that
     the compiled version of this function never recompiles for a new lr or momentum. `Muon.step`
-    computes them in Python floats: 1 - m, 1 - lr*wd*wd_mul, -lr*sqrt(max(1, rows/cols)).
+    computes them in Python floats: 1 - m, 1 - lr*wd*wd_mul, -lr*sqrt(max(1, rows/cols)), beta, 1 - beta.
     """
     grad = grad.float()  # the gradient itself for fp32 weights: only read, never written
     momentum_buffer.lerp_(grad, one_minus_momentum)
     update = orthogonalize(grad.lerp(momentum_buffer, momentum), weight.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
+    if smoothed_update is not None:
+        update = smooth_update(update, smoothed_update, smoothing, one_minus_smoothing, apply_smoothed)
     master = fp32_from_halves(weight, low_bits) if low_bits is not None else weight
     master.mul_(decay)
     master.addcmul_(update.float(), step_size)  # eager: bit for bit what add_(update, alpha=step_size) gives
     if low_bits is not None:
         store_halves(master, weight, low_bits)
+
+
+def smooth_update(update: torch.Tensor, smoothed_update: torch.Tensor, smoothing: torch.Tensor,
+                  one_minus_smoothing: torch.Tensor, apply_smoothed: bool) -> torch.Tensor:
+    """Muon update smoothing (--muon_update_smoothing): S <- beta*S + (1-beta)*u, stored in S's dtype;
+    the update applied is S (ema) or beta*S + (1-beta)*u (interpolated). No bias correction: S
+    starts at 0. Both are formed in fp32 from the fp32 value of the new S, not its stored rounding:
+    what the compiled update computes (fused intermediates stay fp32) and what the records' compiled
+    update computed; eagerly, on fp32 weights, it is the same arithmetic. beta = 0 returns u."""
+    u = update.float()
+    new = smoothing * smoothed_update.float() + one_minus_smoothing * u
+    smoothed_update.copy_(new)
+    return new if apply_smoothed else smoothing * new + one_minus_smoothing * u
 
 
 class Muon(torch.optim.Optimizer):
@@ -340,28 +453,36 @@ class Muon(torch.optim.Optimizer):
     each rank updates its own (holding their momentum and low bits) and all-gathers the rest.
     Gradients must already be averaged over ranks. With `compile_update` each matrix's update
     is one compiled function (eagerly it is about 60 small kernels per matrix); it compiles once
-    per distinct matrix shape (3 in the record).
+    per distinct matrix shape (3 in the record). `update_smoothing` (off, interpolated, ema) adds
+    the smoothed update S of each matrix, in the weight's dtype, held by its owner; each group's
+    "update_smoothing" is its beta, set per step like the lr.
     """
 
     def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
-                 rank: int = 0, world_size: int = 1, compile_update: bool = False):
+                 rank: int = 0, world_size: int = 1, compile_update: bool = False, update_smoothing: str = "off"):
         groups = []
         for group in param_groups:  # split each group by shape so a gather moves one shape
             params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
             for shape in dict.fromkeys(p.shape for p in params):
                 groups.append({**group, "params": [p for p in params if p.shape == shape]})
-        super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0))
-        self.rank, self.world_size = rank, world_size
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0)
+        if update_smoothing != "off":
+            defaults.update(update_smoothing=0.0)
+        super().__init__(groups, defaults)
+        self.rank, self.world_size, self.smoothing = rank, world_size, update_smoothing
         self.update = compiled(muon_update, fullgraph=True) if compile_update else muon_update
         # per group, the update's scalars: device tensors refilled in place (no recompile, no host sync)
-        self.scalars = [{name: torch.zeros((), device=group["params"][0].device)
-                         for name in ("momentum", "one_minus_momentum", "decay", "step_size")}
+        names = ("momentum", "one_minus_momentum", "decay", "step_size") + (
+            ("smoothing", "one_minus_smoothing") if update_smoothing != "off" else ())
+        self.scalars = [{name: torch.zeros((), device=group["params"][0].device) for name in names}
                         for group in self.param_groups]
         for group in self.param_groups:
             for p in self.owned(group):
                 self.state[p] = dict(momentum_buffer=torch.zeros_like(p, dtype=torch.float32))
                 if p.dtype == torch.bfloat16:
                     self.state[p]["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
+                if update_smoothing != "off":
+                    self.state[p]["smoothed_update"] = torch.zeros_like(p)
 
     def owned(self, group: dict) -> list[nn.Parameter]:
         return group["params"][self.rank::self.world_size]
@@ -377,7 +498,10 @@ class Muon(torch.optim.Optimizer):
                 mine = chunk[self.rank] if self.rank < len(chunk) else None
                 if mine is not None:
                     state = self.state[mine]
-                    self.update(mine.data, mine.grad, state["momentum_buffer"], state.get("low_bits"), **scalars)
+                    smoothing = {} if self.smoothing == "off" else dict(
+                        smoothed_update=state["smoothed_update"], apply_smoothed=self.smoothing == "ema")
+                    self.update(mine.data, mine.grad, state["momentum_buffer"], state.get("low_bits"), **scalars,
+                                **smoothing)
                 if W > 1:  # everyone sends its updated matrix (or padding) and receives the rest
                     send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
                     outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
@@ -394,8 +518,92 @@ class Muon(torch.optim.Optimizer):
         rows, cols = group["params"][0].shape[-2:]
         values = dict(momentum=m, one_minus_momentum=1 - m, decay=1 - lr * group["weight_decay"] * group["wd_mul"],
                       step_size=-lr * max(1.0, rows / cols) ** 0.5)
+        if "smoothing" in scalars:
+            beta = group["update_smoothing"]
+            values.update(smoothing=beta, one_minus_smoothing=1 - beta)
         for name, value in values.items():
             scalars[name].fill_(value)  # a kernel launch on CUDA, not a host-to-device copy
+
+
+# ---- Snoo: a sparse Nesterov outer step around all the optimizers above (--snoo_period)
+
+# Elements per piece of an outer update: its float64 temporaries stay near 0.5 GB whatever the tensor.
+OUTER_CHUNK = 1 << 24
+
+
+@torch.no_grad()
+def snoo_outer_update(weight: torch.Tensor, anchor: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
+                      lr: float, momentum: float) -> torch.Tensor:
+    """One parameter's outer step, in place; returns the momentum buffer (a new one on the first step).
+
+    The displacement d = anchor - weight, in the weight's dtype, is the "gradient" of an SGD step with
+    Nesterov momentum from the anchor: b = d on the first step, else momentum*b + d;
+    weight = anchor - lr*(d + momentum*b); then anchor = weight. The arithmetic is that of torch's
+    fused CUDA SGD kernel, which the records ran: d, b and the weights are read as fp32, combined with
+    the float64 lr and momentum in float64, and rounded to fp32 where the kernel assigns an fp32
+    variable (the Nesterov direction, the new weight) and from there to the storage dtype on store
+    (b, the weight). The Nesterov term uses b before its store rounding. Each float64 product and sum
+    rounds on its own here; nvcc may fuse one into a multiply-add (one rounding fewer), which can move
+    an fp32 result by one ulp in about one element in 2^29.
+    """
+    first = momentum_buffer is None
+    if first:
+        momentum_buffer = torch.empty_like(weight)
+    pieces = zip(*(t.view(-1).split(OUTER_CHUNK) for t in (weight, anchor, momentum_buffer)))
+    for w, a, b in pieces:
+        displacement = a - w  # rounded to the storage dtype, like the record's p.grad = anchor - weight
+        d = displacement.double()
+        buf = d if first else b.double() * momentum + d
+        b.copy_(buf.float())  # float64 -> fp32 -> storage dtype, as the kernel's store
+        direction = (d + buf * momentum).float().double()
+        w.copy_((a.double() - direction * lr).float())
+        a.copy_(w)
+    return momentum_buffer
+
+
+class Snoo:
+    """The outer optimizer (--snoo_period k): every k-th call (the first included) moves every
+    parameter by `snoo_outer_update` from its anchor, then makes the result the new anchor.
+
+    Called once per training step after the inner optimizers, so the outer steps follow the inner
+    steps of steps 0, k, 2k, ... State, the same on every rank (every rank updates the replicated
+    weights identically): an anchor per parameter (a copy taken at construction), a momentum
+    buffer per parameter from the first outer step on, both in the parameter's dtype, and the call
+    counter. The final model is the inner iterate. A bf16 weight whose fp32 master Muon holds as
+    bf16 + low 16 bits gets only its bf16 half rewritten: the low bits stay those of the inner step
+    (the records' arithmetic) unless `low_bits_of(p)` gives them to clear (--snoo_low_bits=clear).
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], period: int, lr: float, momentum: float,
+                 low_bits_of=None):
+        self.params, self.period, self.lr, self.momentum = named_params, period, lr, momentum
+        self.low_bits_of = low_bits_of
+        self.anchors = {name: p.detach().clone() for name, p in named_params}
+        self.momentum_buffers: dict[str, torch.Tensor] = {}
+        self.counter = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.counter % self.period == 0:
+            for name, p in self.params:
+                self.momentum_buffers[name] = snoo_outer_update(p.data, self.anchors[name],
+                                                                self.momentum_buffers.get(name), self.lr, self.momentum)
+                low_bits = self.low_bits_of(p) if self.low_bits_of else None
+                if low_bits is not None:
+                    low_bits.zero_()  # the master is now exactly the weight the outer step wrote
+        self.counter += 1
+
+    def state_dict(self, device=None) -> dict:
+        """Copies of the state (on `device` if given): counter, anchors, momentum buffers by name."""
+        return dict(counter=self.counter, anchors={k: _copy(v, device) for k, v in self.anchors.items()},
+                    momentum_buffers={k: _copy(v, device) for k, v in self.momentum_buffers.items()})
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counter = state["counter"]
+        for name, anchor in self.anchors.items():
+            anchor.copy_(state["anchors"][name])
+        self.momentum_buffers = {name: _copy(v, self.anchors[name].device)
+                                 for name, v in state["momentum_buffers"].items()}
 
 
 # =============================================================================
@@ -679,6 +887,48 @@ class ValueEmbeddings(nn.Module):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
+# ---- the later records' head-input ideas (docs/recipes.md), each switched by its Hyperparameters field
+
+class Backout(nn.Module):
+    """The head's input from the last block's output h and block `layer`'s output h_b (--backout).
+    mix (2025-10-04): a*norm(h) + b*norm(h_b), with no norm after; (a, b) = `weights`, from (1, 0).
+    subtract (2025-12-31): norm(h - lambda*h_b); lambda = `weights[0]`, from 0.5, with the bulk
+    record's multipliers for its scalars (lr_mul 5, wd_mul 0; torch Adam ignores them).
+    `weights` is fp32, in the Adam "scalar" group; each coefficient is a 0-d tensor in the product,
+    so the activations keep their dtype."""
+
+    def __init__(self, mode: str, layer: int):
+        super().__init__()
+        self.mode, self.layer = mode, layer
+        self.weights = nn.Parameter(torch.empty(2 if mode == "mix" else 1, dtype=torch.float32))
+        if mode == "subtract":
+            self.weights.lr_mul, self.weights.wd_mul = 5.0, 0.0
+
+    def initial_value(self, name, shape, gen):
+        return torch.tensor([1.0, 0.0] if self.mode == "mix" else [0.5])
+
+    def forward(self, h: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:  # (T, d) each
+        if self.mode == "mix":
+            return rms_norm(h) * self.weights[0] + rms_norm(h_b) * self.weights[1]
+        return rms_norm(h - self.weights[0] * h_b)
+
+
+class HeadSmear(nn.Module):
+    """Smear of the head's input (--head_smear, 2025-11-02): y_t = x_t + c*x_(t-1) for t >= 1 and
+    y_0 = x_0, from the unsmeared x, over the whole packed sequence: a document's first position
+    receives the previous document's last state. c = `weight` (fp32, Adam "scalar" group), from 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def initial_value(self, name, shape, gen):
+        return torch.zeros(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, d)
+        return torch.cat([x[:1], x[1:] + self.weight[0] * x[:-1]])
+
+
 # ---- the model
 
 class GPT(nn.Module):
@@ -706,6 +956,8 @@ class GPT(nn.Module):
         self.scalars = nn.Parameter(torch.empty(L * (1 + self.num_mix + 2), dtype=torch.float32))
         # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream)
         self.output_mix = nn.Parameter(torch.empty(2, dtype=torch.float32)) if config.x00_at_output else None
+        self.backout = Backout(config.backout, config.backout_layer) if config.backout != "off" else None
+        self.head_smear = HeadSmear() if config.head_smear else None
 
     def initial_value(self, name, shape, gen):
         if name == "output_mix":
@@ -746,9 +998,14 @@ class GPT(nn.Module):
             args = (x, x0s, block_lambdas[i], ves[i], attn_lambdas[i], cos, sin, mask)
             x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             outputs.append(x)
-        x = rms_norm(x[0])  # (T, d)
+        if self.backout is not None:
+            x = self.backout(x[0], outputs[self.backout.layer][0])  # (T, d)
+        else:
+            x = rms_norm(x[0])  # (T, d)
         if self.output_mix is not None:
             x = self.output_mix[0] * x + self.output_mix[1] * x0s[0][0]
+        if self.head_smear is not None:
+            x = self.head_smear(x)
         # with recomputation the fp32 (T, V) logits would dominate memory: one recomputed chunk at a time
         num_chunks = max(T // LOSS_CHUNK_TOKENS, 1) if recompute else (1 if self.training else 4)
         return self.loss(x, target_seq, num_chunks, reduction, recompute)
@@ -817,7 +1074,10 @@ def build_model(config: Hyperparameters, device="cpu") -> GPT:
         model = GPT(config, weight_dtype(config, device))
     if torch.device(device).type == "meta":
         return model
-    model.to_empty(device=device)
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}  # lr_mul, wd_mul, ...
+    model.to_empty(device=device)  # new Parameter objects: the attributes set at creation are put back
+    for name, p in model.named_parameters():
+        p.__dict__.update(attributes[name])
     init_parameters(model, config.init_seed)
     return model
 
@@ -832,7 +1092,9 @@ def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
         "embed": [e.table.weight if isinstance(e, LowRankEmbedding) else e.weight for e in model.embeds],
         "value_embed": list(model.value_embeds.tables.parameters()),
         "ve_coeff": [p for p in [model.value_embeds.coeffs] if isinstance(p, nn.Parameter)],
-        "scalar": [p for p in (model.scalars, model.output_mix) if p is not None],
+        "scalar": [p for p in (model.scalars, model.output_mix) if p is not None]
+                  + [m.weight if isinstance(m, HeadSmear) else m.weights for m in (model.backout, model.head_smear)
+                     if m is not None],
         "muon_attn": [b.attn.qkvo_w for b in model.blocks if b.attn is not None],
         "muon_mlp": [p for b in model.blocks for p in b.mlp.parameters()],
         "muon_lore": [e.proj for e in model.embeds if isinstance(e, LowRankEmbedding)]
@@ -1014,12 +1276,27 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
                    for name in ("muon_attn", "muon_mlp", "muon_lore") if name in groups]  # no attention: no muon_attn
     muon = Muon(muon_groups,
                 lr=config.muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
-                rank=rank, world_size=world_size, compile_update=compile_muon)
+                rank=rank, world_size=world_size, compile_update=compile_muon,
+                update_smoothing=config.muon_update_smoothing)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return optimizers
+
+
+def build_outer_optimizer(model: GPT, optimizers: list[torch.optim.Optimizer], config: Hyperparameters
+                          ) -> Optional[Snoo]:
+    """Snoo over every parameter, anchored at their current values (after the rank-0 broadcast), or
+    None with --snoo_period=0. With --snoo_low_bits=clear it clears the low bits Muon keeps for a
+    bf16 matrix this rank owns."""
+    if not config.snoo_period:
+        return None
+    low_bits_of = None
+    if config.snoo_low_bits == "clear":
+        muon_states = [opt.state for opt in optimizers if isinstance(opt, Muon)]
+        low_bits_of = lambda p: next((st[p]["low_bits"] for st in muon_states if "low_bits" in st.get(p, {})), None)
+    return Snoo(list(model.named_parameters()), config.snoo_period, config.snoo_lr, config.snoo_momentum, low_bits_of)
 
 
 def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
@@ -1029,6 +1306,8 @@ def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
             group["lr"] = group["initial_lr"] * mult
             if isinstance(opt, Muon):
                 group["momentum"] = muon_momentum(step, config)
+                if opt.smoothing != "off":
+                    group["update_smoothing"] = update_smoothing_beta(step, config)
 
 
 class GradientAverager:
@@ -1071,6 +1350,7 @@ class Runner:
                 dist.broadcast(p.detach(), 0)
         use_compile = compile_enabled(config, device)
         self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
+        self.outer = build_outer_optimizer(self.model, self.optimizers, config)  # None without Snoo
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
         self.window_blocks = torch.ones((), dtype=torch.int32, device=device)
@@ -1097,6 +1377,8 @@ class Runner:
         set_schedules(self.optimizers, step, self.config)
         for opt in self.optimizers:
             opt.step()
+        if self.outer is not None:
+            self.outer.step()
         self.model.zero_grad(set_to_none=True)
         return total
 
@@ -1149,10 +1431,13 @@ class Runner:
         state, which a run's logged peak must not include."""
         cfg = self.config
         saved = capture_state(self.model, self.optimizers)
+        saved_outer = self.outer.state_dict() if self.outer is not None else None
         gen = torch.Generator().manual_seed(cfg.init_seed)
         for step in range(cfg.warmup_steps):
             self.train_step(step, self.random_batches(gen))
         restore_state(self.model, self.optimizers, saved)
+        if self.outer is not None:
+            self.outer.load_state_dict(saved_outer)  # anchors, no momentum yet, the counter back to 0
         self.first_nonfinite.fill_(NO_STEP)
         del saved
         reset_peak_memory(self.device)
@@ -1516,15 +1801,15 @@ def _as_field_value(f: dataclasses.Field, value):
     return value
 
 
-def make_config(preset: str = "medium", **overrides) -> Hyperparameters:
-    """The preset's hyperparameters with keyword overrides, checked."""
+def make_config(preset: str = "medium", recipe: str = "x01", **overrides) -> Hyperparameters:
+    """The preset's hyperparameters, then the recipe's (RECIPES), then keyword overrides, checked."""
     if preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     by_name = {f.name: f for f in fields(Hyperparameters)}
     unknown = sorted(set(overrides) - set(by_name))
     if unknown:
         raise ConfigError(f"unknown field(s) {unknown}")
-    values = {**PRESETS[preset], **overrides, "preset": preset}
+    values = {**PRESETS[preset], **recipe_values(preset, recipe), **overrides, "preset": preset, "recipe": recipe}
     return check_config(Hyperparameters(**{k: _as_field_value(by_name[k], v) for k, v in values.items()}))
 
 
@@ -1580,6 +1865,10 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     for layer, table in enumerate(tables):
         need(table is None or layer in cfg.attention_layers, "value_embed_layout",
              f"layer {layer} has a value embedding but no attention")
+    if cfg.backout != "off":
+        need(cfg.backout_layer < cfg.num_layers - 1, "backout_layer",
+             f"must name a block before the last one (0..{cfg.num_layers - 2}): backout combines it with the "
+             "last block's output")
     return cfg
 
 
@@ -1602,14 +1891,16 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per Hyperparameters field, in the field's group, with its type, default and range."""
     parser = _ArgumentParser(
         prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-        description="GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium). "
-                    "Flags take --flag=value or --flag value; booleans may be bare (--flag means true).",
-        epilog="--preset tiny overrides: " + " ".join(f"--{k}={to_text(v)}" for k, v in PRESETS["tiny"].items()))
-    groups = {}
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium, "
+                                  "--recipe x01). Flags take --flag=value or --flag value; booleans may be bare "
+                                  "(--flag means true).", HELP_WIDTH),
+        epilog=help_epilog())
+    section, current = None, None
     for f in fields(Hyperparameters):
-        group = f.metadata["group"]
-        if group not in groups:
-            groups[group] = parser.add_argument_group(group)
+        if f.metadata["group"] != current:  # a group's heading again where its fields resume (as in the README)
+            current = f.metadata["group"]
+            section = parser.add_argument_group(current)
         kind = _kind(f)
         allowed = range_text(f)
         help_line = f"{f.metadata['meaning']} [default {to_text(f.default)}{'; ' + allowed if allowed else ''}]"
@@ -1621,16 +1912,59 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(nargs="?", const=True, metavar="true|false")
         elif kind.startswith("tuple"):
             kwargs.update(metavar="LIST")
-        groups[group].add_argument(f"--{f.name}", **kwargs)
+        section.add_argument(f"--{f.name}", **kwargs)
     return parser
+
+
+HELP_WIDTH = 100
 
 
 def help_text() -> str:
     return build_parser().format_help()
 
 
+def recipe_flags(name: str, preset: str = "medium") -> str:
+    values = recipe_values(preset, name)
+    return " ".join(f"--{k}={to_text(v)}" for k, v in values.items()) or "nothing (the defaults)"
+
+
+def recipe_facts(name: str) -> str:
+    """What recipe `name`'s record published: mean time, runs, p-value (and where it was timed)."""
+    r = RECIPES[name]
+    where = f", {r.time_note}" if r.time_note else ""
+    return f"{r.mean_time_s:.2f} s mean over {r.runs} runs{where}, p={r.p_value:g}"
+
+
+def recipe_summary(config: Hyperparameters) -> str:
+    """One line naming the run's recipe: its record, what it changes, its published result, what it sets."""
+    r = RECIPES[config.recipe]
+    return (f"recipe {config.recipe}: record {r.folder}: {r.change}; published {recipe_facts(config.recipe)}; "
+            f"sets {recipe_flags(config.recipe, config.preset)}")
+
+
+def help_epilog() -> str:
+    """The presets' and recipes' values, after the flags."""
+    tiny = textwrap.fill("--preset tiny overrides: " + " ".join(f"--{k}={to_text(v)}" for k, v in PRESETS["tiny"].items()),
+                         HELP_WIDTH, break_on_hyphens=False)
+    lines = [tiny, ""] + textwrap.wrap(
+        "recipes (--recipe NAME: the record's values after --preset, before your flags; its published mean "
+        "training time on 8xH100, runs, p-value of mean val loss < 2.92):", HELP_WIDTH)
+    for name, r in RECIPES.items():
+        lines += textwrap.wrap(f"{name} ({r.date}, {r.folder}): {r.change}", HELP_WIDTH, initial_indent="  ",
+                               subsequent_indent=" " * 6)
+        body = f"published {recipe_facts(name)}; sets {recipe_flags(name)}"
+        lines += textwrap.wrap(body, HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False)
+    lines += [""] + textwrap.wrap(
+        "With --preset tiny a recipe keeps its switches and the preset its scale: 200 steps for every recipe (the "
+        "records' step cuts are too small to mean anything at 200 steps), Snoo's period stays 28 steps, "
+        "update_smoothing's 3000-step beta ramp becomes 107 steps (the same share of the run). docs/recipes.md "
+        "says what each recipe computes.", HELP_WIDTH)
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str]) -> Hyperparameters:
-    """`--field=value` / `--field value` / bare booleans, on top of `--preset NAME`, checked."""
+    """`--field=value` / `--field value` / bare booleans, on top of `--preset NAME` and then
+    `--recipe NAME` (wherever they stand on the line), checked."""
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -1642,7 +1976,7 @@ def parse_args(argv: list[str]) -> Hyperparameters:
         hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
         raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
     overrides = vars(namespace)
-    return make_config(overrides.pop("preset", "medium"), **overrides)
+    return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "x01"), **overrides)
 
 
 # ---- run setup
@@ -1877,6 +2211,7 @@ def open_run_log(config: Hyperparameters, device: torch.device, world_size: int,
     log.write_lines(config_group_lines(), console=False)
     log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
     log.write(f"seed {config.seed} (repeat this run with --seed={config.seed})")
+    log.write(recipe_summary(config))
     for note in notes:
         log.write(note)
     return log
@@ -2097,12 +2432,13 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     own_file = f"rank_{rank:03d}.pt"
     records = {own_file: save.attempt(partial / own_file, lambda: _write_durably(
         partial / own_file, dict(muon=muon, rng=rng_states(runner.device))))}
-    if rank == 0:  # the model and the replicated optimizers (Adam) are the same on every rank
+    if rank == 0:  # the model and the replicated optimizers (Adam, Snoo) are the same on every rank
         saved = capture_state(runner.model, [opt for opt in runner.optimizers if opt not in sharded], "cpu")
+        outer = {} if runner.outer is None else dict(snoo=runner.outer.state_dict("cpu"))
         records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(
             format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
             model=saved["model"], optimizers=[o["state"] for o in saved["optimizers"]],
-            config=config_record(cfg, runner.model.dtype))))
+            config=config_record(cfg, runner.model.dtype), **outer)))
     save.all_ranks_ok()
     mine = (records, {name: own_file for name in muon})
     gathered = [mine]
@@ -2256,10 +2592,29 @@ def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) 
     states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=next(replicated))
               for opt in runner.optimizers]
     restore_state(runner.model, runner.optimizers, dict(model=main_file["model"], optimizers=states))
+    restore_outer_state(runner, main_file, path)
     loader.load_state(main_file["loader"])
     rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
     set_rng_states(_load(path / rng_file)["rng"], runner.device)
     return main_file["step"], main_file["train_time_ms"]
+
+
+def restore_outer_state(runner: Runner, main_file: dict, path: Path) -> None:
+    """Snoo's state from main.pt. A checkpoint saved without Snoo (resumed with --force_resume and
+    --snoo_period) anchors Snoo at the restored weights, with its counter at the checkpoint's step so
+    that outer steps keep following steps 0, k, 2k, ...; Snoo state in a checkpoint resumed without
+    Snoo is not used."""
+    if runner.outer is None:
+        return
+    saved = main_file.get("snoo")
+    if saved is None:
+        runner.outer.load_state_dict(dict(counter=main_file["step"], anchors=dict(runner.model.named_parameters()),
+                                          momentum_buffers={}))
+        return
+    missing = sorted(set(runner.outer.anchors) - set(saved["anchors"]))
+    if missing:
+        raise CheckpointError(f"{path / 'main.pt'}: no Snoo anchor for {', '.join(missing[:4])}")
+    runner.outer.load_state_dict(saved)
 
 
 def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
@@ -2311,12 +2666,101 @@ def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
     return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
 
 
-def optimizer_state_bytes(group: str, p: nn.Parameter) -> int:
+def optimizer_state_bytes(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> int:
     """Adam: two moments in the parameter's dtype. Muon: an fp32 momentum, plus the 16 low bits of
-    the fp32 master for bf16 weights (held once, by the rank that owns the matrix)."""
+    the fp32 master for bf16 weights, plus with update smoothing the smoothed update in the weight's
+    dtype (held once, by the rank that owns the matrix)."""
     if group.startswith("muon"):
-        return p.numel() * (4 + (2 if p.dtype == torch.bfloat16 else 0))
+        smoothing = config is not None and config.muon_update_smoothing != "off"
+        return p.numel() * (4 + (2 if p.dtype == torch.bfloat16 else 0) + (p.element_size() if smoothing else 0))
     return 2 * p.numel() * p.element_size()
+
+
+def snoo_state_bytes(model: GPT, config: Hyperparameters) -> int:
+    """Snoo's anchors and momentum buffers: two copies of every parameter, on every process."""
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters()) if config.snoo_period else 0
+
+
+def muon_owned_bytes(model: GPT, config: Hyperparameters, world_size: int) -> list[int]:
+    """Per rank, the Muon state of the matrices it owns: Muon's dealing (each group split by shape,
+    largest first, round-robin over the ranks)."""
+    per_rank = [0] * world_size
+    for name, params in parameter_groups(model).items():
+        if not name.startswith("muon"):
+            continue
+        params = sorted(params, key=lambda p: p.numel(), reverse=True)
+        for shape in dict.fromkeys(p.shape for p in params):
+            for i, p in enumerate(q for q in params if q.shape == shape):
+                per_rank[i % world_size] += optimizer_state_bytes(name, p, config)
+    return per_rank
+
+
+def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> dict[str, int]:
+    """What one process holds besides activations: parameters, their gradients, Adam's moments
+    (replicated), the Muon state of the busiest rank, Snoo's state (replicated)."""
+    groups = parameter_groups(model)
+    params = sum(p.numel() * p.element_size() for ps in groups.values() for p in ps)
+    adam = sum(optimizer_state_bytes(n, p) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
+    return dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)),
+                snoo=snoo_state_bytes(model, config))
+
+
+# The peak memory a record logged with this model and batch on 8xH100 (x01: 53,988 MiB allocated) is the
+# base of the predicted peak of other configurations of the same shapes: it moves by what they hold
+# more per GPU (state_bytes_per_gpu) and by the activations the head-input ideas keep for the backward
+# pass, in (T, d) bf16 tensors of a rank's sequence: the mix keeps both norms besides its output (2:
+# 256 MiB at 65,536 tokens; the 2025-10-04 log shows +256 MiB over its predecessor), the subtract
+# form the difference it normalizes (1), and the smear nothing the compiler cannot recompute from
+# those (the 2025-11-02 log: -2 MiB).
+KEPT_ACTIVATIONS = dict(mix=2, subtract=1, off=0)
+# Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
+# accounted above: a configuration that differs from the record only in these gets a prediction.
+PEAK_NEUTRAL_FIELDS = {
+    "num_iterations", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
+    "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
+    "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
+    "snoo_period", "snoo_lr", "snoo_momentum", "snoo_low_bits", "muon_update_smoothing", "smoothing_beta_start",
+    "smoothing_beta", "smoothing_ramp_steps", "lr_floor", "backout", "backout_layer", "head_smear"}
+PEAK_WORLD_SIZE = 8
+
+
+def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
+    """Peak allocated MiB per GPU of an 8-GPU run, from x01's logged peak (see KEPT_ACTIVATIONS), or
+    None for a configuration whose shapes or execution differ from the record's in other ways."""
+    base = make_config()
+    differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
+               and f.name not in PEAK_NEUTRAL_FIELDS and getattr(config, f.name) != getattr(base, f.name)]
+    if (differs or config.activation_checkpointing or config.compile is False or config.attention == "sdpa"
+            or config.dtype == "float32"):
+        return None
+
+    def per_gpu(cfg):
+        with torch.device("meta"):
+            model = GPT(cfg, torch.bfloat16)
+        return sum(state_bytes_per_gpu(model, cfg, PEAK_WORLD_SIZE).values())
+
+    tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
+    activations = KEPT_ACTIVATIONS[config.backout] * tokens * config.model_dim * 2
+    extra = per_gpu(config) - per_gpu(base) + activations
+    return RECIPES["x01"].peak_mib + round(extra / 2**20)
+
+
+def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
+    """Per GPU of an 8-GPU run: what each process holds, and the predicted peak next to the logged
+    peak of the recipe's record (when the configuration is the record's shapes)."""
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    held = state_bytes_per_gpu(model, config, PEAK_WORLD_SIZE)
+    lines = ["per GPU of 8: " + ", ".join(f"{k} {mib(v)}" for k, v in held.items())
+             + " (muon: the rank owning the most; snoo: anchors and momentum, two copies of every parameter)"]
+    predicted, logged = predicted_peak_mib(config), RECIPES[config.recipe].peak_mib
+    if predicted is None:
+        lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
+                     f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
+    else:
+        lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
+                     f"record logged {logged:,} MiB (x01's logged {RECIPES['x01'].peak_mib:,} MiB plus the state and "
+                     "kept activations this configuration adds)")
+    return lines
 
 
 def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
@@ -2326,11 +2770,14 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
     lines, total_param_b, total_state_b = [], 0, 0
     for name, params in parameter_groups(model).items():
         param_b = sum(p.numel() * p.element_size() for p in params)
-        state_b = sum(optimizer_state_bytes(name, p) for p in params)
+        state_b = sum(optimizer_state_bytes(name, p, config) for p in params)
         total_param_b, total_state_b = total_param_b + param_b, total_state_b + state_b
         dtypes = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
         lines.append(f"params {name}: {counts[name]:,} ({dtypes}) {mib(param_b):.1f} MiB, optimizer state {mib(state_b):.1f} MiB")
     lines.append(f"params total: {counts['total']:,} {mib(total_param_b):.1f} MiB, optimizer state {mib(total_state_b):.1f} MiB")
+    if config.snoo_period:
+        lines.append(f"snoo state: {mib(snoo_state_bytes(model, config)):.1f} MiB on every process (an anchor and a "
+                     "momentum buffer per parameter)")
     lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
     return lines
 
@@ -2346,6 +2793,12 @@ def learned_scalars_lines(model: GPT) -> list[str]:
         lines.append(f"lambdas layer {i}: {mix} attn_v:{a0:.4f} attn_ve:{a1:.4f} skip_w:{skip_w[i].item():.4f}")
     if model.output_mix is not None:
         lines.append("lambdas output: x:{:.4f} x00:{:.4f}".format(*model.output_mix.detach().float().tolist()))
+    if model.backout is not None:
+        values = model.backout.weights.detach().float().tolist()
+        lines.append(f"backout from layer {model.backout.layer}: " + (
+            "a:{:.4f} b:{:.4f}".format(*values) if model.backout.mode == "mix" else "lambda:{:.4f}".format(*values)))
+    if model.head_smear is not None:
+        lines.append(f"head smear: c:{model.head_smear.weight.item():.4f}")
     return lines
 
 
@@ -2375,8 +2828,10 @@ def dry_run(config: Hyperparameters) -> int:
 
     model = meta_model(device)
     print("\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in fields(config)))
+    print(recipe_summary(config))
     print(f"dry run on {device} ({why}): {str(model.dtype).removeprefix('torch.')} weights")
     print("\n".join(accounting_lines(model, config)))
+    print("\n".join(memory_lines(model, config)))
     if weight_dtype(config, other) != model.dtype:
         other_model = meta_model(other)
         total = next(line for line in accounting_lines(other_model, config) if line.startswith("params total:"))

@@ -84,6 +84,17 @@ def reference_loss(model, ids: torch.Tensor, targets: torch.Tensor, window: int)
         hidden = torch.relu(norm(x) @ P[f"blocks.{i}.mlp.fc_w"].T) ** 2
         x = x + hidden @ P[f"blocks.{i}.mlp.proj_w"].T
         outs.append(x)
-    z = norm(x) @ P["head.weight"].T
+    # the later records' head input (docs/recipes.md): backout of block backout_layer, then the smear
+    if cfg.backout == "mix":
+        a, b = P["backout.weights"]
+        x = a * norm(x) + b * norm(outs[cfg.backout_layer])
+    elif cfg.backout == "subtract":
+        x = norm(x - P["backout.weights"][0] * outs[cfg.backout_layer])
+    else:
+        x = norm(x)
+    if cfg.head_smear:
+        c = P["head_smear.weight"][0]
+        x = torch.stack([x[t] + c * x[t - 1] if t > 0 else x[t] for t in range(T)])
+    z = x @ P["head.weight"].T
     z = 15 * z / torch.sqrt(z * z + 225)
     return torch.nn.functional.cross_entropy(z, targets.long()).item()

@@ -4,14 +4,23 @@ falls back to the newest valid one, a nan stops the run without saving over the 
 checkpoint, and a resumed config that changes training is refused unless forced. The multi-process
 resume tests are in test_distributed.py."""
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import train_gpt_medium as tg
+from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env
 from test_training import all_state, assert_same_state
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_argv(synthetic_dir, tmp_path, *extra, N=4):
@@ -73,6 +82,79 @@ def test_checkpoint_round_trip_restores_every_state_bit_for_bit_bf16(synthetic_d
     b = resumed.train_step(2, resumed_loader.next_batch())
     assert torch.equal(a, b)
     assert_same_state(all_state(resumed), all_state(runner))
+
+
+def test_checkpoint_round_trip_restores_every_recipe_state_bit_for_bit(synthetic_dir, tmp_path):
+    """The smear recipe in bf16 (Snoo, ema smoothing, backout, smear) saved after step 4 of a
+    period-3 outer cycle: Snoo's counter, anchors and momentum and Muon's smoothed updates come back,
+    and the next steps, the outer step after step 6 among them, are the same steps."""
+    config = tg.make_config("tiny", "smear", dtype="bfloat16", train_seq_len=128, warmup_steps=0, snoo_period=3,
+                            checkpoint_dir=str(tmp_path / "ck"), train_files=str(synthetic_dir / "synthetic_train_*.bin"))
+    files = tg.shard_files(config.train_files, "train_files")
+
+    def fresh():
+        return tg.Runner(config, CPU), tg.DataLoader(files, config.train_seq_len, config.batch_slices, 0, 1, CPU)
+
+    runner, loader = fresh()
+    for step in range(5):
+        runner.train_step(step, loader.next_batch())
+    path = tg.save_checkpoint(runner, loader, 5, 1.0)
+    resumed, resumed_loader = fresh()
+    tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path))
+    assert resumed.outer.counter == runner.outer.counter == 5
+    for step in range(5, 8):
+        assert torch.equal(runner.train_step(step, loader.next_batch()), resumed.train_step(step, resumed_loader.next_batch()))
+    assert_same_state(all_state(resumed), all_state(runner))
+    assert_same_state(resumed.outer.state_dict()["anchors"], runner.outer.state_dict()["anchors"])
+    assert_same_state(resumed.outer.state_dict()["momentum_buffers"], runner.outer.state_dict()["momentum_buffers"])
+    assert any("smoothed_update" in s for s in runner.optimizers[1].state.values())
+
+
+CPU = torch.device("cpu")
+# Outer steps after steps 0, 3, 6 and 9; checkpoints at 4, 8 and 12: a resume from step 4 or 8
+# starts in the middle of an outer cycle.
+RECIPE_FLAGS = ("--recipe=smear", "--snoo_period=3", "--save_every=4", "--seed=0")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_recipe_run(synthetic_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("recipe_uninterrupted")
+    assert tg.main(run_argv(synthetic_dir, out, *RECIPE_FLAGS, N=12)) == 0
+    return out / "ck" / "tiny"
+
+
+@pytest.mark.slow
+def test_a_recipe_resumed_across_outer_steps_ends_bit_for_bit_where_the_uninterrupted_run_does(
+        uninterrupted_recipe_run, synthetic_dir, tmp_path):
+    saved = uninterrupted_recipe_run / "step_000004"
+    assert torch.load(saved / "main.pt", weights_only=True)["snoo"]["counter"] == 4
+    assert tg.main(run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, f"--resume={saved}", N=12)) == 0
+    assert f"resumed from {saved} at step 4/12" in log_text(tmp_path)
+    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000012"),
+                         checkpoint_tensors(uninterrupted_recipe_run / "step_000012"))
+
+
+@pytest.mark.slow
+def test_a_recipe_run_killed_mid_outer_cycle_resumes_bit_for_bit(uninterrupted_recipe_run, synthetic_dir, tmp_path):
+    """SIGKILL as soon as the step-4 checkpoint exists (the run is then between the outer steps
+    after steps 3 and 6, or saving step 8); `--resume latest` finishes it exactly as the
+    uninterrupted run."""
+    argv = run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, N=12)
+    with open(tmp_path / "killed.out", "w") as out:
+        process = subprocess.Popen([sys.executable, "train_gpt_medium.py", *argv], cwd=ROOT, env=clean_env(),
+                                   stdout=out, stderr=subprocess.STDOUT)
+    first = tmp_path / "ck" / "tiny" / "step_000004"
+    deadline = time.monotonic() + 300
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, (tmp_path / "killed.out").read_text()[-2000:]
+    assert first.exists() and not (tmp_path / "ck" / "tiny" / "step_000012").exists()
+    assert tg.main(run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, "--resume=latest", N=12)) == 0
+    resumed_from = int(re.search(r"resumed from \S+step_(\d+) at step", log_text(tmp_path))[1])
+    assert resumed_from in (4, 8)
+    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000012"),
+                         checkpoint_tensors(uninterrupted_recipe_run / "step_000012"))
 
 
 # ---- damaged and half-written checkpoints
@@ -199,6 +281,21 @@ def test_force_resume_accepts_the_differences_and_says_so(saved_run, synthetic_d
     (path, meta), notes = tg.prepare_checkpoints(config, torch.float32, rank=0, world_size=1)
     assert path == saved_run / "step_000002"
     assert len(notes) == 1 and "--embed_lr: checkpoint 0.3, now 0.5" in notes[0] and "num_iterations" in notes[0]
+
+
+def test_forcing_snoo_onto_a_checkpoint_without_it_anchors_at_the_restored_weights(saved_run, synthetic_dir, tmp_path):
+    """The outer steps keep their place on the step grid: the counter is the checkpoint's step."""
+    path = saved_run / "step_000002"
+    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, f"--resume={path}", "--snoo_period=3", "--force_resume"))
+    runner = tg.Runner(config, CPU)
+    loader = tg.DataLoader(tg.shard_files(config.train_files, "train_files"), config.train_seq_len,
+                           config.batch_slices, 0, 1, CPU)
+    tg.load_checkpoint(runner, loader, path, tg.validate_checkpoint(path))
+    assert runner.outer.counter == 2 and runner.outer.momentum_buffers == {}
+    saved = torch.load(path / "main.pt", weights_only=True)["model"]
+    assert "snoo" not in torch.load(path / "main.pt", weights_only=True)
+    for name, anchor in runner.outer.anchors.items():
+        assert torch.equal(anchor, saved[name]), name
 
 
 @pytest.mark.parametrize("flag,field", [("--mlp_ratio=2", "mlp_ratio"), ("--dtype=bfloat16", "dtype")])

@@ -79,6 +79,10 @@ def checkpoint_tensors(folder: Path) -> dict:
     for rank_file in sorted(folder.glob("rank_*.pt")):
         for name, s in torch.load(rank_file, weights_only=True)["muon"].items():
             out.update({f"muon/{name}/{k}": v for k, v in s.items()})
+    if "snoo" in main:  # replicated, saved once: the counter, an anchor and a momentum buffer per parameter
+        out["snoo/counter"] = main["snoo"]["counter"]
+        for kind in ("anchors", "momentum_buffers"):
+            out.update({f"snoo/{kind}/{n}": v for n, v in main["snoo"][kind].items()})
     out["loader"], out["step"] = main["loader"], main["step"]
     return out
 
@@ -167,6 +171,68 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(one_process, two_nodes, sy
     assert "(saved by 2 process(es), now 1)" in body(tmp_path)
     assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000008"),
                          checkpoint_tensors(one_process / "ck/tiny/step_000008"))
+
+
+# ---- the recipes' state (docs/recipes.md): Snoo replicated, smoothing buffers sharded like Muon's
+
+# Every switch of the recipes and both forms of each, in two configurations, with outer steps after
+# steps 0, 3 and 6: the smear recipe (Snoo keeping the low bits, ema smoothing, backout mix, head
+# smear: a superset of the snoo, smoothed_snoo and backout recipes' switches) in fp32, and
+# update_smoothing (interpolated smoothing, lr floor, a beta ramp within the run) with Snoo clearing
+# the low bits and the subtractive backout, in bf16 (so Muon holds low bits).
+RECIPE_RUNS = {
+    "smear": ("--recipe=smear", "--snoo_period=3"),
+    "update_smoothing": ("--recipe=update_smoothing", "--smoothing_ramp_steps=5", "--snoo_period=3",
+                         "--snoo_low_bits=clear", "--backout=subtract", "--dtype=bfloat16"),
+}
+
+
+def recipe_pair(name: str, synthetic_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(one process with 2 micro-steps, two processes) of one configuration of RECIPE_RUNS."""
+    flags = RECIPE_RUNS[name]
+    one = tmp_path_factory.mktemp(f"{name}_one")
+    launch([([sys.executable, "train_gpt_medium.py", *run_args(synthetic_dir, one, *flags)], clean_env())], one)
+    two = tmp_path_factory.mktemp(f"{name}_two")
+    launch([(["./run.sh", *run_args(synthetic_dir, two, *flags)], clean_env(NPROC_PER_NODE="2"))], two)
+    return one, two
+
+
+@pytest.fixture(scope="module")
+def smear_pair(synthetic_dir, tmp_path_factory):
+    return recipe_pair("smear", synthetic_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def update_smoothing_pair(synthetic_dir, tmp_path_factory):
+    return recipe_pair("update_smoothing", synthetic_dir, tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RECIPE_RUNS))
+def test_two_processes_train_every_recipe_switch_like_one_process_bit_for_bit(name, request):
+    """Snoo's update is the same on every rank (replicated weights), the smoothing buffers live
+    with each matrix's owner: parameters, Adam, Muon (momentum, low bits, smoothed updates) and
+    Snoo (counter, anchors, momentum) agree bit for bit after 4 and 8 steps."""
+    one, two = request.getfixturevalue(f"{name}_pair")
+    for step in (4, 8):
+        a = checkpoint_tensors(one / "ck/tiny" / f"step_{step:06d}")
+        b = checkpoint_tensors(two / "ck/tiny" / f"step_{step:06d}")
+        assert a["snoo/counter"] == step and any(k.endswith("/smoothed_update") for k in a)
+        assert_bit_identical(a, b)
+    assert "world_size 2, micro-steps per rank 1" in body(two) and f"recipe {name}: record" in body(two)
+
+
+@pytest.mark.slow
+def test_a_recipe_checkpoint_of_two_processes_resumes_on_one_mid_outer_cycle(smear_pair, synthetic_dir, tmp_path):
+    """Step 4 lies between the outer steps after steps 3 and 6; the smoothing buffers saved in two
+    rank files are re-dealt to one process. The run ends where the uninterrupted one does."""
+    one, two = smear_pair
+    saved = two / "ck/tiny/step_000004"
+    launch([([sys.executable, "train_gpt_medium.py",
+              *run_args(synthetic_dir, tmp_path, *RECIPE_RUNS["smear"], f"--resume={saved}")], clean_env())], tmp_path)
+    assert "(saved by 2 process(es), now 1)" in body(tmp_path)
+    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000008"),
+                         checkpoint_tensors(one / "ck/tiny/step_000008"))
 
 
 # ---- Muon's round-robin sharding for any world size

@@ -1,10 +1,11 @@
-"""The README's table of flags, made from the Hyperparameters dataclass (the same metadata as --help).
+"""The README's table of flags, made from the Hyperparameters dataclass (the same metadata as --help),
+and its table of recipes, made from RECIPES.
 
-    python tools/switch_table.py            # print the table
-    python tools/switch_table.py --write    # replace the table in README.md (between its markers)
+    python tools/switch_table.py            # print the tables
+    python tools/switch_table.py --write    # replace the tables in README.md (between their markers)
 
-tests/test_config.py requires README.md to hold exactly this table, so a new or changed field
-shows up in the README by running --write.
+tests/test_config.py and tests/test_recipes.py require README.md to hold exactly these tables, so a
+new or changed field or recipe shows up in the README by running --write.
 """
 import argparse
 import sys
@@ -15,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 import train_gpt_medium as tg  # noqa: E402
 
 START, END = "<!-- switches:start -->", "<!-- switches:end -->"
+RECIPES_START, RECIPES_END = "<!-- recipes:start -->", "<!-- recipes:end -->"
 
 
 def table() -> str:
@@ -30,9 +32,22 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def recipes_table() -> str:
+    """One row per --recipe: its record, what it changes, steps, Muon lr, the published result."""
+    rows = ["| `--recipe` | record | what it changes | steps | Muon lr | published mean time, runs, p |",
+            "|---|---|---|---|---|---|"]
+    for name, r in tg.RECIPES.items():
+        config = tg.make_config(recipe=name)
+        rows.append(f"| `{name}` | {r.date} `{r.folder}` | {r.change.replace('|', '/')} | {config.num_iterations} | "
+                    f"{config.muon_lr} | {tg.recipe_facts(name)} |")
+    return "\n".join(rows)
+
+
 def readme_with_table(readme: str) -> str:
-    start, end = readme.index(START) + len(START), readme.index(END)
-    return readme[:start] + "\n" + table() + "\n" + readme[end:]
+    for (first, last), text in (((START, END), table()), ((RECIPES_START, RECIPES_END), recipes_table())):
+        start, end = readme.index(first) + len(first), readme.index(last)
+        readme = readme[:start] + "\n" + text + "\n" + readme[end:]
+    return readme
 
 
 def main(argv=None) -> int:
@@ -40,13 +55,14 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true", help="update README.md in place")
     args = parser.parse_args(argv)
     if not args.write:
-        print(table())
+        print(table() + "\n\n" + recipes_table())
         return 0
     path = ROOT / "README.md"
     text = path.read_text()
-    if START not in text or END not in text:
-        print(f"error: {path} has no {START} ... {END} markers to put the table between", file=sys.stderr)
-        return 2
+    for first, last in ((START, END), (RECIPES_START, RECIPES_END)):
+        if first not in text or last not in text:
+            print(f"error: {path} has no {first} ... {last} markers to put the table between", file=sys.stderr)
+            return 2
     path.write_text(readme_with_table(text))
     return 0
 
