@@ -443,16 +443,17 @@ def is_validation_step(step: int, config: Hyperparameters) -> bool:
 
 
 def grid_changes(config: Hyperparameters) -> list[int]:
-    """Training steps where the grid's batch shape or phase changes: a new batch size, long window,
-    number of multi-token weights, the first step after the embedding split, the first extension step."""
+    """Training steps where the grid's batch shape or phase changes: a new batch size, a window_schedule's
+    new long window, a new number of multi-token weights, the first step after the embedding split,
+    the first extension step."""
     N, split = config.num_iterations, embedding_split_step(config)
     changes = {scheduled_steps(config)} if config.extension_steps else set()
     if split + 1 < N:
         changes.add(split + 1)
     for step in range(1, N):
         if (batch_tokens(step, config) != batch_tokens(step - 1, config)
-                or attention_windows(step, config)[0] != attention_windows(step - 1, config)[0]
-                or len(mtp_weights(step, config)) != len(mtp_weights(step - 1, config))):
+                or len(mtp_weights(step, config)) != len(mtp_weights(step - 1, config))
+                or config.window_schedule and attention_windows(step, config) != attention_windows(step - 1, config)):
             changes.add(step)
     return sorted(changes)
 

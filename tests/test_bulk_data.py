@@ -425,6 +425,14 @@ def test_the_warmup_runs_every_batch_shape_of_the_grid(monkeypatch):
     assert all({c - 1, c, c + 1} & steps <= {s for s, _ in seen} for c in tg.grid_changes(TINY_GRID))
 
 
+def test_without_a_window_schedule_the_warmup_skips_the_x01_window_changes():
+    """x01's window is a device tensor (no new shape): only the grid's own phases are visited."""
+    config = tg.make_config("medium", lr_peaks=(1.0, 2.0), warmup_steps=2)
+    mtp_and_split = [475, 949, 950]  # two multi-token changes (S/12, S/6) and the step after the split
+    assert tg.grid_changes(config) == mtp_and_split
+    assert tg.warmup_schedule(config) == [0, 1, 474, 475, 476, 948, 949, 950, 951]
+
+
 def test_the_schedules_reach_the_optimizers():
     runner = tg.Runner(tg.make_config("tiny", **{**tg.BULK_RECORD_GRID["tiny"], "dtype": "float32"}),
                        torch.device("cpu"))
