@@ -2813,7 +2813,7 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     start = compile_counts()  # the process may have compiled before (tests call main in-process)
     runner = Runner(cfg, device, rank, world_size)
     runner.warmup()
-    warmup = dict(steps=cfg.warmup_steps, **compiled_since(start))
+    warmup = dict(steps=len(warmup_schedule(cfg)), **compiled_since(start))
     gen, clock = torch.Generator().manual_seed(cfg.init_seed), Stopwatch(device, world_size)
     points = bench_points(cfg)
     results = []
