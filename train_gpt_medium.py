@@ -141,17 +141,18 @@ class Hyperparameters:
     # ---- bulk record (2025-12-31): step grid, batch ramp, windows per slot, document-aligned batches
     # (docs/bulk-data.md). The grid's schedules span the scheduled steps S = num_iterations -
     # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
-    extension_steps: int = recipe(0, "the last N of num_iterations steps run past the schedules: lr at the floor, "
-                                  "the last slot's batch and windows", at_least=0)
-    batch_schedule: tuple[int, ...] = recipe((), "tokens per step in each slot of the step grid, a multiple of "
-                                             "batch_slices*attn_block_size (each slice takes 1/batch_slices); "
-                                             "(): batch_slices*train_seq_len every step")
-    lr_peaks: tuple[float, ...] = recipe((), "lr multiplier of each slot of the step grid (slot k from step/S > k/n on), "
-                                         "then a linear cooldown over the last cooldown_frac of S to the floor; "
-                                         "(): 1, then down to 0 over cooldown_frac of num_iterations")
-    window_schedule: tuple[int, ...] = recipe((), "long window in blocks in each slot of the step grid (short: "
-                                              "min(11, long // 2)); the final validation's long window is "
-                                              "max_window_tokens; (): grow along a cubic to max_window_tokens")
+    extension_steps: int = recipe(0, "steps at the end of num_iterations past the step grid's schedules (which span "
+                                  "S = num_iterations - N steps): lr at the floor, the last slot's batch and windows",
+                                  at_least=0)
+    batch_schedule: tuple[int, ...] = recipe((), "tokens per step in each slot of the step grid (n entries: slot = "
+                                             "floor(n * step / S)), multiples of batch_slices*attn_block_size; "
+                                             "empty: batch_slices*train_seq_len every step")
+    lr_peaks: tuple[float, ...] = recipe((), "lr multiplier of each slot of the step grid (slot k's once step/S > k/n), "
+                                         "falling linearly over the last cooldown_frac of S to the lr floor; "
+                                         "empty: 1, falling to 0 over the last cooldown_frac of num_iterations")
+    window_schedule: tuple[int, ...] = recipe((), "long window in blocks in each slot of the step grid, the short one "
+                                              "min(11, long // 2); the final validation's long window is "
+                                              "max_window_tokens; empty: a cubic growth to max_window_tokens")
     muon_momentum_cooldown_steps: int = recipe(0, "the Muon momentum falls linearly from muon_momentum toward "
                                                "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0)
     document_aligned_batches: bool = recipe(False, "each training slice is whole documents from their start, each "
