@@ -160,6 +160,28 @@ class Hyperparameters:
                           "subtract = norm(h - lambda*h_b), lambda learned from 0.5", choices=("off", "mix", "subtract"))
     backout_layer: int = recipe(11, "the block whose output backout mixes in or subtracts", at_least=0)
     head_smear: bool = recipe(False, "head input y_t = x_t + c*x_(t-1) (across document boundaries), c learned from 0")
+    # ---- bulk record (2025-12-31): step grid, batch ramp, windows per slot, document-aligned batches
+    # (docs/bulk-data.md). The grid's schedules span the scheduled steps S = num_iterations -
+    # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
+    extension_steps: int = recipe(0, "steps at the end of num_iterations past the step grid's schedules (which span "
+                                  "S = num_iterations - N steps): lr at the floor, the last slot's batch and windows",
+                                  at_least=0)
+    batch_schedule: tuple[int, ...] = recipe((), "tokens per step in each slot of the step grid (n entries: slot = "
+                                             "floor(n * step / S)), multiples of batch_slices*attn_block_size; "
+                                             "empty: batch_slices*train_seq_len every step")
+    lr_peaks: tuple[float, ...] = recipe((), "lr multiplier of each slot of the step grid (slot k's once step/S > k/n), "
+                                         "falling linearly over the last cooldown_frac of S to the lr floor; "
+                                         "empty: 1, falling to 0 over the last cooldown_frac of num_iterations")
+    window_schedule: tuple[int, ...] = recipe((), "long window in blocks in each slot of the step grid, the short one "
+                                              "min(11, long // 2); the final validation's long window is "
+                                              "max_window_tokens; empty: a cubic growth to max_window_tokens")
+    muon_momentum_cooldown_steps: int = recipe(0, "the Muon momentum falls linearly from muon_momentum toward "
+                                               "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0)
+    document_aligned_batches: bool = recipe(False, "each training slice is whole documents from their start, each "
+                                            "cut at document_cut_tokens, the slice's last one cut to fit (off: "
+                                            "contiguous slices)")
+    document_cut_tokens: int = recipe(4096, "with document_aligned_batches: a document longer than this keeps only "
+                                      "its first N tokens", at_least=1)
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
     device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
     compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
@@ -252,6 +274,28 @@ PRESETS: dict[str, dict] = {
         max_window_tokens=384,  # 3 blocks long, 1 short, of 4 per slice
         lore_rank=16,
         num_iterations=200, val_every=50, warmup_steps=3,
+    ),
+}
+
+# The 2025-12-31 record's step grid, batch ramp, windows, momentum cool-down, document-aligned
+# batches and validation cadence as overrides (docs/bulk-data.md), for each preset. The tiny form
+# divides every step count by 25 (4700 + 40 steps -> 188 + 2; rounded), keeps the batches in
+# proportion to the longest slice (1/4, 2/4, 3/4, 4/4 of batch_slices x train_seq_len) and the
+# windows' block counts, with 16-token blocks so that every window is shorter than a 512-token slice.
+_BULK_WINDOWS = (3, 7, 11, 13, 15, 17, 19, 21, 23, 23, 23, 23)
+_BULK_LR_PEAKS = (1.0, 1.52, 1.73) + (2.0,) * 9
+BULK_RECORD_GRID: dict[str, dict] = {
+    "medium": dict(
+        num_iterations=4740, extension_steps=40, batch_schedule=(131072, 262144, 393216) + (524288,) * 9,
+        lr_peaks=_BULK_LR_PEAKS, lr_floor=0.1, window_schedule=_BULK_WINDOWS, muon_momentum_cooldown_steps=50,
+        document_aligned_batches=True, document_cut_tokens=4096, val_every=250, warmup_steps=2,
+    ),
+    "tiny": dict(
+        num_iterations=190, extension_steps=2, batch_schedule=(256, 512, 768) + (1024,) * 9,
+        lr_peaks=_BULK_LR_PEAKS, lr_floor=0.1, window_schedule=_BULK_WINDOWS, attn_block_size=16,
+        max_window_tokens=27 * 16,
+        muon_momentum_warmup_steps=12, muon_momentum_cooldown_steps=2,
+        document_aligned_batches=True, document_cut_tokens=256, val_every=10, warmup_steps=2,
     ),
 }
 
@@ -350,6 +394,178 @@ def window_blocks(step: int, config: Hyperparameters) -> int:
     bs = config.attn_block_size
     tokens = max(math.ceil(config.max_window_tokens * factor / bs) * bs, bs)
     return tokens // bs
+
+
+# ---- the step grid (docs/bulk-data.md): each schedule of the 2025-12-31 record as a pure function
+# of the step. S = num_iterations - extension_steps scheduled steps; a schedule tuple of n entries
+# cuts them into n slots (slot = floor(n * step / S)); steps S .. num_iterations - 1 are the
+# extension. The float expressions keep the record's order of operations (x = step / S first), so
+# every value, boundary steps included, is the record's to the last bit.
+
+SHORT_WINDOW_CAP = 11  # blocks: in the scheduled steps the short window is min(11, long // 2)
+YARN_MAX_WINDOW = 13  # blocks: RoPE is rescaled at a long-window change only while the new window is <= 13
+EMBEDDING_SPLIT_FRACTION = 2 / 3 / 4  # of S, rounded up to an odd step: where tied embeddings untie
+
+
+def scheduled_steps(config: Hyperparameters) -> int:
+    """S, the steps the grid's schedules span; the extension steps follow them."""
+    return config.num_iterations - config.extension_steps
+
+
+def grid_slot(step: int, config: Hyperparameters, slots: int) -> int:
+    """The slot (0 .. slots-1) of a scheduled step on a grid of `slots` slots."""
+    return int(slots * (step / scheduled_steps(config)))
+
+
+def uses_step_grid(config: Hyperparameters) -> bool:
+    """Whether any schedule runs on the step grid (then the warm-up and the benchmark visit its phases)."""
+    return bool(config.batch_schedule or config.window_schedule or config.lr_peaks or config.extension_steps)
+
+
+def batch_tokens(step: int, config: Hyperparameters) -> int:
+    """Training tokens of step `step`, all slices together: the batch_schedule's slot (the last
+    slot's in the extension), or batch_slices x train_seq_len."""
+    schedule = config.batch_schedule
+    if not schedule:
+        return config.batch_slices * config.train_seq_len
+    if step >= scheduled_steps(config):
+        return schedule[-1]
+    return schedule[grid_slot(step, config, len(schedule))]
+
+
+def slice_tokens(step: int, config: Hyperparameters) -> int:
+    """Tokens of one slice (one micro-batch; one GPU's sequence in the 8-GPU record) at `step`."""
+    return batch_tokens(step, config) // config.batch_slices
+
+
+def grid_lr_multiplier(step: int, config: Hyperparameters, floor: float) -> float:
+    """The grid's lr multiplier: lr_peaks[k] once step/S > k/n (strictly: a step exactly on a slot
+    boundary keeps the previous peak), from step/S >= 1 - cooldown_frac a straight line from the
+    peak down to `floor` at S, and `floor` in the extension."""
+    S = scheduled_steps(config)
+    if step > S:
+        return floor
+    peaks, x = config.lr_peaks, step / S
+    peak = peaks[0]
+    for k in range(1, len(peaks)):
+        if x > k / len(peaks):
+            peak = peaks[k]
+    if x >= 1 - config.cooldown_frac:
+        w = (1 - x) / config.cooldown_frac
+        return peak * w + (1 - w) * floor
+    return peak
+
+
+def lr_schedule(step: int, config: Hyperparameters) -> float:
+    """The lr multiplier every optimizer group applies at `step`."""
+    return grid_lr_multiplier(step, config, config.lr_floor) if config.lr_peaks else lr_multiplier(step, config)
+
+
+def muon_momentum_with_cooldown(step: int, config: Hyperparameters) -> float:
+    """The warm-up from muon_momentum_start, then muon_momentum, and over the last
+    muon_momentum_cooldown_steps steps a straight line back down (the last step stops one step
+    short of muon_momentum_start). Written as start + frac * (end - start), which can differ from
+    muon_momentum's form in the last bit of a float64 (never in a float32)."""
+    start, end = config.muon_momentum_start, config.muon_momentum
+    warmup, cooldown = config.muon_momentum_warmup_steps, config.muon_momentum_cooldown_steps
+    cooldown_start = config.num_iterations - cooldown
+    if step < warmup:
+        return start + step / warmup * (end - start)
+    if step > cooldown_start:
+        return end - (step - cooldown_start) / cooldown * (end - start)
+    return end
+
+
+def momentum_schedule(step: int, config: Hyperparameters) -> float:
+    """The Muon momentum at `step`."""
+    if config.muon_momentum_cooldown_steps:
+        return muon_momentum_with_cooldown(step, config)
+    return muon_momentum(step, config)
+
+
+def attention_windows(step: int, config: Hyperparameters) -> tuple[int, int]:
+    """(long, short) attention windows in blocks at `step`; step num_iterations is the final
+    validation. With a window_schedule: the slot's long window and min(11, long // 2); in the
+    extension the last slot's (short: its half); at the final validation max_window_tokens with
+    the extension's short window. Without: the cubic growth, short = long // 2."""
+    schedule = config.window_schedule
+    if not schedule:
+        long = window_blocks(step, config)
+        return long, long // 2
+    if step >= config.num_iterations:
+        return config.max_window_tokens // config.attn_block_size, schedule[-1] // 2
+    if step >= scheduled_steps(config):
+        return schedule[-1], schedule[-1] // 2
+    long = schedule[grid_slot(step, config, len(schedule))]
+    return long, min(SHORT_WINDOW_CAP, long // 2)
+
+
+def yarn_changes(config: Hyperparameters) -> list[tuple[int, int, int]]:
+    """(step, old long window, new long window) at each training step where the long window of a
+    window_schedule changes to at most YARN_MAX_WINDOW blocks: where RoPE is rescaled (YaRN). The
+    final validation's longer window is not one."""
+    if not config.window_schedule:
+        return []
+    changes, long = [], attention_windows(0, config)[0]
+    for step in range(1, config.num_iterations):
+        new = attention_windows(step, config)[0]
+        if new != long and new <= YARN_MAX_WINDOW:
+            changes.append((step, long, new))
+        long = new
+    return changes
+
+
+def mtp_weights(step: int, config: Hyperparameters) -> tuple[float, ...]:
+    """Loss weights of the next, second-next and third-next token (multi-token prediction) at
+    `step`: three weights over the first twelfth of S, the third falling from 0.25 toward 0; two
+    over the second twelfth, the second falling from 0.5 toward 0; then next-token only."""
+    x = step / (scheduled_steps(config) / 4)
+    if x < 1 / 3:
+        return (1.0, 0.5, 0.25 * (1 - 3 * x))
+    if x < 2 / 3:
+        return (1.0, 0.5 * (1 - (3 * x - 1)))
+    return (1.0,)
+
+
+def embedding_split_step(config: Hyperparameters) -> int:
+    """The step after whose optimizer step tied input embedding and head become two tables: a
+    sixth of S rounded up, made odd (an odd step is one where the every-other-step Adam steps)."""
+    return math.ceil(EMBEDDING_SPLIT_FRACTION * scheduled_steps(config)) | 1
+
+
+def is_validation_step(step: int, config: Hyperparameters) -> bool:
+    """Validation runs before the training step of every val_every-th step, and at the end."""
+    return step == config.num_iterations or (config.val_every > 0 and step % config.val_every == 0)
+
+
+def grid_changes(config: Hyperparameters) -> list[int]:
+    """Training steps where the grid's batch shape or phase changes: a new batch size, a window_schedule's
+    new long window, a new number of multi-token weights, the first step after the embedding split,
+    the first extension step."""
+    N, split = config.num_iterations, embedding_split_step(config)
+    changes = {scheduled_steps(config)} if config.extension_steps else set()
+    if split + 1 < N:
+        changes.add(split + 1)
+    for step in range(1, N):
+        if (batch_tokens(step, config) != batch_tokens(step - 1, config)
+                or len(mtp_weights(step, config)) != len(mtp_weights(step - 1, config))
+                or config.window_schedule and attention_windows(step, config) != attention_windows(step - 1, config)):
+            changes.add(step)
+    return sorted(changes)
+
+
+def warmup_schedule(config: Hyperparameters) -> list[int]:
+    """The steps the untimed compile warm-up runs: the first warmup_steps steps, and on a step grid
+    also the steps around each of its changes (so every batch shape and phase compiles before the
+    clock starts). warmup_steps=0: none."""
+    if not config.warmup_steps:
+        return []
+    if not uses_step_grid(config):
+        return list(range(config.warmup_steps))
+    steps = set(range(config.warmup_steps))
+    for change in grid_changes(config):
+        steps |= {change - 1, change, change + 1}
+    return sorted(s for s in steps if 0 <= s < config.num_iterations)
 
 
 # =============================================================================
@@ -1180,8 +1396,7 @@ class DataLoader:
     """
 
     def __init__(self, files: list[str], seq_len: int, batch_slices: int, rank: int, world_size: int, device):
-        self.files, self.seq_len, self.device = files, seq_len, torch.device(device)
-        self.step_tokens = batch_slices * seq_len
+        self.files, self.seq_len, self.batch_slices, self.device = files, seq_len, batch_slices, torch.device(device)
         k = batch_slices // world_size
         self.slices = range(rank * k, (rank + 1) * k)
         self.file_index, self.position, self.tokens = 0, 0, None
@@ -1191,20 +1406,23 @@ class DataLoader:
         if self.device.type == "cuda":
             self.tokens = self.tokens.pin_memory()
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batch(self, seq_len: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's micro-batches of slices of `seq_len` tokens (a batch ramp's step size), or of the loader's."""
+        seq_len = seq_len or self.seq_len
+        step_tokens = self.batch_slices * seq_len
         if self.tokens is None:
             self._load()
-        while self.position + self.step_tokens + 1 > self.tokens.numel():
+        while self.position + step_tokens + 1 > self.tokens.numel():
             self.file_index, self.position = self.file_index + 1, 0
             if self.file_index >= len(self.files):
                 raise RuntimeError(f"ran out of data: {len(self.files)} shard(s) hold fewer steps than requested")
             self._load()
         batches = []
         for s in self.slices:
-            start = self.position + s * self.seq_len
-            buf = self.tokens[start:start + self.seq_len + 1].to(device=self.device, dtype=torch.int32, non_blocking=True)
+            start = self.position + s * seq_len
+            buf = self.tokens[start:start + seq_len + 1].to(device=self.device, dtype=torch.int32, non_blocking=True)
             batches.append((buf[:-1], buf[1:].to(torch.int64)))
-        self.position += self.step_tokens
+        self.position += step_tokens
         return batches
 
     def state(self) -> dict:
@@ -1224,9 +1442,116 @@ class DataLoader:
         self.file_index, self.position, self.tokens = index, state["position"], None
 
 
+class DocumentAlignedLoader:
+    """Training slices of whole documents (--document_aligned_batches), as the 2025-12-31 record's
+    8 GPUs read them: slice k of a step is its k-th GPU's sequence, whatever the world size.
+
+    A document runs from an end-of-text token (which starts it) to the next one; a piece is a
+    document's first min(length, cut_tokens) tokens. Slice 0 of a step takes pieces in shard order
+    until it holds slice_tokens + 1 tokens, its last piece cut short to fit exactly; the rest of
+    that document is dropped and slice 1 starts at the next document, and so on. Inputs are the
+    first slice_tokens tokens, targets the same shifted by one (so a cut piece's last position
+    predicts the next piece's end-of-text). Tokens before a shard's first end-of-text are never
+    used. When a step's slices do not all fit in what is left of the shard, that step is taken
+    whole from the start of the next shard instead. Each slice starts with an end-of-text and
+    holds no other, so its documents are exactly the runs between its end-of-text tokens.
+
+    This rank yields its slices rank*k .. rank*k + k-1 (k = num_slices // world_size) as
+    (inputs int32, targets int64) micro-batches. The position (the shard and the token where the
+    next step's first document starts) is what a checkpoint saves; the step size is an argument of
+    each call, so a resumed run continues with the same tokens across a batch-size change.
+    """
+
+    def __init__(self, files: list[str], num_slices: int, cut_tokens: int, eot_token: int, rank: int,
+                 world_size: int, device):
+        self.files, self.num_slices, self.cut_tokens, self.eot = files, num_slices, cut_tokens, eot_token
+        self.device = torch.device(device)
+        k = num_slices // world_size
+        self.slices = range(rank * k, (rank + 1) * k)
+        self.file_index, self.position, self.tokens = 0, 0, None
+
+    def _load(self):
+        """Read the shard and index its documents: starts (n,) token positions of the end-of-text
+        tokens; ends[i] = tokens in pieces 0 .. i-1 (n+1,), so pieces i .. j-1 hold ends[j] - ends[i]."""
+        self.tokens = read_shard(self.files[self.file_index]).numpy()
+        self.starts = np.flatnonzero(self.tokens == self.eot)
+        lengths = np.diff(self.starts, append=self.tokens.size)
+        self.ends = np.concatenate([[0], np.cumsum(np.minimum(lengths, self.cut_tokens))])
+        self.next_doc = int(np.searchsorted(self.starts, self.position))  # the first document at or after position
+
+    def _walk(self, seq_len: int) -> Optional[list[tuple[np.ndarray, np.ndarray]]]:
+        """(piece starts, piece lengths) of every slice of one step from the next document on, or
+        None if the shard's documents run out first."""
+        doc, plan = self.next_doc, []
+        for _ in range(self.num_slices):
+            need = self.ends[doc] + seq_len + 1
+            stop = int(np.searchsorted(self.ends, need))  # the fewest pieces doc .. stop-1 that hold seq_len + 1
+            if stop >= self.ends.size:
+                return None
+            lengths = np.diff(self.ends[doc:stop + 1])
+            lengths[-1] -= self.ends[stop] - need  # the last piece cut to fit
+            plan.append((self.starts[doc:stop], lengths))
+            doc = stop
+        self.next_doc = doc
+        return plan
+
+    def next_batch(self, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's micro-batches, each slice seq_len tokens."""
+        if self.tokens is None:
+            self._load()
+        while (plan := self._walk(seq_len)) is None:
+            self.file_index, self.position = self.file_index + 1, 0
+            if self.file_index >= len(self.files):
+                raise ShardError(f"--train_files: the documents of the {len(self.files)} shard(s) ran out before "
+                                 "the run's last step; add shards or lower --num_iterations")
+            self._load()
+        self.position = int(self.starts[self.next_doc]) if self.next_doc < self.starts.size else int(self.tokens.size)
+        batches = []
+        for s in self.slices:
+            starts, lengths = plan[s]
+            offsets = np.cumsum(lengths) - lengths  # where each piece begins in the slice
+            index = np.repeat(starts - offsets, lengths) + np.arange(seq_len + 1)
+            buf = torch.from_numpy(self.tokens[index].astype(np.int32))
+            if self.device.type == "cuda":
+                buf = buf.pin_memory()
+            buf = buf.to(self.device, non_blocking=True)
+            batches.append((buf[:-1], buf[1:].to(torch.int64)))
+        return batches
+
+    # the same checkpoint record as DataLoader's (the shard by name, its size, a token position)
+    state, load_state = DataLoader.state, DataLoader.load_state
+
+
+def train_loader(config: Hyperparameters, files: list[str], rank: int, world_size: int, device):
+    """The training data loader a run uses: contiguous slices, or whole documents."""
+    if config.document_aligned_batches:
+        return DocumentAlignedLoader(files, config.batch_slices, config.document_cut_tokens, config.eot_token,
+                                     rank, world_size, device)
+    return DataLoader(files, config.train_seq_len, config.batch_slices, rank, world_size, device)
+
+
 def steps_available(files: list[str], step_tokens: int) -> int:
     """How many training steps the shards can feed (headers only)."""
     return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
+
+
+def steps_fed(files: list[str], config: Hyperparameters) -> int:
+    """How many of the run's steps the shards feed, each step with its own size, from the headers
+    only. Contiguous slices: exact (a step needs its tokens + 1 inside one shard). Whole documents:
+    an upper bound (each slice needs its tokens + 1; the cut and skipped parts of documents are
+    known only once a shard is read, and the loader stops with an error if they run out)."""
+    sizes = [shard_token_count(f) for f in files]
+    aligned = config.document_aligned_batches
+    shard, position = 0, 0
+    for step in range(config.num_iterations):
+        tokens = batch_tokens(step, config)
+        needed = tokens + (config.batch_slices if aligned else 1)
+        while shard < len(sizes) and position + needed > sizes[shard]:
+            shard, position = shard + 1, 0
+        if shard == len(sizes):
+            return step
+        position += needed if aligned else tokens
+    return config.num_iterations
 
 
 @dataclass
@@ -1245,11 +1570,18 @@ def load_data(config: Hyperparameters) -> RunData:
     was opened)."""
     cfg = config
     train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
-    available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
-    if available < cfg.num_iterations:
-        raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
-                         f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
-                         "add shards or lower --num_iterations")
+    if cfg.batch_schedule or cfg.document_aligned_batches:
+        available = steps_fed(train_files, cfg)
+        if available < cfg.num_iterations:
+            bound = " at most" if cfg.document_aligned_batches else ""
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed{bound} {available} of the run's "
+                             f"{cfg.num_iterations} steps; add shards or lower --num_iterations")
+    else:
+        available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
+        if available < cfg.num_iterations:
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
+                             f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
+                             "add shards or lower --num_iterations")
     val_tokens = torch.cat([read_shard(f) for f in val_files])
     if val_tokens.numel() < cfg.val_tokens + 1:
         raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
@@ -1300,12 +1632,12 @@ def build_outer_optimizer(model: GPT, optimizers: list[torch.optim.Optimizer], c
 
 
 def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
-    mult = lr_multiplier(step, config)
+    mult = lr_schedule(step, config)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * mult
             if isinstance(opt, Muon):
-                group["momentum"] = muon_momentum(step, config)
+                group["momentum"] = momentum_schedule(step, config)
                 if opt.smoothing != "off":
                     group["update_smoothing"] = update_smoothing_beta(step, config)
 
@@ -1361,7 +1693,7 @@ class Runner:
     def window(self, step: int) -> torch.Tensor:
         # one device tensor refilled in place: torch.tensor(..., device="cuda") each step would be
         # a blocking host-to-device copy; fill_ is an ordinary kernel launch
-        return self.window_blocks.fill_(window_blocks(step, self.config))
+        return self.window_blocks.fill_(attention_windows(step, self.config)[0])
 
     def train_step(self, step: int, batches) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss."""
@@ -1417,24 +1749,26 @@ class Runner:
         nats, nats_with_bytes, nbytes = sums.tolist()
         return nats / cfg.val_tokens, (nats_with_bytes / (math.log(2) * nbytes) if token_bytes is not None else None)
 
-    def random_batches(self, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One step of uniformly random tokens with the run's shapes: every rank draws the whole
-        step's batch_slices slices and keeps its own, as the DataLoader splits real data."""
+    def random_batches(self, gen: torch.Generator, seq_len: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One step of uniformly random tokens with the run's shapes (slices of seq_len tokens, a
+        batch ramp's step; train_seq_len if None): every rank draws the whole step's batch_slices
+        slices and keeps its own, as the DataLoader splits real data."""
         cfg = self.config
-        tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_slices, cfg.train_seq_len + 1), generator=gen)
+        tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_slices, (seq_len or cfg.train_seq_len) + 1), generator=gen)
         mine = tokens[self.rank * self.micro_steps:(self.rank + 1) * self.micro_steps].to(self.device)
         return [(row[:-1].to(torch.int32), row[1:].to(torch.int64)) for row in mine]
 
     def warmup(self) -> None:
-        """Untimed steps on random tokens to compile kernels, then restore the exact initial state.
-        The peak memory statistics restart afterwards: the warm-up holds a copy of the whole
-        state, which a run's logged peak must not include."""
+        """Untimed steps on random tokens to compile kernels (those of warmup_schedule, each with
+        its step's batch shape), then restore the exact initial state. The peak memory statistics
+        restart afterwards: the warm-up holds a copy of the whole state, which a run's logged peak
+        must not include."""
         cfg = self.config
         saved = capture_state(self.model, self.optimizers)
         saved_outer = self.outer.state_dict() if self.outer is not None else None
         gen = torch.Generator().manual_seed(cfg.init_seed)
-        for step in range(cfg.warmup_steps):
-            self.train_step(step, self.random_batches(gen))
+        for step in warmup_schedule(cfg):
+            self.train_step(step, self.random_batches(gen, slice_tokens(step, cfg)))
         restore_state(self.model, self.optimizers, saved)
         if self.outer is not None:
             self.outer.load_state_dict(saved_outer)  # anchors, no momentum yet, the counter back to 0
@@ -1482,13 +1816,13 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     log.write_lines(accounting_lines(runner.model, cfg))
     token_bytes = token_bytes_on_device(data, cfg, device, log)
     runner.warmup()
-    loader = DataLoader(train_files, cfg.train_seq_len, cfg.batch_slices, rank, world_size, device)
+    loader = train_loader(cfg, train_files, rank, world_size, device)
     start, train_time_ms, last_checkpoint = resume_from(resume, runner, loader, log)
     history, clock, eta = [], Stopwatch(device, world_size), Eta(start, N)
     clock.start()
     for step in range(start, N + 1):
         last = step == N
-        validate = last or (cfg.val_every > 0 and step % cfg.val_every == 0)
+        validate = is_validation_step(step, cfg)
         save = cfg.save_every > 0 and step > start and (last or step % cfg.save_every == 0)
         if validate or save:
             train_time_ms += clock.stop()  # ---- the clock stops for validation and checkpoints
@@ -1502,7 +1836,7 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
             clock.start()  # ---- and starts again
         if last:
             break
-        loss = runner.train_step(step, loader.next_batch())
+        loss = runner.train_step(step, loader.next_batch(slice_tokens(step, cfg)))
         if step == 0:
             log_step0_loss(loss, world_size, log)
         if (step + 1) % cfg.nonfinite_check_every == 0:
@@ -1765,10 +2099,17 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
             return tuple(tuple(int(s) for s in item.split("<", 1)) for item in filter(None, text.split(",")))
         if kind == "tuple[int, ...]":  # 0,4,11
             return tuple(int(s) for s in text.split(",") if s.strip())
+        if kind == "tuple[float, ...]":  # 1,1.52,2
+            values = tuple(float(s) for s in text.split(",") if s.strip())
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError
+            return values
     except ValueError:
-        example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]"),
+        example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]",
+                            "tuple[float, ...]"),
                            ("integers or '-' separated by commas", "target<source pairs, e.g. 9<6,10<4",
-                            "comma-separated integers"))).get(kind, kind.removeprefix("Optional[").rstrip("]"))
+                            "comma-separated integers", "comma-separated numbers"))
+                       ).get(kind, kind.removeprefix("Optional[").rstrip("]"))
         raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
     if kind == "str":
         return text
@@ -1869,6 +2210,17 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(cfg.backout_layer < cfg.num_layers - 1, "backout_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): backout combines it with the "
              "last block's output")
+    need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
+         f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
+    unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len
+    for tokens in cfg.batch_schedule:
+        need(0 < tokens <= largest and tokens % unit == 0, "batch_schedule",
+             f"{tokens} must be a positive multiple of batch_slices*attn_block_size = {unit} and at most "
+             f"batch_slices*train_seq_len = {largest} (train_seq_len is the longest slice)")
+    need(all(w >= 1 for w in cfg.window_schedule), "window_schedule", "windows must be at least 1 block")
+    need(all(m >= 0 for m in cfg.lr_peaks), "lr_peaks", "multipliers must be >= 0")
+    need(cfg.muon_momentum_cooldown_steps <= cfg.num_iterations, "muon_momentum_cooldown_steps",
+         f"must be at most num_iterations={cfg.num_iterations}")
     return cfg
 
 
@@ -2655,7 +3007,7 @@ def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
     groups = parameter_groups(model)
     matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
                          for p in ps)
-    windows = [window_blocks(s, config) for s in range(config.num_iterations)]
+    windows = [attention_windows(s, config)[0] for s in range(config.num_iterations)]
     long_layers = config.long_layers
     attention = 0.0
     for w, n in zip(*np.unique(windows, return_counts=True)):
@@ -2885,7 +3237,7 @@ def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch
     loss (unsynced device tensors)."""
     times, losses = [], []
     for i in range(runner.config.bench_steps + 1):
-        batches = runner.random_batches(gen)
+        batches = runner.random_batches(gen, slice_tokens(step, runner.config))
         clock.start()
         losses.append(runner.train_step(step, batches))
         elapsed = clock.stop()
@@ -2894,9 +3246,22 @@ def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch
     return times, losses
 
 
+def bench_points(config: Hyperparameters) -> list[int]:
+    """The steps --bench_steps times: --bench_at_step, or the first and the last step of the
+    schedule and, with a batch_schedule, the first step of each batch size (every phase's shape)."""
+    if config.bench_at_step is not None:
+        return [config.bench_at_step]
+    N = config.num_iterations
+    points = {0, N - 1}
+    if config.batch_schedule:
+        points |= {s for s in range(1, N) if batch_tokens(s, config) != batch_tokens(s - 1, config)}
+    return sorted(points)
+
+
 def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1) -> int:
     """--bench_steps=N: build and compile exactly as a run, warm up, then time N training steps on
-    random tokens at the first and the last step of the schedule (or at --bench_at_step), and run
+    random tokens at each of bench_points (the first and the last step of the schedule, each batch
+    size's first step with a batch ramp, or --bench_at_step), and run
     one evaluation step so that the compiled graphs and the peak memory cover what a run needs.
     Rank 0 prints a line per point and ends with one JSON line; a step's time is the slowest rank's.
     No data files are read and nothing is written."""
@@ -2904,14 +3269,15 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     start = compile_counts()  # the process may have compiled before (tests call main in-process)
     runner = Runner(cfg, device, rank, world_size)
     runner.warmup()
-    warmup = dict(steps=cfg.warmup_steps, **compiled_since(start))
+    warmup = dict(steps=len(warmup_schedule(cfg)), **compiled_since(start))
     gen, clock = torch.Generator().manual_seed(cfg.init_seed), Stopwatch(device, world_size)
-    points = [cfg.bench_at_step] if cfg.bench_at_step is not None else sorted({0, cfg.num_iterations - 1})
+    points = bench_points(cfg)
     results = []
     for step in points:
         before = compile_counts()
         times, losses = time_steps(runner, step, gen, clock)
-        results.append(dict(step=step, window_blocks=window_blocks(step, cfg), times_ms=times, losses=losses,
+        results.append(dict(step=step, window_blocks=attention_windows(step, cfg)[0],
+                            tokens_per_step=batch_tokens(step, cfg), times_ms=times, losses=losses,
                             **compiled_since(before, "_added")))
     before = compile_counts()
     runner.evaluate(points[-1], torch.randint(0, cfg.vocab_size, (cfg.val_tokens + 1,), generator=gen))
@@ -2948,7 +3314,7 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
     flops, step_tokens = flops_per_token(cfg, runner.model)["total"], cfg.batch_slices * cfg.train_seq_len
     for result in results:
         median = statistics.median(result["times_ms"])
-        per_process = step_tokens / world_size / (median / 1000)
+        per_process = result["tokens_per_step"] / world_size / (median / 1000)
         tflops = flops * per_process / 1e12
         result.update(median_ms=median, min_ms=min(result["times_ms"]), tokens_per_s_per_process=per_process,
                       tokens_per_s=per_process * world_size, tflops_per_process=tflops, tflops=tflops * world_size,
@@ -2972,7 +3338,8 @@ def bench_lines(report: dict) -> list[str]:
              f"(--dry_run's flops_per_token)"]
     for p in r["points"]:
         mfu = f", MFU {100 * p['mfu']:.1f}% of {r['peak_tflops_per_device']} TFLOP/s" if p["mfu"] is not None else ""
-        lines.append(f"step {p['step']} (long window {p['window_blocks']} blocks): {len(p['times_ms'])} timed steps, "
+        lines.append(f"step {p['step']} (long window {p['window_blocks']} blocks, {p['tokens_per_step']:,} tokens): "
+                     f"{len(p['times_ms'])} timed steps, "
                      f"median {p['median_ms']:.2f} ms, min {p['min_ms']:.2f} ms; tokens/s {p['tokens_per_s_per_process']:,.0f} "
                      f"per process, {p['tokens_per_s']:,.0f} in all; {p['tflops_per_process']:.4g} TFLOP/s per process{mfu}; "
                      f"compiled graphs added {p['graphs_added']}, recompiles {p['recompiles_added']}")

@@ -102,7 +102,7 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
     inputs = None
     if val_tokens is not None:
         ids = val_tokens[:seq_len + 1].long()
-        inputs, final = layer_inputs(model, ids, tg.window_blocks(step, config))
+        inputs, final = layer_inputs(model, ids, tg.attention_windows(step, config)[0])
     out.append(f"== lambdas per layer (step {step}); /rms: the embedding's lambda over the RMS of x at the layer's input")
     for i, line in enumerate(tg.learned_scalars_lines(model)[:config.num_layers]):  # as the run log ends
         if inputs is not None:
