@@ -822,3 +822,19 @@ def test_bulk_runner_trains_through_the_split_and_the_yarn_change():
     assert not runner.model.embed_tied
     assert runner.yarn_steps and runner.model.rotary.changes == tuple(
         (old, new) for step, old, new in runner.yarn_steps if step <= 7)
+
+
+@pytest.mark.slow
+def test_bulk_model_on_flex_equals_sdpa_in_evaluation():
+    """The whole bulk model on FlexAttention (compiled on its own: token-window BlockMasks, the
+    YaRN scale as a tensor) gives the per-token losses of the dense SDPA path."""
+    losses = []
+    for attention in ("flex", "sdpa"):
+        config = tiny_bulk(attention=attention, compile=False, rotary_bf16=False)
+        model = tg.build_model(config).eval()
+        fill_random(model)
+        model.rotary.set_changes(((2, 5), (5, 6)))
+        inputs, targets = packed(config, seed=4, docs_per_block=0.8)
+        with torch.no_grad():
+            losses.append(model(inputs, targets, torch.tensor([6, 2]), reduction="none"))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
