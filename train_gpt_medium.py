@@ -590,6 +590,7 @@ def selected_blocks(counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparameters, backend: str):
     """(long, short) masks for one packed sequence: FlexAttention BlockMasks, or dense (T, T) bools.
+    `window`: the long window in blocks (0-d; the short one is half of it) or [long, short].
 
     Both describe the same thing: the selected full blocks entirely, and inside the selected
     partial blocks the token rule (key_pos <= query_pos, same document).
@@ -2125,11 +2126,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium). "
                     "Flags take --flag=value or --flag value; booleans may be bare (--flag means true).",
         epilog="--preset tiny overrides: " + " ".join(f"--{k}={to_text(v)}" for k, v in PRESETS["tiny"].items()))
-    groups = {}
+    section, previous = None, None
     for f in fields(Hyperparameters):
         group = f.metadata["group"]
-        if group not in groups:
-            groups[group] = parser.add_argument_group(group)
+        if group != previous:  # a section per run of fields (a group may come back, as in the README table)
+            section, previous = parser.add_argument_group(group), group
         kind = _kind(f)
         allowed = range_text(f)
         help_line = f"{f.metadata['meaning']} [default {to_text(f.default)}{'; ' + allowed if allowed else ''}]"
@@ -2141,7 +2142,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(nargs="?", const=True, metavar="true|false")
         elif kind.startswith("tuple"):
             kwargs.update(metavar="LIST")
-        groups[group].add_argument(f"--{f.name}", **kwargs)
+        section.add_argument(f"--{f.name}", **kwargs)
     return parser
 
 
