@@ -807,6 +807,7 @@ def test_bulk_bf16_forward_is_close_to_the_fp32_one():
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
 
 
+@pytest.mark.slow
 def test_bulk_runner_trains_through_the_split_and_the_yarn_change():
     """A few steps of the tiny model with every bulk switch, the x01 optimizers, a YaRN change
     and the split inside: finite, decreasing losses; after the warm-up's restore, tied again."""
