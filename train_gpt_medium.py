@@ -26,6 +26,8 @@ Importing this module has no side effects; everything runs inside `main(argv)`.
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
 import dataclasses
 import difflib
 import glob
@@ -182,6 +184,49 @@ class Hyperparameters:
                                             "contiguous slices)")
     document_cut_tokens: int = recipe(4096, "with document_aligned_batches: a document longer than this keeps only "
                                       "its first N tokens", at_least=1)
+    # ---- bulk record (2025-12-31): model (docs/bulk-model.md). Every default is the record above
+    token_windows: bool = recipe(False, "sliding windows by tokens: a query sees keys at most window x attn_block_size "
+                                 "positions back (off: whole blocks, the own block plus window-1 earlier ones)")
+    yarn_window_limit: int = recipe(0, "YaRN: each time the long window changes to at most this many blocks, stretch "
+                                    "the rotary frequencies and raise the attention scale (bulk record: 13); 0: off",
+                                    at_least=0)
+    rotary_bf16: bool = recipe(False, "rotary cos/sin tables stored in bfloat16 and the rotation done in the "
+                               "activations' dtype (off: fp32 tables and rotation)")
+    key_offset: bool = recipe(False, "long-window layers: each key's non-rotating dims are those of the previous "
+                              "position (one-layer induction)")
+    prenorm_attention: bool = recipe(False, "attention reads norm(x), v is not normed, and the two attention lambdas "
+                                     "scale the qkv and output weights (init 0.5, 1) instead of weighting v and the "
+                                     "value embedding")
+    qkv_init_std: float = recipe(0.5, "q, k, v weights start uniform with std qkv_init_std/sqrt(model_dim) "
+                                 "(bulk record: 1)", above=0)
+    attn_output_gate: bool = recipe(False, "each head's output times sigmoid(G norm(x)[:16]), G zero at the start "
+                                    "(so halved)")
+    value_embed_gate: bool = recipe(False, "the value embedding enters v times 2 sigmoid(G norm(x)[:16]) per head "
+                                    "(1 at the start) instead of a learned lambda")
+    value_embed_zero_init: bool = recipe(False, "value-embedding tables start at zero (off: N(0, 1))")
+    residual_scale_init: float = recipe(1.0, "initial weight of the residual stream at each block's input "
+                                        "(bulk record: 1.05)")
+    separate_x0_lambdas: bool = recipe(False, "the input embeddings' weights at each block's input are a parameter "
+                                       "of their own (x0_lambdas, Adam), not part of the scalar vector")
+    gated_skips: bool = recipe(False, "U-net skips weighted sigmoid(k) x 2 sigmoid(g x00[:16]), k from -1.5, g from "
+                               "zero (off: one learned weight from 1)")
+    untie_embed_after_step: int = recipe(0, "s > 0: the head matrix (N(0, 0.005^2), model dtype) is also the input "
+                                         "embedding until the update of step s, which copies it and its optimizer "
+                                         "state into the input embedding; 0: separate tables from the start",
+                                         at_least=0)
+    smear_embed: bool = recipe(False, "each input-embedding row adds lambda x sigmoid(g e[:16]) x the previous row "
+                               "(lambda from 0)")
+    mlp_proj_transposed: bool = recipe(False, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
+                                       "multiplier 2 for the bulk optimizers")
+    logit_softcap_form: str = recipe("rational", "rational: cap z/sqrt(z^2+cap^2) in fp32; sigmoid: "
+                                     "23 sigmoid((z+5)/7.5), in the model dtype when training, fp32 when evaluating",
+                                     choices=("rational", "sigmoid"))
+    train_loss_reduction: str = recipe("mean", "training loss over a slice's tokens (validation is a mean)",
+                                       choices=("mean", "sum"))
+    pad_vocab_tables: bool = recipe(False, "input and value-embedding tables padded to a multiple of 128 rows, as "
+                                    "the head is")
+    scalar_pad_multiple: int = recipe(1, "scalar vector padded with unused ones to a multiple of this (bulk record: "
+                                      "8, its GPU count)", at_least=1)
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
     device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
     compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
@@ -222,6 +267,11 @@ class Hyperparameters:
     @property
     def padded_vocab_size(self) -> int:
         return -(-self.vocab_size // 128) * 128
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the input and value-embedding tables."""
+        return self.padded_vocab_size if self.pad_vocab_tables else self.vocab_size
 
     @property
     def attn_dim(self) -> int:
@@ -403,7 +453,6 @@ def window_blocks(step: int, config: Hyperparameters) -> int:
 # every value, boundary steps included, is the record's to the last bit.
 
 SHORT_WINDOW_CAP = 11  # blocks: in the scheduled steps the short window is min(11, long // 2)
-YARN_MAX_WINDOW = 13  # blocks: RoPE is rescaled at a long-window change only while the new window is <= 13
 EMBEDDING_SPLIT_FRACTION = 2 / 3 / 4  # of S, rounded up to an odd step: where tied embeddings untie
 
 
@@ -501,15 +550,16 @@ def attention_windows(step: int, config: Hyperparameters) -> tuple[int, int]:
 
 
 def yarn_changes(config: Hyperparameters) -> list[tuple[int, int, int]]:
-    """(step, old long window, new long window) at each training step where the long window of a
-    window_schedule changes to at most YARN_MAX_WINDOW blocks: where RoPE is rescaled (YaRN). The
-    final validation's longer window is not one."""
-    if not config.window_schedule:
+    """(step, old long window, new long window) at each training step where the long window changes
+    to at most yarn_window_limit blocks: where RoPE is rescaled (YaRN). The final validation's
+    longer window is not one. No limit (0): none."""
+    limit = config.yarn_window_limit
+    if not limit:
         return []
     changes, long = [], attention_windows(0, config)[0]
     for step in range(1, config.num_iterations):
         new = attention_windows(step, config)[0]
-        if new != long and new <= YARN_MAX_WINDOW:
+        if new != long and new <= limit:
             changes.append((step, long, new))
         long = new
     return changes
@@ -850,6 +900,69 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+def apply_rotary_in_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """--rotary_bf16: the same rotation without the fp32 round trip: x (B, T, H, D) in its own dtype
+    times the tables (bf16), each product and sum rounded as the dtypes say."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[None, :x.size(1), None, :], sin[None, :x.size(1), None, :]
+    return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
+
+
+# YaRN's interpolation ramp: frequencies turning at most YARN_ALPHA times over the old window are
+# stretched fully (by old/new), those turning YARN_BETA times or more are kept, linear in between
+YARN_ALPHA, YARN_BETA = 1, 32
+
+
+def yarn_rescale(freqs: torch.Tensor, scale: float, old_window: int, new_window: int, block_size: int
+                 ) -> tuple[torch.Tensor, float]:
+    """One YaRN change of the long window from old_window to new_window blocks: (frequencies, attention
+    scale) afterwards. freqs (D/2,) fp32; the scale is a Python float (float64)."""
+    turns = block_size * old_window * freqs / (2 * math.pi)  # full turns over the old window
+    ratio = old_window / new_window
+    ramp = torch.clamp((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0, 1)
+    return freqs * (ratio + ramp * (1 - ratio)), scale * (0.2 * math.log(new_window / old_window) + 1)
+
+
+class RotaryTables(nn.Module):
+    """Rotary cos/sin tables for every position a sequence can have, and the attention scale, held
+    as buffers and rewritten in place (the compiled model reads them, so a change never
+    recompiles). They are a function of the YaRN changes applied so far (`set_changes`), not
+    training state: the Runner derives the changes from the step, so a restored or resumed run
+    rebuilds the same tables. Built with --yarn_window_limit or --rotary_bf16."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        self.config = config
+        positions = max(config.train_seq_len, config.val_seq_len)
+        dtype = torch.bfloat16 if config.rotary_bf16 else torch.float32
+        self.register_buffer("cos", torch.empty(positions, config.head_dim // 2, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(positions, config.head_dim // 2, dtype=dtype), persistent=False)
+        # the scale the attention multiplies q.k by: a 0-d tensor for the compiled FlexAttention
+        # path, and the same value as a Python float for SDPA, which takes only a float
+        self.register_buffer("scale", torch.empty((), dtype=torch.float32), persistent=False)
+        self.scale_value = config.attn_scale
+        self.changes: Optional[tuple] = None  # what the tables hold; None: not built yet
+
+    @torch.no_grad()
+    def set_changes(self, changes: tuple[tuple[int, int], ...]) -> None:
+        """Tables and scale after the YaRN changes ((old, new) windows in blocks, in order) from the
+        base frequencies; nothing to do if they already hold these."""
+        if changes == self.changes:
+            return
+        cfg, device = self.config, self.cos.device
+        quarter = cfg.head_dim // 4
+        freqs = (1 / cfg.rope_base) ** torch.linspace(0, 1, quarter, dtype=torch.float32, device=device)
+        freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
+        scale = cfg.attn_scale
+        for old, new in changes:
+            freqs, scale = yarn_rescale(freqs, scale, old, new, cfg.attn_block_size)
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=device), freqs)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+        self.scale.fill_(scale)
+        self.scale_value, self.freqs, self.changes = scale, freqs, changes
+
+
 # ---- document-causal sliding-window masks (block level first, then what each backend consumes)
 
 def candidate_blocks(ids: torch.Tensor, block_size: int, eot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -894,6 +1007,7 @@ def selected_blocks(counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparameters, backend: str):
     """(long, short) masks for one packed sequence: FlexAttention BlockMasks, or dense (T, T) bools.
+    `window`: the long window in blocks (0-d; the short one is half of it) or [long, short].
 
     Both describe the same thing: the selected full blocks entirely, and inside the selected
     partial blocks the token rule (key_pos <= query_pos, same document).
@@ -901,6 +1015,7 @@ def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparame
     bs = config.attn_block_size
     docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
     full_order, partial_order = most_recent_first(full), most_recent_first(partial)
+    long_window, short_window = long_and_short(window)
 
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
@@ -917,7 +1032,70 @@ def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparame
         return expand(selected_blocks(keep_full, full_order)) | (
             expand(selected_blocks(keep_partial, partial_order)) & token_rule)
 
-    return build(window), build(window // 2)
+    return build(long_window), build(short_window)
+
+
+def long_and_short(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's window argument: a 0-d long window (the short one is half of it), or the pair
+    [long, short] (the bulk record's schedule caps the short one), in blocks."""
+    return (window, window // 2) if window.dim() == 0 else (window[0], window[1])
+
+
+# --token_windows: a query at position q sees the keys k of its own document with q - W <= k <= q,
+# W = window x block size tokens. For query block i and w = window blocks, key blocks i-w+1 .. i-1
+# lie entirely within reach (q - k <= w*bs - 1); block i-w only partly ("the window's edge"),
+# the diagonal block only causally; blocks before i-w not at all.
+
+def token_windowed_blocks(full: torch.Tensor, partial: torch.Tensor, window: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """candidate_blocks' (full, partial) restricted to a token window of `window` blocks: full
+    blocks at the window's edge become partial, blocks beyond it are dropped. (nb, nb) bools."""
+    nb = full.size(-1)
+    q, k = torch.arange(nb, device=full.device)[:, None], torch.arange(nb, device=full.device)[None, :]
+    inside, edge = k > q - window, k == q - window
+    return full & inside, (partial & (inside | edge)) | (full & edge)
+
+
+def token_window_masks(ids: torch.Tensor, long_window: torch.Tensor, short_window: torch.Tensor,
+                       config: Hyperparameters, backend: str):
+    """(long, short) masks of --token_windows for one packed sequence: FlexAttention BlockMasks, or
+    dense (T, T) bools for SDPA. Both keep the selected full blocks entirely and, inside the
+    selected partial blocks, the token rule: causal, same document, at most W positions back.
+    The windows are device tensors (blocks): a new window rebuilds the masks without recompiling."""
+    bs = config.attn_block_size
+    docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
+
+    def build(w):
+        reach = w * bs  # W in tokens, a 0-d tensor the mask_mod reads
+
+        def token_rule(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx]) & (q_idx - kv_idx <= reach)
+
+        keep_full, keep_partial = token_windowed_blocks(full, partial, w)
+        if backend == "flex":
+            count = lambda blocks: blocks.sum(-1, dtype=torch.int32)[None, None]
+            return BlockMask.from_kv_blocks(count(keep_partial), most_recent_first(keep_partial)[None, None],
+                                            count(keep_full), most_recent_first(keep_full)[None, None],
+                                            BLOCK_SIZE=bs, mask_mod=token_rule)
+        pos = torch.arange(ids.numel(), device=ids.device)
+        expand = lambda m: m.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+        return expand(keep_full) | (expand(keep_partial) & token_rule(None, None, pos[:, None], pos[None, :]))
+
+    return build(long_window), build(short_window)
+
+
+# Past dynamo's recompile limit a compiled function silently runs eagerly, and FlexAttention run
+# eagerly ignores the BlockMask's block lists, where the sliding window lives: the loss changes
+# with no error. Runs with flex make that an error, with room for every graph a run compiles (each
+# batch shape, training and evaluation, the tied and untied embedding, the MTP lengths).
+RECOMPILE_LIMIT = 64
+
+
+def fail_instead_of_eager_fallback() -> None:
+    """Dynamo raises at the recompile limit instead of falling back to eager (process-wide)."""
+    config = torch._dynamo.config
+    config.fail_on_recompile_limit_hit = True
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def attention_backend(config: Hyperparameters, device_type: str) -> str:
@@ -927,39 +1105,118 @@ def attention_backend(config: Hyperparameters, device_type: str) -> str:
     return "flex" if device_type == "cuda" else "sdpa"
 
 
-def attend(q, k, v, mask, scale: float) -> torch.Tensor:
-    """Causal attention of (B, T, H, D) tensors under a BlockMask (flex) or a dense bool mask (SDPA)."""
+def attend(q, k, v, mask, scale: float, scale_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of (B, T, H, D) tensors under a BlockMask (flex) or a dense bool mask (SDPA).
+    With `scale_tensor` (a 0-d fp32 tensor of the same value as `scale`, rewritten in place by
+    YaRN) flex multiplies the scores by the tensor, so a new scale needs no recompile."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if isinstance(mask, BlockMask):
         # FlexAttention run eagerly evaluates mask_mod everywhere and ignores the BlockMask's block
         # lists, which carry the sliding window: it always runs compiled, inside the compiled model
-        # or compiled on its own
-        flex = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
-        y = flex(q, k, v, block_mask=mask, scale=scale)
+        # or compiled on its own (and never falls back to eager past the recompile limit)
+        if torch.compiler.is_compiling():
+            flex = flex_attention
+        else:
+            fail_instead_of_eager_fallback()
+            flex = compiled(flex_attention)
+        if scale_tensor is None:
+            y = flex(q, k, v, block_mask=mask, scale=scale)
+        else:  # q.k in fp32, times 1.0, times the scale: the product the scale argument would give
+            y = flex(q, k, v, block_mask=mask, score_mod=lambda score, b, h, q_idx, kv_idx: score * scale_tensor,
+                     scale=1.0)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return y.transpose(1, 2)
 
 
-class Attention(nn.Module):
-    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+def shift_stationary_keys(k: torch.Tensor) -> torch.Tensor:
+    """--key_offset: k (B, T, H, D) with the dims rotary leaves alone (the second quarter of each
+    half: D/4..D/2 and 3D/4..D) taken from position t-1 (position 0 keeps its own). Out of place,
+    from the unshifted k. The shift runs over the packed sequence: a document's first key carries
+    the previous document's last token in those dims."""
+    D = k.size(-1)
+    dims = torch.arange(D, device=k.device)
+    stationary = ((dims >= D // 4) & (dims < D // 2)) | (dims >= 3 * D // 4)
+    previous = torch.cat([k[:, :1], k[:, :-1]], dim=1)
+    return torch.where(stationary, previous, k)
+
+
+# the bulk record's gates read the first GATE_INPUTS features of a normed residual stream
+GATE_INPUTS = 16
+
+
+class Gate(nn.Module):
+    """A gate's pre-activation: (..., outputs) = G x[..., :16], G (outputs, 16) zero at the start,
+    stored in the model dtype. Callers apply the sigmoid and their scale."""
+
+    def __init__(self, outputs: int, dtype: torch.dtype, lr_mul: float, wd_mul: float):
         super().__init__()
-        self.num_heads, self.head_dim, self.scale = config.num_heads, config.head_dim, config.attn_scale
-        # q, k, v, o merged; Muon orthogonalizes the four (attn_dim, model_dim) matrices separately
-        self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(outputs, GATE_INPUTS, dtype=dtype))
+        self.param_multipliers = dict(weight=(lr_mul, wd_mul))
+        set_multipliers(self)
 
     def initial_value(self, name, shape, gen):
-        value = uniform(shape, gen, 3**0.5 * 0.5 / shape[-1] ** 0.5)  # std 0.5/sqrt(fan_in)
+        return torch.zeros(shape)
+
+    def forward(self, x):
+        return F.linear(x[..., :GATE_INPUTS], self.weight.type_as(x))
+
+
+class Attention(nn.Module):
+    """Multi-head attention over the packed sequence. x01: q, k, v all RMS-normed, v mixed with the
+    value embedding by the two attention lambdas. --prenorm_attention (the bulk record): the block
+    hands in norm(x); lambda0 scales the qkv weights (so, after the q/k norms, only v) and lambda1
+    the output weights; the value embedding is added to v. The gates, key offset and YaRN scale
+    are further switches."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype, layer: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = config.num_heads, config.head_dim, config.attn_scale
+        self.qkv_init_std, self.prenorm = config.qkv_init_std, config.prenorm_attention
+        self.key_offset = config.key_offset and layer in config.long_layers
+        self.rotate = apply_rotary_in_dtype if config.rotary_bf16 else apply_rotary
+        # q, k, v, o merged; Muon orthogonalizes the four (attn_dim, model_dim) matrices separately.
+        # o is used as y @ o (x01) or, with --prenorm_attention, as the bulk record stores it: rows
+        # are output features, y @ o^T
+        self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim, dtype=dtype))
+        # gates: group muon_gates, lr multiplier 0.1, zero init
+        self.output_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if config.attn_output_gate else None
+        gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
+        self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if gated_ve else None
+
+    def initial_value(self, name, shape, gen):
+        value = uniform(shape, gen, 3**0.5 * self.qkv_init_std / shape[-1] ** 0.5)  # std qkv_init_std/sqrt(fan_in)
         value[3] = 0  # the output projection starts at zero
         return value
 
-    def forward(self, x, ve, lambdas, cos, sin, mask):
+    def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None):
+        """scale: a float (default: --attn_scale), or None with scale_tensor (0-d, rewritten by YaRN)."""
         B, T = x.shape[:2]
-        q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1)).view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
-        q, k, v = rms_norm(q), rms_norm(k), rms_norm(v)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
-        y = attend(q, k, v, mask, self.scale).reshape(B, T, -1)
+        H, D = self.num_heads, self.head_dim
+        if self.prenorm:
+            w_qkv = lambdas[0] * self.qkvo_w[:3].flatten(0, 1).type_as(x)
+            q, k, v = F.linear(x, w_qkv).view(B, T, 3 * H, D).chunk(3, dim=-2)
+            q, k = rms_norm(q), rms_norm(k)
+        else:
+            q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1)).view(B, T, 3 * H, D).chunk(3, dim=-2)
+            q, k, v = rms_norm(q), rms_norm(k), rms_norm(v)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        if self.key_offset:
+            k = shift_stationary_keys(k)
+        gate_input = x if self.prenorm or (self.value_gate is None and self.output_gate is None) else rms_norm(x)
+        if self.value_gate is not None and ve is not None:
+            weight = 2 * torch.sigmoid(self.value_gate(gate_input)).view(B, T, H, 1)
+            v = v + weight * ve.view_as(v) if self.prenorm else lambdas[0] * v + weight * ve.view_as(v)
+        elif self.prenorm:
+            v = v + ve.view_as(v) if ve is not None else v
+        else:
+            v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        y = attend(q, k, v, mask, self.scale if scale is None and scale_tensor is None else scale, scale_tensor)
+        if self.output_gate is not None:
+            y = y * torch.sigmoid(self.output_gate(gate_input)).view(B, T, H, 1)
+        y = y.reshape(B, T, -1)
+        if self.prenorm:
+            return F.linear(y, lambdas[1] * self.qkvo_w[3].type_as(y))
         return F.linear(y, self.qkvo_w[3].mT)
 
 
@@ -968,7 +1225,13 @@ class MLP(nn.Module):
         super().__init__()
         hidden = config.mlp_ratio * config.model_dim
         self.fc_w = nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype))
-        self.proj_w = nn.Parameter(torch.empty(config.model_dim, hidden, dtype=dtype))
+        # --mlp_proj_transposed stores the output weight as the bulk record does, (hidden, model_dim)
+        # like fc_w, which is the shape its optimizer sees; lr multiplier 2 for the bulk optimizers
+        self.transposed = config.mlp_proj_transposed
+        proj_shape = (hidden, config.model_dim) if self.transposed else (config.model_dim, hidden)
+        self.proj_w = nn.Parameter(torch.empty(*proj_shape, dtype=dtype))
+        self.param_multipliers = dict(proj_w=(2.0, 1.0)) if self.transposed else {}
+        set_multipliers(self)
 
     def initial_value(self, name, shape, gen):
         if name == "fc_w":
@@ -976,22 +1239,35 @@ class MLP(nn.Module):
         return torch.zeros(shape)  # proj starts at zero
 
     def forward(self, x):
+        if self.transposed:
+            hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()
+            return F.linear(hidden, self.proj_w.T.type_as(hidden))
         return F.linear(F.relu(F.linear(x, self.fc_w)).square(), self.proj_w)
 
 
 class Block(nn.Module):
-    def __init__(self, config: Hyperparameters, has_attention: bool, dtype: torch.dtype):
+    def __init__(self, config: Hyperparameters, layer: int, dtype: torch.dtype):
         super().__init__()
-        self.attn = Attention(config, dtype) if has_attention else None
+        self.attn = Attention(config, dtype, layer) if layer in config.attention_layers else None
         self.mlp = MLP(config, dtype)
+        self.prenorm = config.prenorm_attention
+        # --separate_x0_lambdas: the bulk record's first block weights its input (which is x00) once
+        self.fold_first_input = config.separate_x0_lambdas and layer == 0
 
-    def forward(self, x, x0s, block_lambdas, ve, attn_lambdas, cos, sin, mask):
+    def forward(self, x, x0s, resid_weight, x0_weights, ve, attn_lambdas, cos, sin, mask, scale=None,
+                scale_tensor=None):
         # mix the residual stream with every input embedding: x = l0*x + l1*x00 + l2*x01 + ...
-        x = block_lambdas[0] * x
-        for lam, x0 in zip(block_lambdas[1:], x0s):
-            x = x + lam * x0
+        if self.fold_first_input:  # here x is x00 itself: (l0 + l1)*x + l2*x01 + ...
+            x = (resid_weight + x0_weights[0]) * x
+            for lam, x0 in zip(x0_weights[1:], x0s[1:]):
+                x = x + lam * x0
+        else:
+            x = resid_weight * x
+            for lam, x0 in zip(x0_weights, x0s):
+                x = x + lam * x0
         if self.attn is not None:
-            x = x + self.attn(x, ve, attn_lambdas, cos, sin, mask)
+            x = x + self.attn(rms_norm(x) if self.prenorm else x, ve, attn_lambdas, cos, sin, mask, scale,
+                              scale_tensor)
         return x + self.mlp(rms_norm(x))
 
 
@@ -1015,14 +1291,17 @@ class LowRankEmbedding(nn.Module):
 
 
 class Head(nn.Module):
-    """The record's output head: d -> V_pad, fp32 storage, zero init, matmul in the model dtype."""
+    """The record's output head: d -> V_pad, fp32 storage, zero init, matmul in the model dtype.
+    With --untie_embed_after_step it doubles as the input embedding until the split: then it is
+    stored in the model dtype (it is looked up as a table) and starts N(0, 0.005^2)."""
 
-    def __init__(self, dim: int, padded_vocab: int):
+    def __init__(self, dim: int, padded_vocab: int, dtype: torch.dtype = torch.float32, init_std: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(padded_vocab, dim, dtype=torch.float32))
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(padded_vocab, dim, dtype=dtype))
 
     def initial_value(self, name, shape, gen):
-        return torch.zeros(shape)
+        return normal(shape, gen, self.init_std) if self.init_std else torch.zeros(shape)
 
     def forward(self, x):
         return F.linear(x, self.weight.to(x.dtype))
@@ -1062,7 +1341,7 @@ class ValueEmbeddings(nn.Module):
         super().__init__()
         self.config = config
         self.layout = config.value_embed_tables  # table per layer or None
-        self.tables = nn.ModuleList(nn.Embedding(config.vocab_size, config.model_dim, dtype=dtype)
+        self.tables = nn.ModuleList(nn.Embedding(config.table_rows, config.model_dim, dtype=dtype)
                                     for _ in range(config.num_value_embeds))
         coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
         if config.ve_mode == "learned":
@@ -1143,6 +1422,68 @@ class HeadSmear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, d)
         return torch.cat([x[:1], x[1:] + self.weight[0] * x[:-1]])
+# ---- the bulk record's pieces outside the blocks (docs/bulk-model.md), each switched by its field
+
+def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.Tensor:
+    """--smear_embed: e (T, d) with row t >= 1 plus weight * sigmoid(gate(e_t)) * e_(t-1), from the
+    unsmeared rows, over the whole packed sequence (a document's first token gets some of the
+    previous document's last one). `weight` is the learned scalar, 0 at the start."""
+    amount = weight * torch.sigmoid(gate(e[1:]))  # (T-1, 1)
+    return torch.cat([e[:1], e[1:] + amount * e[:-1]])
+
+
+# the bulk record's logit cap: 23 sigmoid((z + 5) / 7.5), values in (0, 23)
+SIGMOID_CAP, SIGMOID_SHIFT, SIGMOID_TEMPERATURE = 23.0, 5.0, 7.5
+
+
+def sigmoid_softcap(z: torch.Tensor) -> torch.Tensor:
+    """--logit_softcap_form=sigmoid, in z's dtype."""
+    return SIGMOID_CAP * torch.sigmoid((z + SIGMOID_SHIFT) / SIGMOID_TEMPERATURE)
+
+
+def multi_token_targets(targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For multi-token prediction: ((T, n) the target k positions after each position's own,
+    (T, n) whether that target lies inside the sequence); column 0 is the next-token target."""
+    T = targets.numel()
+    ahead = torch.arange(T, device=targets.device)[:, None] + torch.arange(n, device=targets.device)[None, :]
+    inside = ahead < T
+    return targets[ahead.clamp_max(T - 1)], inside
+
+
+def multi_token_loss(logits: torch.Tensor, targets: torch.Tensor, inside: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """sum_t sum_k w_k (logsumexp(z_t) - z_t[y_(t+k)]): every k from the same logits z_t (n, V),
+    targets and inside (n, K) from multi_token_targets, weights (K,). Terms past the sequence are
+    zero; no document mask, no normalization by the weights' sum (as the bulk record)."""
+    losses = torch.logsumexp(logits, dim=-1, keepdim=True) - logits.gather(1, targets)
+    return (torch.where(inside, losses, 0) * weights).sum()
+
+
+def scalar_layout(config: Hyperparameters) -> list[tuple[str, list[float]]]:
+    """The scalar vector's slots in order, (name, initial values). x01: skip weights (by source
+    layer), block lambdas (per layer: residual, then each input embedding), attention lambdas.
+    With every bulk switch on it is the bulk record's vector: residual weights, attention
+    lambdas, smear weight, [backout weight], skip gains, padding."""
+    L, n_embeds, rho = config.num_layers, 1 + config.num_extra_embeds, config.residual_scale_init
+    slots = []
+    if not config.gated_skips:
+        slots.append(("skip_w", [1.0] * L))
+    if config.separate_x0_lambdas:
+        slots.append(("resid", [rho] * L))
+    else:
+        slots.append(("block_lambdas", ([rho] + [0.0] * n_embeds) * L))
+    slots.append(("attn_lambdas", ([0.5, 1.0] if config.prenorm_attention else [0.5, 0.5]) * L))
+    if config.smear_embed:
+        slots.append(("smear", [0.0]))
+    if config.gated_skips:
+        slots.append(("skip_gain", [-1.5] * len(config.skip_connections)))
+    # the bulk record pads its vector, which holds the subtractive backout's weight too (here that
+    # weight is the Backout module's own parameter), to a multiple of its GPU count
+    backout_weights = 1 if config.backout == "subtract" else 0
+    pad = -(sum(len(values) for _, values in slots) + backout_weights) % config.scalar_pad_multiple
+    if pad:
+        slots.append(("pad", [1.0] * pad))  # unused
+    return slots
 
 
 # ---- the model
@@ -1155,63 +1496,110 @@ class GPT(nn.Module):
     def __init__(self, config: Hyperparameters, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.config, self.dtype = config, dtype
-        V, d, L = config.vocab_size, config.model_dim, config.num_layers
+        V, d, L = config.table_rows, config.model_dim, config.num_layers
         r = config.lore_rank
         self.embeds = nn.ModuleList(
             LowRankEmbedding(V, r, d, config.lore_init, dtype) if config.lore_input else nn.Embedding(V, d, dtype=dtype)
             for _ in range(1 + config.num_extra_embeds))
         self.value_embeds = ValueEmbeddings(config, dtype)
-        attention_layers = set(config.attention_layers)
         self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
-        self.blocks = nn.ModuleList(Block(config, i in attention_layers, dtype) for i in range(L))
-        # only the head is padded (to a multiple of 128)
+        self.blocks = nn.ModuleList(Block(config, i, dtype) for i in range(L))
+        # only the head is padded (to a multiple of 128), unless --pad_vocab_tables
+        tied = config.untie_embed_after_step > 0
         self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init) if config.lore_output
+                     else Head(d, config.padded_vocab_size, dtype, init_std=0.005) if tied
                      else Head(d, config.padded_vocab_size))
-        # one fp32 vector: skip weights (L), block lambdas (L x (2 + extra)), attention lambdas (L x 2)
+        # one fp32 vector of named slots (scalar_layout); x01: skip weights (L), block lambdas
+        # (L x (2 + extra)), attention lambdas (L x 2)
         self.num_mix = 2 + config.num_extra_embeds
-        self.scalars = nn.Parameter(torch.empty(L * (1 + self.num_mix + 2), dtype=torch.float32))
+        self.scalar_layout = scalar_layout(config)
+        self.scalars = nn.Parameter(torch.empty(sum(len(v) for _, v in self.scalar_layout), dtype=torch.float32))
         # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream)
         self.output_mix = nn.Parameter(torch.empty(2, dtype=torch.float32)) if config.x00_at_output else None
         self.backout = Backout(config.backout, config.backout_layer) if config.backout != "off" else None
         self.head_smear = HeadSmear() if config.head_smear else None
+        # ---- the bulk record's switches (docs/bulk-model.md)
+        # --separate_x0_lambdas: per layer the weights of x00, x01, ...; Adam group x0_lambdas,
+        # lr multiplier 5, no weight decay, zero at the start
+        self.x0_lambdas = None
+        if config.separate_x0_lambdas:
+            self.x0_lambdas = nn.Parameter(torch.empty(L * (self.num_mix - 1), dtype=torch.float32))
+        self.param_multipliers = dict(x0_lambdas=(5.0, 0.0)) if config.separate_x0_lambdas else {}
+        # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
+        self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) if config.smear_embed else None
+        self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) for _ in config.skip_connections)
+                           if config.gated_skips else None)
+        self.skip_index = {target: j for j, (target, _) in enumerate(config.skip_connections)}
+        # --yarn_window_limit / --rotary_bf16: rotary tables as buffers (x01 computes them each forward)
+        self.rotary = RotaryTables(config) if config.yarn_window_limit or config.rotary_bf16 else None
+        # --untie_embed_after_step: the input embedding is the head matrix until the split (a Python
+        # flag: embeds[0] gets no gradient at all until then; a compiled model compiles each state once)
+        self.embed_tied = tied
+        set_multipliers(self)
 
     def initial_value(self, name, shape, gen):
         if name == "output_mix":
             return torch.tensor([1.0, 0.0])  # starts as the record: x00 weighted 0
-        L = self.config.num_layers
-        skip_w, block_lambdas, attn_lambdas = torch.empty(shape).split([L, L * self.num_mix, 2 * L])
-        skip_w.fill_(1.0)
-        block_lambdas.view(L, self.num_mix).copy_(torch.tensor([1.0] + [0.0] * (self.num_mix - 1)))
-        attn_lambdas.fill_(0.5)
-        return torch.cat([skip_w, block_lambdas, attn_lambdas])
+        if name == "x0_lambdas":
+            return torch.zeros(shape)
+        return torch.tensor([v for _, values in self.scalar_layout for v in values], dtype=torch.float32)
+
+    def scalar_slots(self) -> dict[str, torch.Tensor]:
+        """Views of the scalar vector by slot name (scalar_layout)."""
+        names, sizes = zip(*((name, len(values)) for name, values in self.scalar_layout))
+        return dict(zip(names, self.scalars.split(list(sizes))))
 
     def scalar_views(self):
-        L = self.config.num_layers
-        skip_w, block_lambdas, attn_lambdas = self.scalars.split([L, L * self.num_mix, 2 * L])
-        return skip_w, block_lambdas.view(L, self.num_mix), attn_lambdas.view(L, 2)
+        """x01's slots: skip weights (L,), block lambdas (L, 2 + extra), attention lambdas (L, 2)."""
+        L, slots = self.config.num_layers, self.scalar_slots()
+        return slots["skip_w"], slots["block_lambdas"].view(L, self.num_mix), slots["attn_lambdas"].view(L, 2)
+
+    def mixing_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per layer, the block input's weight on the residual stream (L,) and on each input
+        embedding (L, 1 + extra), whichever parameter holds them."""
+        L, slots = self.config.num_layers, self.scalar_slots()
+        if self.x0_lambdas is not None:
+            return slots["resid"], self.x0_lambdas.view(L, -1)
+        lambdas = slots["block_lambdas"].view(L, self.num_mix)
+        return lambdas[:, 0], lambdas[:, 1:]
 
     def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window: torch.Tensor,
-                reduction: str = "mean") -> torch.Tensor:
-        """Next-token cross-entropy of one packed sequence: the mean, or per token (T,) with
-        reduction="none". input_seq (T,) int32, target_seq (T,) int64, window: 0-dim int tensor,
-        the long window in blocks (a tensor so a new value needs no recompile)."""
+                reduction: Optional[str] = None, mtp_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Cross-entropy of one packed sequence. input_seq (T,) int32, target_seq (T,) int64; window:
+        the long window in blocks as a 0-d int tensor (the short one is half), or [long, short]
+        (tensors, so a new value needs no recompile). reduction: "mean", "sum" or "none" (per token,
+        (T,)); default: --train_loss_reduction in training mode, the mean in evaluation.
+        mtp_weights (K,) (training only): the multi-token prediction loss with these weights;
+        None: the next-token loss."""
         cfg = self.config
         T = input_seq.numel()
+        reduction = reduction or (cfg.train_loss_reduction if self.training else "mean")
         backend = attention_backend(cfg, input_seq.device.type)
-        long_mask, short_mask = attention_masks(input_seq, window, cfg, backend)
-        cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
-        x0s = [rms_norm(embed(input_seq))[None] for embed in self.embeds]  # each (1, T, d)
+        long_mask, short_mask = (token_window_masks(input_seq, *long_and_short(window), cfg, backend)
+                                 if cfg.token_windows else attention_masks(input_seq, window, cfg, backend))
+        scale, scale_tensor = cfg.attn_scale, None
+        if self.rotary is None:
+            cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
+        else:
+            cos, sin = self.rotary.cos[:T], self.rotary.sin[:T]
+            if cfg.yarn_window_limit:  # a scale that changes: the tensor for flex, its float for SDPA
+                flex = backend == "flex"
+                scale, scale_tensor = (None, self.rotary.scale) if flex else (self.rotary.scale_value, None)
+        x0s = self.input_embeddings(input_seq)  # each (1, T, d)
         ves = self.value_embeds(input_seq)  # per layer (T, d) or None
-        skip_w, block_lambdas, attn_lambdas = self.scalar_views()
+        slots = self.scalar_slots()
+        resid_weights, x0_weights = self.mixing_weights()
+        attn_lambdas = slots["attn_lambdas"].view(cfg.num_layers, 2)
         skips, long_layers = self.skips, self.long_layers
         # activation checkpointing keeps only each block's input and recomputes the block in backward
         recompute = cfg.activation_checkpointing and torch.is_grad_enabled()
         x, outputs = x0s[0], []
         for i, block in enumerate(self.blocks):
             if i in skips:
-                x = x + skip_w[skips[i]] * outputs[skips[i]]
+                x = x + self.skip_weight(i, x0s[0], slots) * outputs[skips[i]]
             mask = long_mask if i in long_layers else short_mask
-            args = (x, x0s, block_lambdas[i], ves[i], attn_lambdas[i], cos, sin, mask)
+            args = (x, x0s, resid_weights[i], x0_weights[i], ves[i], attn_lambdas[i], cos, sin, mask, scale,
+                    scale_tensor)
             x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             outputs.append(x)
         if self.backout is not None:
@@ -1224,22 +1612,70 @@ class GPT(nn.Module):
             x = self.head_smear(x)
         # with recomputation the fp32 (T, V) logits would dominate memory: one recomputed chunk at a time
         num_chunks = max(T // LOSS_CHUNK_TOKENS, 1) if recompute else (1 if self.training else 4)
-        return self.loss(x, target_seq, num_chunks, reduction, recompute)
+        return self.loss(x, target_seq, num_chunks, reduction, recompute,
+                         mtp_weights if self.training else None)
+
+    def input_embeddings(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """x00, x01, ...: each input embedding of the tokens, RMS-normed, (1, T, d). x00's table is
+        the head matrix while tied (--untie_embed_after_step), then smeared (--smear_embed)."""
+        if not self.embed_tied and self.smear_gate is None:
+            return [rms_norm(embed(ids))[None] for embed in self.embeds]
+        first = F.embedding(ids, self.head.weight) if self.embed_tied else self.embeds[0](ids)
+        if self.smear_gate is not None:
+            first = smear_embedding(first, self.smear_gate, self.scalar_slots()["smear"][0])
+        return [rms_norm(first)[None]] + [rms_norm(embed(ids))[None] for embed in self.embeds[1:]]
+
+    def skip_weight(self, target: int, x00: torch.Tensor, slots: dict) -> torch.Tensor:
+        """The U-net skip into block `target`: x01's learned weight (of the source layer), or with
+        --gated_skips sigmoid(gain) * 2 sigmoid(gate(x00)), (1, T, 1)."""
+        if self.skip_gates is None:
+            return slots["skip_w"][self.skips[target]]
+        j = self.skip_index[target]
+        return torch.sigmoid(slots["skip_gain"][j]) * 2 * torch.sigmoid(self.skip_gates[j](x00))
+
+    @torch.no_grad()
+    def untie_embedding(self, optimizers) -> None:
+        """The split of --untie_embed_after_step: the input embedding becomes a copy of the head
+        matrix, and in every optimizer that holds state for the head, its state becomes a copy of
+        the head's (tensors cloned: moments, step counts), so it goes on as if it had been trained
+        as the head so far. From now on the forward reads it."""
+        head, table = self.head.weight, self.embeds[0].weight
+        table.copy_(head)
+        for opt in optimizers:
+            if head in opt.state:
+                opt.state[table] = {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                    for k, v in opt.state[head].items()}
+        self.embed_tied = False
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int, reduction: str = "mean",
-             recompute: bool = False) -> torch.Tensor:
-        """Soft-capped fp32 logits and cross-entropy; chunks bound the (T, V) logits' memory."""
+             recompute: bool = False, mtp_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Soft-capped logits and cross-entropy (or the multi-token loss); chunks bound the (T, V)
+        logits' memory. reduction: mean, sum or none (per token)."""
         per_token = reduction == "none"
-        parts = [checkpoint(self.chunk_loss, xc, tc, per_token, use_reentrant=False) if recompute
-                 else self.chunk_loss(xc, tc, per_token)
-                 for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks))]
-        return torch.cat(parts) if per_token else sum(parts) / targets.numel()
+        if mtp_weights is not None and not per_token:
+            ahead, inside = multi_token_targets(targets, mtp_weights.numel())
+            part = lambda xc, tc, ic: multi_token_loss(self.logits(xc), tc, ic, mtp_weights)
+            chunks = zip(x.chunk(num_chunks), ahead.chunk(num_chunks), inside.chunk(num_chunks))
+            parts = [checkpoint(part, *c, use_reentrant=False) if recompute else part(*c) for c in chunks]
+        else:
+            parts = [checkpoint(self.chunk_loss, xc, tc, per_token, use_reentrant=False) if recompute
+                     else self.chunk_loss(xc, tc, per_token)
+                     for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks))]
+        if per_token:
+            return torch.cat(parts)
+        # bf16 chunk sums (the sigmoid cap in training) are added in fp32
+        total = sum(parts) if len(parts) == 1 or parts[0].dtype == torch.float32 else sum(p.float() for p in parts)
+        return total if reduction == "sum" else total / targets.numel()
 
     def chunk_loss(self, x: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
         return F.cross_entropy(self.logits(x), targets, reduction="none" if per_token else "sum")
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Soft-capped fp32 logits (n, V_pad) of final-normed rows x: 15 z / sqrt(z^2 + 225)."""
+        """Soft-capped logits (n, V_pad) of final-normed rows x. x01: 15 z / sqrt(z^2 + 225) in fp32.
+        --logit_softcap_form=sigmoid: in the model dtype in training, fp32 in evaluation."""
+        if self.config.logit_softcap_form == "sigmoid":
+            z = self.head(x)
+            return sigmoid_softcap(z if self.training else z.float())
         cap, z = self.config.logit_softcap, self.head(x).float()
         return cap * z * torch.rsqrt(z.square() + cap * cap)
 
@@ -1261,6 +1697,16 @@ def _param_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
+def set_multipliers(model: nn.Module) -> None:
+    """The lr_mul / wd_mul attributes the bulk record's optimizers read on each parameter (absent:
+    1), from its module's `param_multipliers` {name: (lr_mul, wd_mul)}; set again whenever the
+    parameters are made anew (to_empty)."""
+    for module in model.modules():
+        for name, (lr_mul, wd_mul) in getattr(module, "param_multipliers", {}).items():
+            p = getattr(module, name)
+            p.lr_mul, p.wd_mul = lr_mul, wd_mul
+
+
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> None:
     """The record's init and the seed ideas': each module says how its parameters start (`initial_value`); values are
@@ -1269,11 +1715,15 @@ def init_parameters(model: GPT, seed: int) -> None:
         for name, p in module.named_parameters(recurse=False):
             gen = _param_generator(seed, f"{module_name}.{name}".lstrip("."))
             if isinstance(module, nn.Embedding):
-                p.copy_(normal(p.shape, gen, 1.0))
+                zero = model.config.value_embed_zero_init and module_name.startswith("value_embeds.")
+                p.copy_(torch.zeros(p.shape) if zero else normal(p.shape, gen, 1.0))
             else:
                 p.copy_(module.initial_value(name, p.shape, gen))
     if model.value_embeds.coeffs is not None:
         model.value_embeds.coeffs.copy_(model.value_embeds.initial_value())  # a buffer when frozen
+    if model.rotary is not None:
+        model.rotary.changes = None
+        model.rotary.set_changes(())  # the base tables
 
 
 def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
@@ -1315,6 +1765,13 @@ def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
         "muon_mlp": [p for b in model.blocks for p in b.mlp.parameters()],
         "muon_lore": [e.proj for e in model.embeds if isinstance(e, LowRankEmbedding)]
                      + ([head.down] if isinstance(head, LowRankHead) else []),
+        # the bulk record's (docs/bulk-model.md): the input embeddings' weights at each block, the
+        # (1, 16) gates of the smear and the skips (Adam), the heads' (H, 16) gates (Muon)
+        "x0_lambdas": [p for p in [model.x0_lambdas] if p is not None],
+        "gates": ([model.smear_gate.weight] if model.smear_gate is not None else [])
+                 + ([g.weight for g in model.skip_gates] if model.skip_gates is not None else []),
+        "muon_gates": [g.weight for b in model.blocks if b.attn is not None
+                       for g in (b.attn.output_gate, b.attn.value_gate) if g is not None],
     }
     groups = {name: ps for name, ps in groups.items() if ps}
     assert sum(len(ps) for ps in groups.values()) == len(list(model.parameters()))
@@ -1597,15 +2054,19 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks
     (its per-matrix update compiled with `compile_muon`)."""
     groups = parameter_groups(model)
+    # the bulk record's x0_lambdas and (1, 16) gates take the scalar lr here (its own optimizers
+    # read each parameter's lr_mul and wd_mul; these do not)
     adam_lrs = dict(head=config.head_lr, embed=config.embed_lr, value_embed=config.embed_lr,
-                    ve_coeff=config.ve_coeff_lr, scalar=config.scalar_lr)
+                    ve_coeff=config.ve_coeff_lr, scalar=config.scalar_lr, x0_lambdas=config.scalar_lr,
+                    gates=config.scalar_lr)
     fused = next(model.parameters()).is_cuda
     adam = torch.optim.Adam([dict(params=groups[name], lr=lr, name=name) for name, lr in adam_lrs.items() if name in groups],
                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=0.0,
                             fused=fused)
     wd_muls = dict(muon_mlp=config.mlp_weight_decay_mul)
     muon_groups = [dict(params=groups[name], name=name, wd_mul=wd_muls.get(name, 1.0))
-                   for name in ("muon_attn", "muon_mlp", "muon_lore") if name in groups]  # no attention: no muon_attn
+                   for name in ("muon_attn", "muon_mlp", "muon_lore", "muon_gates")
+                   if name in groups]  # no attention: no muon_attn
     muon = Muon(muon_groups,
                 lr=config.muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
                 rank=rank, world_size=world_size, compile_update=compile_muon,
@@ -1683,25 +2144,62 @@ class Runner:
         use_compile = compile_enabled(config, device)
         self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
         self.outer = build_outer_optimizer(self.model, self.optimizers, config)  # None without Snoo
+        if use_compile:
+            fail_instead_of_eager_fallback()
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
-        self.window_blocks = torch.ones((), dtype=torch.int32, device=device)
+        # the long window in blocks (the short one is its half), or [long, short] where a
+        # window_schedule caps the short one
+        self.window_blocks = torch.ones((2,) if config.window_schedule else (), dtype=torch.int32, device=device)
+        self.yarn_steps = yarn_changes(config)  # --yarn_window_limit: where the rotary tables are rescaled
+        # multi-token prediction weights: one small device buffer, refilled in place (mtp_input)
+        self.mtp_buffer = torch.zeros(0, device=device)
         # the first step whose loss was nan/inf, kept on the device: checking it costs a host sync,
         # so the loop reads it only where it syncs anyway (validation, checkpoints, the end)
         self.first_nonfinite = torch.full((), NO_STEP, dtype=torch.int64, device=device)
 
     def window(self, step: int) -> torch.Tensor:
+        """The forward's window tensor for `step`; with YaRN, also the rotary tables of that step."""
+        if self.model.rotary is not None and self.yarn_steps:
+            self.model.rotary.set_changes(tuple((old, new) for s, old, new in self.yarn_steps if s <= step))
         # one device tensor refilled in place: torch.tensor(..., device="cuda") each step would be
         # a blocking host-to-device copy; fill_ is an ordinary kernel launch
-        return self.window_blocks.fill_(attention_windows(step, self.config)[0])
+        long, short = attention_windows(step, self.config)
+        if self.window_blocks.dim() == 0:
+            return self.window_blocks.fill_(long)
+        self.window_blocks[0].fill_(long)
+        self.window_blocks[1].fill_(short)
+        return self.window_blocks
 
-    def train_step(self, step: int, batches) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss."""
+    def set_embedding_tie(self, step: int) -> None:
+        """--untie_embed_after_step: whether step `step` reads the input embedding from the head."""
+        if self.config.untie_embed_after_step:
+            self.model.embed_tied = step <= self.config.untie_embed_after_step
+
+    def mtp_input(self, weights) -> Optional[torch.Tensor]:
+        """The forward's mtp_weights for a step's list of weights: None for the next-token loss (no
+        list, or [1]), else a view of one device buffer refilled in place (a kernel launch per
+        weight, no host-device copy; each length is its own compiled shape)."""
+        if weights is None or list(weights) == [1.0]:
+            return None
+        if self.mtp_buffer.numel() < len(weights):
+            self.mtp_buffer = torch.zeros(len(weights), device=self.device)
+        view = self.mtp_buffer[:len(weights)]
+        for k, w in enumerate(weights):
+            view[k].fill_(w)
+        return view
+
+    def train_step(self, step: int, batches, mtp_weights=None) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss.
+        mtp_weights: this step's multi-token prediction weights (a list of floats), or None."""
         window, scale = self.window(step), 1.0 / (self.micro_steps * self.world_size)
+        self.set_embedding_tie(step)
+        mtp = self.mtp_input(mtp_weights)
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             self.averager.armed = i == len(batches) - 1
-            loss = self.forward(inputs, targets, window)
+            loss = self.forward(inputs, targets, window) if mtp is None else self.forward(inputs, targets, window,
+                                                                                        mtp_weights=mtp)
             (loss * scale).backward()
             total += loss.detach() / len(batches)
         self.first_nonfinite.masked_fill_(~torch.isfinite(total) & (self.first_nonfinite > step), step)
@@ -1712,6 +2210,8 @@ class Runner:
         if self.outer is not None:
             self.outer.step()
         self.model.zero_grad(set_to_none=True)
+        if step == self.config.untie_embed_after_step > 0:  # the split: right after this step's update
+            self.model.untie_embedding(self.optimizers)
         return total
 
     def nonfinite_step(self) -> Optional[int]:
@@ -1729,6 +2229,7 @@ class Runner:
         size. BPB = nats / (ln 2 x bytes) over targets with a byte length (end-of-text has none
         and is left out of both sums); None without a byte table."""
         cfg, window = self.config, self.window(step)
+        self.set_embedding_tie(step)
         self.model.eval()
         step_tokens = cfg.batch_slices * cfg.val_seq_len
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, nats with bytes, bytes
@@ -1772,6 +2273,7 @@ class Runner:
         restore_state(self.model, self.optimizers, saved)
         if self.outer is not None:
             self.outer.load_state_dict(saved_outer)  # anchors, no momentum yet, the counter back to 0
+        self.set_embedding_tie(0)  # the warm-up may have passed the split
         self.first_nonfinite.fill_(NO_STEP)
         del saved
         reset_peak_memory(self.device)
@@ -2221,6 +2723,17 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     need(all(m >= 0 for m in cfg.lr_peaks), "lr_peaks", "multipliers must be >= 0")
     need(cfg.muon_momentum_cooldown_steps <= cfg.num_iterations, "muon_momentum_cooldown_steps",
          f"must be at most num_iterations={cfg.num_iterations}")
+    if cfg.prenorm_attention:
+        need(cfg.attn_dim == cfg.model_dim, "prenorm_attention",
+             "needs num_heads*head_dim == model_dim (the output weight is stored as the bulk record stores it)")
+    for flag in ("attn_output_gate", "value_embed_gate", "smear_embed", "gated_skips"):
+        need(not getattr(cfg, flag) or cfg.model_dim >= GATE_INPUTS, flag,
+             f"its gates read the first {GATE_INPUTS} features: model_dim must be at least {GATE_INPUTS}")
+    if cfg.untie_embed_after_step:
+        need(not (cfg.lore_input or cfg.lore_output), "untie_embed_after_step",
+             "the head doubles as the input table: not with --lore_input or --lore_output")
+        need(cfg.pad_vocab_tables, "untie_embed_after_step",
+             "the input table becomes a copy of the head: pass --pad_vocab_tables so both have the head's rows")
     return cfg
 
 
@@ -2991,14 +3504,34 @@ def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
 # ---- accounting: parameters, optimizer state, FLOPs, learned scalars; the dry run
 
 def parameter_counts(model: GPT) -> dict[str, int]:
+    """Parameters per optimizer group and in total; with --untie_embed_after_step also how many
+    are in use before the split (the input table is not read until then)."""
     counts = {name: sum(p.numel() for p in ps) for name, ps in parameter_groups(model).items()}
-    return {**counts, "total": sum(counts.values())}
+    counts["total"] = sum(counts.values())
+    if model.config.untie_embed_after_step:
+        counts["in_use_before_split"] = counts["total"] - model.embeds[0].weight.numel()
+    return counts
 
 
-def keys_per_query(window: int, block_size: int) -> float:
+def keys_per_query(window: int, block_size: int, token_level: bool = False) -> float:
     """Keys a query attends under a causal window of `window` blocks, away from the sequence start
-    (documents ignored): the window's earlier blocks whole, plus its own block up to itself."""
+    (documents ignored): the window's earlier blocks whole, plus its own block up to itself; with
+    token-level windows, itself and the window x block_size keys before it."""
+    if token_level:
+        return window * block_size + 1
     return max(window - 1, 0) * block_size + (block_size + 1) / 2
+
+
+def attention_flops_per_token(config: Hyperparameters, long_window: int, short_window: int) -> float:
+    """Attention scores and values, 12 x attn_dim x keys per query, summed over the attention layers."""
+    per_layer = [keys_per_query(long_window if i in config.long_layers else short_window, config.attn_block_size,
+                                config.token_windows) for i in config.attention_layers]
+    return 12 * config.attn_dim * sum(per_layer)
+
+
+def schedule_windows(config: Hyperparameters) -> list[tuple[int, int]]:
+    """(long, short) window of every training step, in blocks."""
+    return [attention_windows(s, config) for s in range(config.num_iterations)]
 
 
 def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
@@ -3007,15 +3540,20 @@ def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
     groups = parameter_groups(model)
     matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
                          for p in ps)
-    windows = [attention_windows(s, config)[0] for s in range(config.num_iterations)]
-    long_layers = config.long_layers
+    windows = schedule_windows(config)
     attention = 0.0
-    for w, n in zip(*np.unique(windows, return_counts=True)):
-        per_layer = [keys_per_query(w if i in long_layers else w // 2, config.attn_block_size)
-                     for i in config.attention_layers]
-        attention += n * 12 * config.attn_dim * sum(per_layer)
+    for (long_window, short_window), n in sorted(collections.Counter(windows).items()):
+        attention += n * attention_flops_per_token(config, long_window, short_window)
     attention /= len(windows)
     return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
+
+
+def flops_by_window(config: Hyperparameters, model: GPT) -> dict[str, float]:
+    """Model FLOPs per token at each (long, short) window of the schedule, in the schedule's order
+    ("long/short": FLOPs)."""
+    weights = flops_per_token(config, model)["weights"]
+    return {f"{lw}/{sw}": weights + attention_flops_per_token(config, lw, sw)
+            for lw, sw in dict.fromkeys(schedule_windows(config))}
 
 
 def optimizer_state_bytes(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> int:
@@ -3130,19 +3668,39 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
     if config.snoo_period:
         lines.append(f"snoo state: {mib(snoo_state_bytes(model, config)):.1f} MiB on every process (an anchor and a "
                      "momentum buffer per parameter)")
+    if "in_use_before_split" in counts:
+        lines.append(f"params in use before the split (step {config.untie_embed_after_step}; the input table is "
+                     f"unread until then): {counts['in_use_before_split']:,}")
+    if model.config.scalar_pad_multiple > 1:
+        pads = dict(model.scalar_layout).get("pad", [])
+        lines.append(f"scalars: {model.scalars.numel()} ({len(pads)} of them padding to a multiple of "
+                     f"{model.config.scalar_pad_multiple}, unused)")
     lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
+    if config.token_windows:
+        lines.append("flops_per_token by window (long/short blocks): "
+                     + ", ".join(f"{w} {f:.4e}" for w, f in flops_by_window(config, model).items()))
     return lines
 
 
 def learned_scalars_lines(model: GPT) -> list[str]:
-    """The learned mixing weights per layer (which layers use which embedding)."""
-    skip_w, block_lambdas, attn_lambdas = (t.detach().float().cpu() for t in model.scalar_views())
-    names = ["x"] + [f"x0{e}" for e in range(block_lambdas.size(1) - 1)]
+    """The learned mixing weights per layer (which layers use which embedding), the attention
+    lambdas and the skip weights (x01: per source layer; --gated_skips: the gain into each target)."""
+    L, cfg = model.config.num_layers, model.config
+    slots = {name: t.detach().float().cpu() for name, t in model.scalar_slots().items()}
+    resid, x0_weights = (t.detach().float().cpu() for t in model.mixing_weights())
+    attn_lambdas = slots["attn_lambdas"].view(L, 2)
+    names = ["x"] + [f"x0{e}" for e in range(x0_weights.size(1))]
+    attn_names = ("attn_qkv", "attn_out") if cfg.prenorm_attention else ("attn_v", "attn_ve")
+    gains = {target: slots["skip_gain"][j].item() for target, j in model.skip_index.items()} if cfg.gated_skips else {}
     lines = []
-    for i in range(block_lambdas.size(0)):
-        mix = " ".join(f"{n}:{v:.4f}" for n, v in zip(names, block_lambdas[i].tolist()))
+    for i in range(L):
+        mix = " ".join(f"{n}:{v:.4f}" for n, v in zip(names, [resid[i].item()] + x0_weights[i].tolist()))
         a0, a1 = attn_lambdas[i].tolist()
-        lines.append(f"lambdas layer {i}: {mix} attn_v:{a0:.4f} attn_ve:{a1:.4f} skip_w:{skip_w[i].item():.4f}")
+        skip = (f" skip_gain:{gains[i]:.4f}" if i in gains else "") if cfg.gated_skips else \
+            f" skip_w:{slots['skip_w'][i].item():.4f}"
+        lines.append(f"lambdas layer {i}: {mix} {attn_names[0]}:{a0:.4f} {attn_names[1]}:{a1:.4f}{skip}")
+    if "smear" in slots:
+        lines.append(f"lambdas smear: {slots['smear'][0].item():.4f}")
     if model.output_mix is not None:
         lines.append("lambdas output: x:{:.4f} x00:{:.4f}".format(*model.output_mix.detach().float().tolist()))
     if model.backout is not None:
@@ -3189,9 +3747,14 @@ def dry_run(config: Hyperparameters) -> int:
         total = next(line for line in accounting_lines(other_model, config) if line.startswith("params total:"))
         print(f"on {other} instead ({str(other_model.dtype).removeprefix('torch.')} weights): {total}")
     counts, flops = parameter_counts(model), flops_per_token(config, model)
+    extra = {}
+    if config.untie_embed_after_step:
+        extra["params_in_use_before_split"] = counts.pop("in_use_before_split")
+    if config.token_windows:
+        extra["flops_per_token_by_window"] = flops_by_window(config, model)
     print(json.dumps(dict(total_params=counts["total"], params_by_group={k: v for k, v in counts.items() if k != "total"},
                           flops_per_token=flops["total"], flops_per_token_weights=flops["weights"],
-                          flops_per_token_attention=flops["attention"])))
+                          flops_per_token_attention=flops["attention"], **extra)))
     return 0
 
 

@@ -98,7 +98,7 @@ def describe(model, h, k, vocab, target=None) -> str:
 def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, position: int, k: int,
            token: int, seq_len: int) -> list[str]:
     vocab, out = Vocabulary(config.vocab_size), []
-    block_lambdas = model.scalar_views()[1].detach()
+    x0_weights = model.mixing_weights()[1].detach()  # (L, input embeddings)
     inputs = None
     if val_tokens is not None:
         ids = val_tokens[:seq_len + 1].long()
@@ -107,7 +107,7 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
     for i, line in enumerate(tg.learned_scalars_lines(model)[:config.num_layers]):  # as the run log ends
         if inputs is not None:
             rms = inputs[i].square().mean().sqrt().item()
-            shares = " ".join(f"x0{e}/rms:{v / rms:+.4f}" for e, v in enumerate(block_lambdas[i, 1:].tolist()))
+            shares = " ".join(f"x0{e}/rms:{v / rms:+.4f}" for e, v in enumerate(x0_weights[i].tolist()))
             line += f"  rms(x):{rms:.3f} {shares}"
         out.append(line)
     if inputs is not None:

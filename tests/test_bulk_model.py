@@ -1,0 +1,841 @@
+"""The bulk record's model switches (docs/bulk-model.md): each against a computation done another
+way (a literal mask, a float64 formula or loop, the switch's neutral value), and the whole bulk
+forward against a float64 loop-by-loop forward written here from the description of the model."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt_medium as tg
+
+# every model switch of the bulk record, and the x01 fields the record changes
+BULK = dict(token_windows=True, yarn_window_limit=13, rotary_bf16=True, key_offset=True, prenorm_attention=True,
+            qkv_init_std=1.0, attn_output_gate=True, value_embed_gate=True, value_embed_zero_init=True,
+            residual_scale_init=1.05, separate_x0_lambdas=True, gated_skips=True, untie_embed_after_step=785,
+            smear_embed=True, mlp_proj_transposed=True, logit_softcap_form="sigmoid", train_loss_reduction="sum",
+            pad_vocab_tables=True, scalar_pad_multiple=8, attention_free_layers=(), attn_scale=0.1)
+
+
+def tiny(**overrides):
+    return tg.make_config("tiny", dtype="float32", **overrides)
+
+
+def tiny_bulk(**overrides):
+    return tiny(**{**BULK, "untie_embed_after_step": 3, "attn_block_size": 32, **overrides})
+
+
+def packed(config, seed=0, docs_per_block=1.5):
+    """(inputs, targets) of one packed training slice with documents of random lengths."""
+    rng = np.random.default_rng(seed)
+    T = config.train_seq_len
+    ids = rng.integers(0, config.vocab_size - 1, T + 1)
+    ids[rng.random(T + 1) < docs_per_block / 128] = config.eot_token
+    ids = torch.from_numpy(ids)
+    return ids[:-1].to(torch.int32), ids[1:].to(torch.int64)
+
+
+def fill_random(model, seed=0, names=None):
+    """Random values for every parameter (or those named): the same values for the same name in
+    any model, so two configurations can be compared on equal weights."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if names is None or name in names:
+                gen = tg._param_generator(1000 + seed, name)
+                scale = 0.5 if p.ndim == 1 else p.shape[-1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * scale + (0.5 if p.ndim == 1 else 0.0))
+
+
+def loss_of(model, config, window, **kwargs):
+    inputs, targets = packed(config)
+    return model(inputs, targets, window, **kwargs)
+
+
+# ---- B5 token-level windows: the masks
+
+BS, EOT = 64, 99
+MASK_CONFIG = tg.make_config("tiny", vocab_size=100, eot_token=EOT, attn_block_size=BS)
+# the bulk record's long windows (the final validation's 27 included); short = min(11, long // 2)
+BULK_LONG_WINDOWS = [3, 7, 11, 13, 15, 17, 19, 21, 23, 27]
+LAYOUTS = [(0, 0.05), (1, 0.6), (2, 3.0), (3, 40.0)]  # (seed, expected documents per block)
+NUM_BLOCKS = 32
+
+
+def random_ids(seed, docs_per_block, num_blocks=NUM_BLOCKS, block_size=BS):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, EOT, size=num_blocks * block_size)
+    ids[rng.random(ids.size) < docs_per_block / block_size] = EOT
+    return ids
+
+
+def rule(ids, window_tokens):
+    """The token rule, literally: key k is visible to query q iff k <= q, both in the same
+    document (a new one at every end-of-text token) and q - k <= W."""
+    docs = np.cumsum(ids == EOT)
+    q, k = np.arange(ids.size)[:, None], np.arange(ids.size)[None, :]
+    return (k <= q) & (docs[:, None] == docs[None, :]) & (q - k <= window_tokens)
+
+
+def expand_block_mask(block_mask, ids):
+    """A BlockMask's own lists made dense by hand: full blocks entirely, partial blocks through the
+    mask's mask_mod evaluated on every (q, k) of the block."""
+    n = ids.size
+    dense = np.zeros((n, n), dtype=bool)
+    pos = torch.arange(n)
+    for i in range(n // BS):
+        rows = slice(i * BS, (i + 1) * BS)
+        for j in block_mask.full_kv_indices[0, 0, i, :block_mask.full_kv_num_blocks[0, 0, i]].tolist():
+            dense[rows, j * BS:(j + 1) * BS] = True
+        for j in block_mask.kv_indices[0, 0, i, :block_mask.kv_num_blocks[0, 0, i]].tolist():
+            q, k = pos[rows][:, None], pos[j * BS:(j + 1) * BS][None, :]
+            dense[rows, j * BS:(j + 1) * BS] = block_mask.mask_mod(None, None, q, k).numpy()
+    return dense
+
+
+@pytest.mark.parametrize("seed,density", LAYOUTS)
+def test_token_window_dense_masks_equal_the_rule_at_every_bulk_window(seed, density):
+    ids = random_ids(seed, density)
+    ids_t = torch.from_numpy(ids)
+    for long_w in BULK_LONG_WINDOWS:
+        short_w = min(11, long_w // 2)
+        long_mask, short_mask = tg.token_window_masks(ids_t, torch.tensor(long_w), torch.tensor(short_w),
+                                                      MASK_CONFIG, "sdpa")
+        np.testing.assert_array_equal(long_mask.numpy(), rule(ids, long_w * BS), err_msg=f"long {long_w}")
+        np.testing.assert_array_equal(short_mask.numpy(), rule(ids, short_w * BS), err_msg=f"short {short_w}")
+
+
+@pytest.mark.parametrize("seed,density", LAYOUTS)
+def test_token_window_block_masks_materialize_to_the_rule_at_every_bulk_window(seed, density):
+    ids = random_ids(seed, density)
+    ids_t = torch.from_numpy(ids)
+    for long_w in BULK_LONG_WINDOWS:
+        short_w = min(11, long_w // 2)
+        long_bm, short_bm = tg.token_window_masks(ids_t, torch.tensor(long_w), torch.tensor(short_w),
+                                                  MASK_CONFIG, "flex")
+        np.testing.assert_array_equal(expand_block_mask(long_bm, ids), rule(ids, long_w * BS), f"long {long_w}")
+        np.testing.assert_array_equal(expand_block_mask(short_bm, ids), rule(ids, short_w * BS), f"short {short_w}")
+
+
+def test_one_document_keeps_the_window_edge_block_as_a_partial_block():
+    """Far from the start of a single document, query block i keeps blocks i-w+1..i-1 full and the
+    diagonal and the edge block i-w partial: w+1 blocks, one more than x01's block windows."""
+    ids = np.arange(NUM_BLOCKS * BS) % (EOT - 1)  # no end-of-text: one document
+    w = 7
+    bm, _ = tg.token_window_masks(torch.from_numpy(ids), torch.tensor(w), torch.tensor(3), MASK_CONFIG, "flex")
+    for i in range(w, NUM_BLOCKS):
+        full = sorted(bm.full_kv_indices[0, 0, i, :bm.full_kv_num_blocks[0, 0, i]].tolist())
+        partial = sorted(bm.kv_indices[0, 0, i, :bm.kv_num_blocks[0, 0, i]].tolist())
+        assert full == list(range(i - w + 1, i)) and partial == [i - w, i], i
+    edge = rule(ids, w * BS)[w * BS:(w + 1) * BS, 0:BS]  # query block w against key block 0
+    assert edge.any() and not edge.all()  # only part of the edge block is in reach
+
+
+def test_token_windows_see_half_a_block_more_than_block_windows_on_average():
+    """x01's w blocks give a query 128(w-1)+1 .. 128w keys, the token window exactly 128w + 1."""
+    ids = np.arange(NUM_BLOCKS * BS) % (EOT - 1)
+    w = 5
+    token, _ = tg.token_window_masks(torch.from_numpy(ids), torch.tensor(w), torch.tensor(2), MASK_CONFIG, "sdpa")
+    block, _ = tg.attention_masks(torch.from_numpy(ids), torch.tensor(w), MASK_CONFIG, "sdpa")
+    far = slice(w * BS, None)
+    assert set(token[far].sum(1).tolist()) == {w * BS + 1}
+    assert block[far].sum(1).float().mean().item() == pytest.approx((w - 1) * BS + (BS + 1) / 2)
+
+
+def test_the_window_argument_may_carry_its_own_short_window():
+    ids = torch.from_numpy(random_ids(4, 0.05))  # documents longer than the windows
+    long_mask, short_mask = tg.token_window_masks(ids, torch.tensor(13), torch.tensor(6), MASK_CONFIG, "sdpa")
+    pair = tg.long_and_short(torch.tensor([13, 6]))
+    half = tg.long_and_short(torch.tensor(13))
+    assert [int(t) for t in pair] == [13, 6] and [int(t) for t in half] == [13, 6]
+    x01_long, x01_short = tg.attention_masks(ids, torch.tensor([13, 5]), MASK_CONFIG, "sdpa")
+    want_long, want_short = tg.attention_masks(ids, torch.tensor(13), MASK_CONFIG, "sdpa")
+    assert torch.equal(x01_long, want_long)
+    assert not torch.equal(x01_short, want_short)  # 5 blocks, not 13 // 2
+    assert torch.equal(short_mask, torch.from_numpy(rule(ids.numpy(), 6 * BS)))
+
+
+@pytest.mark.slow
+def test_compiled_flex_with_token_windows_and_a_scale_tensor_equals_sdpa_with_the_dense_mask():
+    """Compiled FlexAttention reads the token-window BlockMask (edge blocks included) as the dense
+    mask says, and multiplies the scores by the 0-d scale tensor as SDPA does by its float; a new
+    scale value is read without compiling again."""
+    rng = np.random.default_rng(5)
+    flex = torch.compile(tg.flex_attention, dynamic=False)
+    scale = torch.tensor(0.1)
+    before = tg.compile_counts()
+    for density in (0.3, 4.0):
+        ids = torch.from_numpy(random_ids(int(rng.integers(100)), density, num_blocks=12))
+        q, k, v = torch.randn(3, 1, 2, ids.numel(), 32).unbind(0)
+        for long_w, value in ((3, 0.1), (7, 0.116946), (11, 0.131778)):
+            scale.fill_(value)
+            block_mask, _ = tg.token_window_masks(ids, torch.tensor(long_w), torch.tensor(1), MASK_CONFIG, "flex")
+            dense, _ = tg.token_window_masks(ids, torch.tensor(long_w), torch.tensor(1), MASK_CONFIG, "sdpa")
+            got = flex(q, k, v, block_mask=block_mask, score_mod=lambda s, b, h, qi, ki: s * scale, scale=1.0)
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=float(scale))
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"density {density}, W={long_w}")
+    assert tg.compiled_since(before)["graphs"] == 1
+
+
+@pytest.mark.slow
+def test_past_the_recompile_limit_flex_raises_instead_of_ignoring_the_window(monkeypatch):
+    """Past dynamo's recompile limit torch runs flex_attention eagerly, which ignores the BlockMask's
+    block lists: x01's block windows (whose mask_mod has no window term) silently widen. Runs with
+    flex make the limit an error; below it the window acts."""
+    torch._dynamo.reset()  # count this test's compilations from nothing
+    monkeypatch.setattr(tg, "RECOMPILE_LIMIT", 1)
+    ids = torch.from_numpy(random_ids(6, 0.05, num_blocks=6))
+
+    def inputs(n):
+        q, k, v = torch.randn(3, 1, n, 2, 32, generator=torch.Generator().manual_seed(n)).unbind(0)
+        block_mask, dense = (tg.attention_masks(ids[:n], torch.tensor(2), MASK_CONFIG, b)[0] for b in ("flex", "sdpa"))
+        return q, k, v, block_mask, dense
+
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=False):
+        q, k, v, block_mask, dense = inputs(6 * BS)
+        torch.testing.assert_close(tg.attend(q, k, v, block_mask, 0.12), tg.attend(q, k, v, dense, 0.12),
+                                   atol=2e-5, rtol=1e-4)  # compiled: the window acts
+        assert torch._dynamo.config.fail_on_recompile_limit_hit
+        q, k, v, block_mask, dense = inputs(4 * BS)
+        with pytest.raises(Exception, match="(?i)recompile"):
+            tg.attend(q, k, v, block_mask, 0.12)  # a second shape is past the limit of 1
+        torch._dynamo.config.fail_on_recompile_limit_hit = False  # what torch does by default:
+        eager = tg.compiled(tg.flex_attention)(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask,
+                                               scale=0.12).transpose(1, 2)
+        assert (eager - tg.attend(q, k, v, dense, 0.12)).abs().max() > 1e-3  # silently beyond the window
+    torch._dynamo.reset()
+
+
+def test_the_token_window_mask_mod_holds_the_window_itself():
+    """Unlike x01's, the token-window mask_mod tests q - k <= W on its own: the block lists only
+    skip work (so even an eager FlexAttention would attend within the window)."""
+    ids = random_ids(7, 0.05)
+    bm, _ = tg.token_window_masks(torch.from_numpy(ids), torch.tensor(3), torch.tensor(1), MASK_CONFIG, "flex")
+    pos = torch.arange(ids.size)
+    np.testing.assert_array_equal(bm.mask_mod(None, None, pos[:, None], pos[None, :]).numpy(), rule(ids, 3 * BS))
+
+
+# ---- B6 YaRN and the rotary tables
+
+# the bulk record's frequency multipliers after its three changes (3->7, 7->11, 11->13 blocks of
+# 128), by frequency index, to 4 decimals, and its attention scale after each change
+PUBLISHED_MULTIPLIERS = [1, 1, 1, .9862, .8707, .7785, .6573, .5320, .4405, .3801, .3384, .3088, .2871, .2710,
+                         .2588, .2495, .2422, .2366, .2322] + [3 / 13] * 13
+PUBLISHED_SCALES = [0.1, 0.116946, 0.127518, 0.131778]
+CHANGES = [(3, 7), (7, 11), (11, 13)]
+
+
+def yarn_by_hand(changes, head_dim=128, block=128, base=1024.0, scale=0.1):
+    """The formula, one frequency at a time, in float64: per change old -> new, turns
+    r = block*old*w/(2 pi), g = clamp((r - 1)/31, 0, 1), w *= ratio + g (1 - ratio) with
+    ratio = old/new; the scale times 1 + 0.2 ln(new/old)."""
+    q = head_dim // 4
+    freqs = [(1 / base) ** (j / (q - 1)) for j in range(q)] + [0.0] * q
+    history = [(list(freqs), scale)]
+    for old, new in changes:
+        ratio = old / new
+        for j, w in enumerate(freqs):
+            g = min(max((block * old * w / (2 * math.pi) - 1) / 31, 0.0), 1.0)
+            freqs[j] = w * (ratio + g * (1 - ratio))
+        scale *= 1 + 0.2 * math.log(new / old)
+        history.append((list(freqs), scale))
+    return history
+
+
+def medium_rotary():
+    config = tg.make_config(**BULK, train_seq_len=1024, val_seq_len=2048)  # short tables, medium heads
+    rotary = tg.RotaryTables(config)
+    rotary.set_changes(())
+    return rotary
+
+
+def test_yarn_multipliers_and_scales_equal_the_formula_at_each_change():
+    rotary = medium_rotary()
+    base = rotary.freqs.double()
+    for n, (freqs, scale) in enumerate(yarn_by_hand(CHANGES)):
+        rotary.set_changes(tuple(CHANGES[:n]))
+        torch.testing.assert_close(rotary.freqs.double(), torch.tensor(freqs, dtype=torch.float64), rtol=2e-6, atol=0)
+        assert rotary.scale_value == pytest.approx(scale, rel=1e-12)
+        assert rotary.scale.item() == pytest.approx(scale, rel=1e-7)  # fp32
+        assert rotary.scale_value == pytest.approx(PUBLISHED_SCALES[n], abs=5e-7)
+    multipliers = (rotary.freqs.double()[:32] / base[:32]).tolist()
+    assert multipliers == pytest.approx(PUBLISHED_MULTIPLIERS, abs=5e-5)
+    assert rotary.freqs[32:].eq(0).all()  # the non-rotating half stays at frequency 0
+
+
+def test_yarn_tables_are_cos_and_sin_of_position_times_frequency_in_bf16():
+    rotary = medium_rotary()
+    rotary.set_changes(tuple(CHANGES))
+    assert rotary.cos.dtype == torch.bfloat16 and rotary.cos.shape == (2048, 64)
+    freqs, _ = yarn_by_hand(CHANGES)[-1]
+    theta = torch.arange(2048, dtype=torch.float64)[:, None] * torch.tensor(freqs, dtype=torch.float64)[None, :]
+    bf16_ulp = 2.0**-8  # values in [0.5, 1); fp32 angles may round the other way at a bf16 tie
+    torch.testing.assert_close(rotary.cos.double(), theta.cos(), atol=bf16_ulp, rtol=0)
+    torch.testing.assert_close(rotary.sin.double(), theta.sin(), atol=bf16_ulp, rtol=0)
+
+
+def test_rebuilding_the_tables_for_a_step_gives_the_same_bits():
+    """The tables are a function of the changes so far: going back (a restored or resumed run) and
+    forward again rebuilds them bit for bit."""
+    rotary = medium_rotary()
+    rotary.set_changes(tuple(CHANGES[:2]))
+    first = rotary.cos.clone(), rotary.sin.clone(), rotary.scale.clone()
+    rotary.set_changes(tuple(CHANGES))
+    rotary.set_changes(())
+    rotary.set_changes(tuple(CHANGES[:2]))
+    assert all(torch.equal(a, b) for a, b in zip(first, (rotary.cos, rotary.sin, rotary.scale)))
+
+
+def test_the_runner_applies_yarn_when_the_long_window_changes_up_to_the_limit():
+    config = tiny(yarn_window_limit=2, num_iterations=60)  # the tiny schedule grows 1 -> 2 -> 3 blocks
+    runner = tg.Runner(config, torch.device("cpu"))
+    windows = [tg.window_blocks(s, config) for s in range(61)]
+    first_2, first_3 = windows.index(2), windows.index(3)
+    assert runner.yarn_steps == [(first_2, 1, 2)]  # 2 -> 3 is past the limit
+    runner.window(first_2 - 1)
+    assert runner.model.rotary.changes == () and runner.model.rotary.scale_value == config.attn_scale
+    runner.window(first_3)
+    assert runner.model.rotary.changes == ((1, 2),)
+    assert runner.model.rotary.scale_value == pytest.approx(config.attn_scale * (1 + 0.2 * math.log(2)))
+
+
+def test_bf16_rotation_rounds_like_the_bf16_formula():
+    """--rotary_bf16 rotates in the activations' dtype: (x1 c + x2 s, x1 (-s) + x2 c), each op in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5, 2, 8, generator=gen).bfloat16()
+    cos, sin = (torch.randn(5, 4, generator=gen).bfloat16() for _ in range(2))
+    got = tg.apply_rotary_in_dtype(x, cos, sin)
+    x1, x2 = x[..., :4], x[..., 4:]
+    c, s = cos[None, :, None], sin[None, :, None]
+    want = torch.cat([(x1 * c) + (x2 * s), (x1 * -s) + (x2 * c)], dim=-1)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(got, tg.apply_rotary(x, cos.float(), sin.float()))  # fp32 rotation rounds once
+
+
+# ---- B7 key offset
+
+def test_key_offset_takes_the_non_rotating_dims_from_the_previous_original_key():
+    k = torch.randn(1, 6, 2, 16)
+    got = tg.shift_stationary_keys(k)
+    want = k.clone()
+    for t in range(1, 6):
+        for d in list(range(4, 8)) + list(range(12, 16)):
+            want[0, t, :, d] = k[0, t - 1, :, d]
+    assert torch.equal(got, want)
+
+
+def test_key_offset_is_on_the_long_window_layers_only():
+    model = tg.build_model(tiny(key_offset=True), "meta")
+    assert [b.attn.key_offset for b in model.blocks if b.attn is not None] == \
+        [i in (0, 4, 11, 15) for i in range(16) if i != 7]
+
+
+# ---- B8 attention rewrite and gates
+
+def gated_pair(**switches):
+    """(gated model, ungated model) with equal weights everywhere except the gates (at init)."""
+    ungated = {k: False for k in switches if k.endswith("gate")}
+    gated, plain = tg.build_model(tiny(**switches)), tg.build_model(tiny(**{**switches, **ungated}))
+    shared = [n for n, _ in plain.named_parameters()]
+    fill_random(gated, names=shared)
+    fill_random(plain, names=shared)
+    return gated, plain
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_the_output_gate_at_init_halves_the_attention_output(prenorm):
+    gated, plain = gated_pair(attn_output_gate=True, prenorm_attention=prenorm)
+    with torch.no_grad():
+        attn_lambdas = plain.scalar_slots()["attn_lambdas"].view(16, 2)
+        if prenorm:  # lambda1 scales the output weights
+            attn_lambdas[:, 1] *= 0.5
+        else:
+            for b in plain.blocks:
+                if b.attn is not None:
+                    b.attn.qkvo_w[3] *= 0.5
+    assert torch.equal(loss_of(gated, gated.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_the_value_gate_at_init_adds_the_value_embedding_with_weight_one(prenorm):
+    gated, plain = gated_pair(value_embed_gate=True, prenorm_attention=prenorm)
+    if not prenorm:  # x01 form: lambda1 weights the value embedding; the gate replaces it by 1
+        with torch.no_grad():
+            plain.scalar_slots()["attn_lambdas"].view(16, 2)[:, 1] = 1.0
+    assert torch.equal(loss_of(gated, gated.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
+    assert [b.attn.value_gate is not None for b in gated.blocks if b.attn is not None] == \
+        [t is not None for i, t in enumerate(gated.config.value_embed_layout) if i != 7]
+
+
+def test_gates_read_the_first_16_features_of_the_normed_input():
+    gate = tg.Gate(3, torch.float32, lr_mul=0.1, wd_mul=1.0)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(3, 16))
+    x = torch.randn(5, 40)
+    assert torch.equal(gate(x), x[:, :16] @ gate.weight.T)
+    assert gate.weight.lr_mul == 0.1
+
+
+def test_prenorm_attention_lambdas_start_at_half_and_one_and_qkv_init_doubles():
+    model = tg.build_model(tiny(prenorm_attention=True, qkv_init_std=1.0, model_dim=128, head_dim=64))
+    assert model.scalar_slots()["attn_lambdas"].view(16, 2)[0].tolist() == [0.5, 1.0]
+    qkvo = model.blocks[0].attn.qkvo_w
+    bound = 3**0.5 / 128**0.5
+    assert qkvo[:3].abs().max() <= bound and qkvo[:3].abs().max() > 0.98 * bound
+    assert torch.count_nonzero(qkvo[3]) == 0
+    x01 = tg.build_model(tiny(model_dim=128, head_dim=64))  # the same stream, half the bound
+    torch.testing.assert_close(qkvo[:3], 2 * x01.blocks[0].attn.qkvo_w[:3], rtol=1e-6, atol=0)
+
+
+def test_attention_on_every_layer_and_zero_value_embeddings():
+    model = tg.build_model(tiny(attention_free_layers=(), value_embed_zero_init=True))
+    assert all(b.attn is not None for b in model.blocks)
+    assert all(torch.count_nonzero(t.weight) == 0 for t in model.value_embeds.tables)
+
+
+# ---- B9 residual, x0 and skip gating
+
+def test_gated_skips_at_init_weigh_the_skip_by_sigmoid_of_the_gain():
+    gated, plain = (tg.build_model(tiny(gated_skips=g)) for g in (True, False))
+    shared = [n for n, _ in plain.named_parameters() if n != "scalars"]
+    fill_random(gated, names=shared)
+    fill_random(plain, names=shared)
+    with torch.no_grad():
+        plain.scalar_slots()["skip_w"][[6, 4, 2]] = torch.sigmoid(torch.tensor(-1.5))
+    assert gated.scalar_slots()["skip_gain"].tolist() == [-1.5] * 3
+    assert torch.equal(loss_of(gated, gated.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
+
+
+def test_separate_x0_lambdas_compute_the_block_lambdas_mix():
+    """The same weights held in (residual slot, x0_lambdas) instead of the block lambdas: the same
+    loss, up to the first block adding its two weights on x00 before multiplying."""
+    sep, x01 = (tg.build_model(tiny(separate_x0_lambdas=s)) for s in (True, False))
+    fill_random(x01)
+    fill_random(sep, names=[n for n, _ in sep.named_parameters() if n not in ("scalars", "x0_lambdas")])
+    with torch.no_grad():
+        lambdas = x01.scalar_slots()["block_lambdas"].view(16, 3)
+        sep.scalar_slots()["resid"].copy_(lambdas[:, 0])
+        sep.x0_lambdas.view(16, 2).copy_(lambdas[:, 1:])
+        sep.scalar_slots()["attn_lambdas"].copy_(x01.scalar_slots()["attn_lambdas"])
+        sep.scalar_slots()["skip_w"].copy_(x01.scalar_slots()["skip_w"])
+    got, want = (loss_of(m, m.config, torch.tensor(2)) for m in (sep, x01))
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert sep.x0_lambdas.lr_mul == 5.0 and sep.x0_lambdas.wd_mul == 0.0
+    assert tg.parameter_groups(sep)["x0_lambdas"] == [sep.x0_lambdas]
+
+
+def test_residual_scale_init_sets_the_residual_weight_of_every_block():
+    for separate in (False, True):
+        model = tg.build_model(tiny(residual_scale_init=1.05, separate_x0_lambdas=separate))
+        resid, x0 = model.mixing_weights()
+        assert resid.tolist() == pytest.approx([1.05] * 16) and not x0.any()
+
+
+# ---- B10 tied, then untied embedding
+
+def test_before_the_split_the_head_is_the_input_table_and_the_input_table_gets_no_gradient():
+    config = tiny_bulk()
+    model = tg.build_model(config)
+    fill_random(model)
+    assert model.embed_tied
+    loss = loss_of(model, config, torch.tensor([2, 1]))
+    loss.backward()
+    assert model.embeds[0].weight.grad is None and model.head.weight.grad is not None
+    untied = tg.build_model(config)
+    untied.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        untied.embeds[0].weight.copy_(model.head.weight)
+    untied.embed_tied = False
+    assert torch.equal(loss_of(untied, config, torch.tensor([2, 1])), loss.detach())
+
+
+def test_the_tied_head_starts_normal_with_std_0005_in_the_model_dtype():
+    model = tg.build_model(tg.make_config("tiny", dtype="bfloat16", model_dim=256, head_dim=128,
+                                          untie_embed_after_step=5, pad_vocab_tables=True))
+    head = model.head.weight
+    assert head.dtype == torch.bfloat16 and head.shape == (512, 256)
+    assert head.float().std().item() == pytest.approx(0.005, rel=0.02)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.95)),
+    lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+])
+def test_tied_then_untied_goes_on_as_untied_from_the_start_with_the_copied_values_and_state(make_optimizer):
+    """Train tied for two steps and split: the input table and its optimizer state are copies of
+    the head's. The next step equals that of a model untied from the start that was given those
+    values and that state."""
+    config = tiny_bulk(untie_embed_after_step=1)
+    inputs, targets = packed(config)
+    window = torch.tensor([2, 1])
+    model = tg.build_model(config)
+    opt = make_optimizer(list(model.parameters()))
+    for _ in range(2):
+        model(inputs, targets, window).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.untie_embedding([opt])
+    head, table = model.head.weight, model.embeds[0].weight
+    assert torch.equal(table, head) and not model.embed_tied
+    for key, value in opt.state[head].items():
+        assert torch.equal(opt.state[table][key], value) and opt.state[table][key] is not value
+    # the same state in a model untied from the start
+    twin = tg.build_model(config)
+    twin.load_state_dict(model.state_dict())
+    twin.embed_tied = False
+    twin_opt = make_optimizer(list(twin.parameters()))
+    names = dict(model.named_parameters())
+    for name, p in twin.named_parameters():
+        if names[name] in opt.state:
+            twin_opt.state[p] = {k: v.clone() for k, v in opt.state[names[name]].items()}
+    for m, o in ((model, opt), (twin, twin_opt)):
+        m(inputs, targets, window).backward()
+        o.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+    assert not torch.equal(table, head)  # they now train apart
+
+
+def test_the_runner_splits_right_after_the_update_of_the_split_step():
+    config = tiny_bulk(untie_embed_after_step=2, warmup_steps=0)
+    runner = tg.Runner(config, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    adam = runner.optimizers[0]
+    for step in range(3):
+        runner.train_step(step, runner.random_batches(gen), mtp_weights=[1.0, 0.5])
+        assert runner.model.embed_tied == (step < 2)
+        assert (runner.model.embeds[0].weight in adam.state) == (step == 2)
+    runner.set_embedding_tie(1)  # a restored earlier step reads the head again
+    assert runner.model.embed_tied
+
+
+def test_untying_needs_padded_tables():
+    with pytest.raises(tg.ConfigError, match="pad_vocab_tables"):
+        tg.make_config("tiny", untie_embed_after_step=3)
+
+
+# ---- B11 smear on the input embedding
+
+def test_smear_with_weight_0_is_no_smear():
+    smeared, plain = (tg.build_model(tiny(smear_embed=s)) for s in (True, False))
+    fill_random(smeared, names=[n for n, _ in plain.named_parameters() if n != "scalars"] + ["smear_gate.weight"])
+    fill_random(plain, names=[n for n, _ in plain.named_parameters() if n != "scalars"])
+    assert smeared.scalar_slots()["smear"].item() == 0.0
+    assert torch.equal(loss_of(smeared, smeared.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
+
+
+def test_smear_adds_the_gated_previous_row_across_documents():
+    gate = tg.Gate(1, torch.float32, lr_mul=0.01, wd_mul=0.0)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(1, 16))
+    e, lam = torch.randn(7, 24), torch.tensor(0.7)
+    got = tg.smear_embedding(e, gate, lam).double()
+    e64, g64 = e.double(), gate.weight.double()
+    want = e64.clone()
+    for t in range(1, 7):
+        want[t] = e64[t] + 0.7 * torch.sigmoid(e64[t, :16] @ g64[0]) * e64[t - 1]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---- B13 the MLP's stored shape
+
+def test_the_transposed_mlp_output_weight_computes_the_same_mlp():
+    plain, transposed = tg.MLP(tiny(), torch.float32), tg.MLP(tiny(mlp_proj_transposed=True), torch.float32)
+    assert transposed.proj_w.shape == (256, 64) and plain.proj_w.shape == (64, 256)
+    assert transposed.proj_w.lr_mul == 2.0 and not hasattr(plain.proj_w, "lr_mul")
+    with torch.no_grad():
+        plain.fc_w.copy_(torch.randn(256, 64) / 8)
+        transposed.fc_w.copy_(plain.fc_w)
+        plain.proj_w.copy_(torch.randn(64, 256) / 16)
+        transposed.proj_w.copy_(plain.proj_w.T)
+    x = torch.randn(3, 10, 64)
+    torch.testing.assert_close(transposed(x), plain(x), rtol=1e-6, atol=1e-6)
+
+
+# ---- B14 the sigmoid softcap
+
+def test_sigmoid_softcap_is_bf16_in_training_and_fp32_in_evaluation():
+    model = tg.build_model(tg.make_config("tiny", dtype="bfloat16", logit_softcap_form="sigmoid"))
+    fill_random(model, names=["head.weight"])
+    x = tg.rms_norm(torch.randn(6, 64)).bfloat16()
+    train_logits = model.logits(x)
+    z = F.linear(x, model.head.weight.bfloat16())
+    assert train_logits.dtype == torch.bfloat16
+    assert torch.equal(train_logits, 23 * torch.sigmoid((z + 5) / 7.5))  # every op in bf16
+    model.eval()
+    eval_logits = model.logits(x)
+    want = 23 * torch.sigmoid((z.double() + 5) / 7.5)
+    assert eval_logits.dtype == torch.float32
+    torch.testing.assert_close(eval_logits.double(), want, rtol=1e-6, atol=0)
+    assert not torch.equal(eval_logits, train_logits.float())
+
+
+# ---- B15 multi-token prediction, B3 the token sum
+
+def test_mtp_with_weights_one_is_the_next_token_loss_sum():
+    logits, targets = torch.randn(20, 50), torch.randint(0, 50, (20,))
+    ahead, inside = tg.multi_token_targets(targets, 1)
+    got = tg.multi_token_loss(logits, ahead, inside, torch.tensor([1.0]))
+    assert got.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-6)
+
+
+def test_mtp_loss_is_the_weighted_sum_over_positions_and_offsets_inside_the_sequence():
+    logits, targets = torch.randn(9, 30).double(), torch.randint(0, 30, (9,))
+    weights = [1.0, 0.5, 0.125]
+    ahead, inside = tg.multi_token_targets(targets, 3)
+    got = tg.multi_token_loss(logits, ahead, inside, torch.tensor(weights, dtype=torch.float64)).item()
+    want = sum(w * (torch.logsumexp(logits[t], 0) - logits[t, targets[t + k]]).item()
+               for t in range(9) for k, w in enumerate(weights) if t + k < 9)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_the_training_loss_is_a_sum_over_tokens_and_evaluation_stays_a_mean():
+    summed, mean = (tg.build_model(tiny(train_loss_reduction=r)) for r in ("sum", "mean"))
+    fill_random(summed)
+    fill_random(mean)
+    T = summed.config.train_seq_len
+    got, want = (loss_of(m, m.config, torch.tensor(2)) for m in (summed, mean))
+    assert got.item() == pytest.approx(T * want.item(), rel=1e-6)
+    summed.eval()
+    assert loss_of(summed, summed.config, torch.tensor(2)).item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_mtp_weights_one_and_zero_are_the_next_token_loss_in_the_model():
+    model = tg.build_model(tiny(train_loss_reduction="sum"))
+    fill_random(model)
+    plain = loss_of(model, model.config, torch.tensor(2))
+    mtp = loss_of(model, model.config, torch.tensor(2), mtp_weights=torch.tensor([1.0, 0.0, 0.0]))
+    assert mtp.item() == pytest.approx(plain.item(), rel=1e-6)
+    model.eval()  # evaluation ignores the weights
+    assert torch.equal(loss_of(model, model.config, torch.tensor(2), mtp_weights=torch.tensor([1.0, 0.5])),
+                       loss_of(model, model.config, torch.tensor(2)))
+
+
+def test_the_runner_fills_one_mtp_buffer_in_place():
+    runner = tg.Runner(tiny(), torch.device("cpu"))
+    assert runner.mtp_input(None) is None and runner.mtp_input([1.0]) is None
+    three = runner.mtp_input([1.0, 0.5, 0.25])
+    two = runner.mtp_input([1.0, 0.375])
+    assert two.tolist() == [1.0, 0.375] and two.data_ptr() == three.data_ptr()
+
+
+# ---- B18 the scalar vector, B20 padded tables, parameter counts
+
+def test_the_bulk_scalar_vector_is_the_records_layout_without_the_backout_slot():
+    model = tg.build_model(tg.make_config(**BULK), "meta")
+    layout = [(name, len(values)) for name, values in model.scalar_layout]
+    assert layout == [("resid", 16), ("attn_lambdas", 32), ("smear", 1), ("skip_gain", 3), ("pad", 4)]
+    values = torch.tensor([v for _, vs in model.scalar_layout for v in vs])
+    assert values[:16].tolist() == pytest.approx([1.05] * 16)
+    assert values[16:48].tolist() == [0.5, 1.0] * 16 and values[48] == 0 and values[49:52].tolist() == [-1.5] * 3
+    assert model.scalars.numel() == 56 and model.x0_lambdas.numel() == 32
+
+
+def test_the_x01_scalar_vector_is_unchanged():
+    model = tg.build_model(tiny())
+    assert [(n, len(v)) for n, v in model.scalar_layout] == [("skip_w", 16), ("block_lambdas", 48),
+                                                             ("attn_lambdas", 32)]
+    skip_w, lambdas, attn = model.scalar_views()
+    assert skip_w.eq(1).all() and lambdas[:, 0].eq(1).all() and not lambdas[:, 1:].any() and attn.eq(0.5).all()
+
+
+def test_padded_tables_start_with_the_unpadded_tables_rows():
+    padded, plain = (tg.build_model(tiny(pad_vocab_tables=p)) for p in (True, False))
+    for (name, p), q in zip(padded.named_parameters(), plain.parameters()):
+        if p.shape != q.shape:
+            assert p.shape[0] == 512 and q.shape[0] == 500 and torch.equal(p[:500], q), name
+
+
+def test_medium_bulk_parameter_counts():
+    model = tg.build_model(tg.make_config(**BULK), "meta")
+    counts = tg.parameter_counts(model)
+    assert counts["total"] == 613_420_440 and counts["in_use_before_split"] == 561_909_144
+    assert counts["head"] == 50304 * 1024 and counts["embed"] == 2 * 50304 * 1024
+    assert counts["value_embed"] == 5 * 50304 * 1024
+    assert counts["muon_attn"] == 16 * 4 * 1024**2 and counts["muon_mlp"] == 16 * 2 * 4096 * 1024
+    assert counts["muon_gates"] == 16 * 8 * 16 + 10 * 8 * 16
+    assert counts["gates"] == 16 + 3 * 16 and counts["x0_lambdas"] == 32 and counts["scalar"] == 56
+
+
+def test_bulk_parameters_carry_the_records_multipliers_and_groups():
+    model = tg.build_model(tg.make_config(**BULK), "meta")
+    groups = tg.parameter_groups(model)
+    assert {(p.lr_mul, p.wd_mul) for p in groups["muon_gates"]} == {(0.1, 1.0)}
+    assert {(p.lr_mul, p.wd_mul) for p in groups["gates"]} == {(0.01, 0.0)}
+    assert all(b.mlp.proj_w.lr_mul == 2.0 and b.mlp.proj_w.shape == (4096, 1024) for b in model.blocks)
+
+
+def test_dry_run_reports_the_bulk_counts_and_flops_per_window(capsys):
+    flags = [f"--{k}={tg.to_text(v)}" for k, v in BULK.items()]
+    assert tg.main(["--dry_run", *flags]) == 0
+    report = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["total_params"] == 613_420_440 and report["params_in_use_before_split"] == 561_909_144
+    model = tg.build_model(tg.make_config(**BULK), "meta")
+    matmul = sum(p.numel() for n, ps in tg.parameter_groups(model).items() if n == "head" or n.startswith("muon")
+                 for p in ps)
+    long_w, short_w = 27, 13  # the last window of the x01 schedule (its short: half)
+    want = 6 * matmul + 12 * 1024 * (4 * (long_w * 128 + 1) + 12 * (short_w * 128 + 1))
+    assert report["flops_per_token_by_window"]["27/13"] == want
+
+
+# ---- everything off: nothing is built
+
+def test_with_every_bulk_switch_off_nothing_of_theirs_is_built():
+    model = tg.build_model(tiny())
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    assert not [n for n in names if "gate" in n or "x0_lambdas" in n or "rotary" in n]
+    assert model.rotary is None and not model.embed_tied and model.head.weight.dtype == torch.float32
+    assert model.x0_lambdas is None and model.smear_gate is None and model.skip_gates is None
+
+
+# ---- the whole bulk forward against a float64 loop-by-loop forward
+
+def reference_bulk_loss(model, ids, targets, long_w, short_w, mtp_weights=None):
+    """The bulk record's forward, written from its description in float64 with explicit loops:
+    the (tied) embedding smeared and normed, x01, residual and x0 weights, gated U-net skips,
+    pre-norm attention on every layer (lambdas on the weights, no v norm, gated value embedding,
+    rotary with the YaRN frequencies, key offset on the long layers, token windows, output gate),
+    the transposed MLP, the sigmoid cap and the multi-token loss summed over tokens."""
+    cfg = model.config
+    P = {name: p.detach().double() for name, p in model.named_parameters()}
+    L, H, D, bs = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.attn_block_size
+    scalars = P["scalars"]
+    resid, sa = scalars[:L], scalars[L:3 * L].view(L, 2)
+    smear_weight, gains = scalars[3 * L], scalars[3 * L + 1:3 * L + 4]
+    x0_lambdas = P["x0_lambdas"].view(L, 2)
+
+    def norm(x):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True))
+
+    ids_l, T = ids.long(), ids.numel()
+    e = P["head.weight"][ids_l] if model.embed_tied else P["embeds.0.weight"][ids_l]
+    smeared = e.clone()
+    for t in range(1, T):
+        g = torch.sigmoid(e[t, :16] @ P["smear_gate.weight"][0])
+        smeared[t] = e[t] + smear_weight * g * e[t - 1]
+    x0, x02 = norm(smeared), norm(P["embeds.1.weight"][ids_l])
+    docs = torch.cumsum(ids_l == cfg.eot_token, 0)
+    q_pos, k_pos = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    masks = {w: (k_pos <= q_pos) & (docs[:, None] == docs[None, :]) & (q_pos - k_pos <= w * bs)
+             for w in (long_w, short_w)}
+    quarter = D // 4
+    freqs = [(1 / cfg.rope_base) ** (j / (quarter - 1)) for j in range(quarter)] + [0.0] * quarter
+    scale = cfg.attn_scale
+    for old, new in model.rotary.changes:
+        for j, w in enumerate(freqs):
+            g = min(max((bs * old * w / (2 * math.pi) - 1) / 31, 0.0), 1.0)
+            freqs[j] = w * (old / new + g * (1 - old / new))
+        scale *= 1 + 0.2 * math.log(new / old)
+    theta = torch.arange(T, dtype=torch.float64)[:, None] * torch.tensor(freqs, dtype=torch.float64)[None, :]
+    cos, sin = theta.cos()[:, None, :], theta.sin()[:, None, :]
+
+    def rotate(x):
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
+
+    stationary = [d for d in range(D) if quarter <= d < 2 * quarter or d >= 3 * quarter]
+    skip_sources = {9: (6, 0), 10: (4, 1), 11: (2, 2)}
+    x, outputs = x0, []
+    for i in range(L):
+        if i in skip_sources:
+            source, j = skip_sources[i]
+            gate = 2 * torch.sigmoid(x0[:, :16] @ P[f"skip_gates.{j}.weight"][0])
+            x = x + (torch.sigmoid(gains[j]) * gate)[:, None] * outputs[source]
+        if i == 0:
+            x = (resid[0] + x0_lambdas[0, 0]) * x + x0_lambdas[0, 1] * x02
+        else:
+            x = resid[i] * x + x0_lambdas[i, 0] * x0 + x0_lambdas[i, 1] * x02
+        W = P[f"blocks.{i}.attn.qkvo_w"]
+        xn = norm(x)
+        q, k, v = ((xn @ (sa[i, 0] * W[j]).T).view(T, H, D) for j in range(3))
+        q, k = rotate(norm(q)), rotate(norm(k))
+        if i in (0, 4, 11, 15):
+            shifted = k.clone()
+            shifted[1:, :, stationary] = k[:-1, :, stationary]
+            k = shifted
+        table = cfg.value_embed_layout[i]
+        if table is not None:
+            ve_gate = 2 * torch.sigmoid(xn[:, :16] @ P[f"blocks.{i}.attn.value_gate.weight"].T)  # (T, H)
+            v = v + ve_gate[:, :, None] * P[f"value_embeds.tables.{table}.weight"][ids_l].view(T, H, D)
+        mask = masks[long_w if i in (0, 4, 11, 15) else short_w]
+        y = torch.empty_like(q)
+        for h in range(H):
+            scores = (q[:, h] @ k[:, h].T) * scale
+            y[:, h] = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v[:, h]
+        y = y * torch.sigmoid(xn[:, :16] @ P[f"blocks.{i}.attn.output_gate.weight"].T)[:, :, None]
+        x = x + y.reshape(T, H * D) @ (sa[i, 1] * W[3]).T
+        hidden = torch.relu(norm(x) @ P[f"blocks.{i}.mlp.fc_w"].T) ** 2
+        x = x + hidden @ P[f"blocks.{i}.mlp.proj_w"]  # stored (hidden, d)
+        outputs.append(x)
+    z = norm(x) @ P["head.weight"].T
+    z = 23 * torch.sigmoid((z + 5) / 7.5)
+    lse = torch.logsumexp(z, dim=-1)
+    if not model.training:
+        return (lse - z[torch.arange(T), targets]).mean().item()
+    weights = [1.0] if mtp_weights is None else mtp_weights
+    return sum(w * (lse[t] - z[t, targets[t + k]]).item()
+               for k, w in enumerate(weights) for t in range(T - k))
+
+
+@pytest.mark.parametrize("tied,mtp", [(True, [1.0, 0.5, 0.25]), (False, None)])
+def test_bulk_forward_matches_the_float64_reference(tied, mtp):
+    config = tiny_bulk(rotary_bf16=False)  # fp32 everywhere, to compare at fp32 rounding
+    model = tg.build_model(config)
+    fill_random(model)
+    model.embed_tied = tied
+    model.rotary.set_changes(((2, 5), (5, 6)))  # YaRN as after two window changes
+    inputs, targets = packed(config, seed=3, docs_per_block=0.8)
+    window = torch.tensor([6, 2])  # blocks of 32 tokens: the edge blocks fall inside documents
+    weights = None if mtp is None else torch.tensor(mtp)
+    got = model(inputs, targets, window, mtp_weights=weights).item()
+    want = reference_bulk_loss(model, inputs, targets, 6, 2, mtp)
+    assert got == pytest.approx(want, rel=2e-5), (got, want)
+    model.eval()
+    got = model(inputs, targets, window).item()
+    assert got == pytest.approx(reference_bulk_loss(model, inputs, targets, 6, 2), rel=2e-5)
+
+
+def test_bulk_bf16_forward_is_close_to_the_fp32_one():
+    """The bf16 path (bf16 tables, rotation, logits and cap) runs and stays within bf16 error."""
+    losses = []
+    for dtype, rotary_bf16 in (("float32", False), ("bfloat16", True)):
+        config = tg.make_config("tiny", dtype=dtype, **{**BULK, "untie_embed_after_step": 3,
+                                                         "rotary_bf16": rotary_bf16})
+        model = tg.build_model(config)
+        fill_random(model)
+        losses.append(loss_of(model, config, torch.tensor([3, 1]), mtp_weights=torch.tensor([1.0, 0.5])).item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+
+
+@pytest.mark.slow
+def test_bulk_runner_trains_through_the_split_and_the_yarn_change():
+    """A few steps of the tiny model with every bulk switch, the x01 optimizers, a YaRN change
+    and the split inside: finite, decreasing losses; after the warm-up's restore, tied again."""
+    config = tiny_bulk(untie_embed_after_step=3, yarn_window_limit=13, num_iterations=20, warmup_steps=4,
+                       train_loss_reduction="mean")
+    runner = tg.Runner(config, torch.device("cpu"))
+    runner.warmup()
+    assert runner.model.embed_tied and runner.model.embeds[0].weight not in runner.optimizers[0].state
+    gen = torch.Generator().manual_seed(1)
+    batches = runner.random_batches(gen)
+    losses = [runner.train_step(s, batches, mtp_weights=[1.0, 0.5] if s < 2 else None).item() for s in range(8)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[2]
+    assert not runner.model.embed_tied
+    assert runner.yarn_steps and runner.model.rotary.changes == tuple(
+        (old, new) for step, old, new in runner.yarn_steps if step <= 7)
+
+
+@pytest.mark.slow
+def test_bulk_model_on_flex_equals_sdpa_in_evaluation():
+    """The whole bulk model on FlexAttention (compiled on its own: token-window BlockMasks, the
+    YaRN scale as a tensor) gives the per-token losses of the dense SDPA path."""
+    losses = []
+    for attention in ("flex", "sdpa"):
+        config = tiny_bulk(attention=attention, compile=False, rotary_bf16=False)
+        model = tg.build_model(config).eval()
+        fill_random(model)
+        model.rotary.set_changes(((2, 5), (5, 6)))
+        inputs, targets = packed(config, seed=4, docs_per_block=0.8)
+        with torch.no_grad():
+            losses.append(model(inputs, targets, torch.tensor([6, 2]), reduction="none"))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
