@@ -476,6 +476,25 @@ POLAR_EXPRESS_COEFFS = (
 POLAR_EXPRESS_NORM_SCALE, POLAR_EXPRESS_EPS = 1.02, 1e-6
 
 
+def add_as_cuda_(t: torch.Tensor, other, alpha: float = 1.0) -> torch.Tensor:
+    """t += alpha * other in place (`other` a tensor or a number), as CUDA's kernels compute it:
+    in fp32, alpha and numbers in fp32, one fused multiply-add, rounded once to t's dtype. On
+    CUDA that is t.add_. PyTorch's CPU kernels round alpha, or a number added, to bf16 first
+    when t is bf16 (0.2 becomes 0.2002, 8.1566 becomes 8.1875, 1e-8 becomes 1.0012e-8), so on
+    the CPU a bf16 t gets the fp32 sum formed explicitly."""
+    if t.is_cuda or t.dtype != torch.bfloat16:
+        return t.add_(other, alpha=alpha)
+    return t.copy_(t.float().add_(other.float() if torch.is_tensor(other) else other, alpha=alpha))
+
+
+def addcmul_as_cuda_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float) -> torch.Tensor:
+    """t += value * (a * b) in place, as CUDA's kernel computes it: a*b in fp32, then one fused
+    multiply-add with value, rounded once to t's dtype (PyTorch's CPU kernel forms (value*a)*b)."""
+    if t.is_cuda:
+        return t.addcmul_(a, b, value=value)
+    return t.copy_(t.float().add_(a.float() * b.float(), alpha=value))
+
+
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: float = POLAR_EXPRESS_NORM_SCALE,
                   eps: float = POLAR_EXPRESS_EPS, dtype=torch.bfloat16, split_last_product: bool = False) -> torch.Tensor:
     """Approximate U V^T of G = U S V^T for each matrix in the last two dims, every operation in
@@ -489,12 +508,12 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: floa
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
-    X = (X / (X.norm(dim=(-2, -1), keepdim=True) * norm_scale + eps)).contiguous()
+    X = (X / add_as_cuda_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
     plus_product = torch.baddbmm if X.ndim > 2 else torch.addmm  # beta*input + alpha*(m1 @ m2), rounded once
     for a, b, c in coeffs:
         A = X @ X.mT
         B = plus_product(A, A, A.mT, beta=b, alpha=c)
-        X = (B @ X).add_(X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
+        X = add_as_cuda_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
     return X.mT if transposed else X
 
 
@@ -644,17 +663,18 @@ def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: flo
     record's order and dtypes (its step runs uncompiled): moments m, v in bf16 whatever the
     weight's dtype; u = lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), so eps sits
     where torch's would be eps / sqrt(1 - beta2^t); then where u*p > 0 (strictly) u += lr^2 * wd *
-    wd_mul * p; p -= u. Bias corrections and factors are Python floats, as there."""
+    wd_mul * p; p -= u. Bias corrections and factors are Python floats, as there. Each operation
+    rounds as its CUDA kernel does (add_as_cuda_, addcmul_as_cuda_)."""
     m, v = state["exp_avg"], state["exp_avg_sq"]
     state["step"] += 1
     t = state["step"]
-    m.mul_(beta1).add_(grad, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    add_as_cuda_(m.mul_(beta1), grad, alpha=1 - beta1)
+    addcmul_as_cuda_(v.mul_(beta2), grad, grad, value=1 - beta2)
     bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
-    denom = v.sqrt().add_(eps)
+    denom = add_as_cuda_(v.sqrt(), eps)
     update = m.div(denom).mul_(lr * (bias2 ** 0.5 / bias1))
     same_sign = (update * p) > 0
-    update.addcmul_(p, same_sign, value=lr * weight_decay * wd_mul * lr)
+    addcmul_as_cuda_(update, p, same_sign, value=lr * weight_decay * wd_mul * lr)
     p.add_(update, alpha=-1.0)
 
 
