@@ -125,20 +125,6 @@ class Hyperparameters:
     muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0)
     muon_weight_decay: float = recipe(0.01, "Muon decoupled weight decay (w *= 1 - lr*wd*mul)", at_least=0)
     mlp_weight_decay_mul: float = recipe(2.0, "weight decay multiplier of the MLP matrices", at_least=0)
-    # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
-    num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
-    x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
-    lore_input: bool = idea(False, "LoRE: input embeddings as a V x r table and an r -> d projection")
-    lore_output: bool = idea(False, "LoRE: head as d -> r -> V")
-    lore_rank: int = idea(128, "LoRE rank r", at_least=1)
-    lore_init: str = idea("corrected", "LoRE factor init", choices=("none", "original", "corrected"))
-    ve_mode: str = idea("native", "value embeddings: one table per layout index (native, grouped) or a basis of K "
-                        "tables mixed by coefficients (learned, frozen)", choices=("native", "grouped", "learned", "frozen"))
-    ve_tables: int = idea(0, "K basis tables for learned/frozen (0: as many as value_embed_layout names)", at_least=0)
-    ve_coeff_init: str = idea("canonical", "learned/frozen coefficient init", choices=("canonical", "assignment"))
-    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
-    ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
-                        choices=("direct", "materialized"))
     # ---- bulk record (2025-12-31): optimizers (docs/bulk-optimizers.md); each off = the record x01
     orthogonalization: str = recipe("newton_schulz", "Muon's orthogonalization: newton_schulz (5 fixed quintic steps "
                                     "on G/|G|) or polar_express (5 steps with their own coefficients on "
@@ -166,6 +152,20 @@ class Hyperparameters:
     x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer x0 mixing weights, where the model has them",
                                   at_least=0)
     gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates, where the model has them", at_least=0)
+    # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
+    num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
+    x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
+    lore_input: bool = idea(False, "LoRE: input embeddings as a V x r table and an r -> d projection")
+    lore_output: bool = idea(False, "LoRE: head as d -> r -> V")
+    lore_rank: int = idea(128, "LoRE rank r", at_least=1)
+    lore_init: str = idea("corrected", "LoRE factor init", choices=("none", "original", "corrected"))
+    ve_mode: str = idea("native", "value embeddings: one table per layout index (native, grouped) or a basis of K "
+                        "tables mixed by coefficients (learned, frozen)", choices=("native", "grouped", "learned", "frozen"))
+    ve_tables: int = idea(0, "K basis tables for learned/frozen (0: as many as value_embed_layout names)", at_least=0)
+    ve_coeff_init: str = idea("canonical", "learned/frozen coefficient init", choices=("canonical", "assignment"))
+    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
+    ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
+                        choices=("direct", "materialized"))
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
     device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
     compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")

@@ -743,6 +743,14 @@ def test_the_default_builds_pytorchs_adam_and_muon_and_any_normuon_part_builds_n
                                                     .get(field, field.removeprefix("muon_"))) == value
 
 
+def test_scalar_betas_parse_as_auto_or_a_number():
+    assert tg.parse_args(["--preset=tiny"]).scalar_adam_beta1 is None
+    assert tg.parse_args(["--preset=tiny", "--scalar_adam_beta1=auto"]).scalar_adam_beta1 is None
+    assert tg.parse_args(["--preset=tiny", "--scalar_adam_beta2=0.99"]).scalar_adam_beta2 == 0.99
+    with pytest.raises(tg.ConfigError, match="--scalar_adam_beta1"):
+        tg.parse_args(["--preset=tiny", "--scalar_adam_beta1=1.5"])
+
+
 def test_the_scalar_group_has_its_own_betas_when_given():
     config = tiny()
     adam, _ = tg.build_optimizers(tg.build_model(config), config, 0, 1)
