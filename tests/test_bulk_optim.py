@@ -10,10 +10,12 @@ Rounding references: `f32`/`bf16` round a Python float (float64) the way a kerne
 fp32 stores fp32/bf16 (round to nearest even); `fma32` rounds an exact a*b + c once to fp32. The
 references compute each operation exactly (or in float64) and round where the record's operation
 stores its result, with its scalars in fp32, as PyTorch's CUDA kernels take them."""
+import dataclasses
 import math
 import os
 import socket
 import struct
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -603,7 +605,7 @@ def test_adam_on_odd_steps_equals_one_adam_step_on_the_two_steps_summed_gradient
     gradient(step 1) added by hand. One micro-step per step, so the sums are the same two terms."""
     config = tiny(batch_slices=1, adam_odd_steps_only=True, adam_variant=variant)
     runner = tg.Runner(config, torch.device("cpu"))
-    reference = tg.Runner(dataclasses_replace(config, adam_odd_steps_only=False), torch.device("cpu"))
+    reference = tg.Runner(dataclasses.replace(config, adam_odd_steps_only=False), torch.device("cpu"))
     adam, muon = reference.optimizers
     adam_params = [p for g in adam.param_groups for p in g["params"]]
     waiting = {}
@@ -622,11 +624,6 @@ def test_adam_on_odd_steps_equals_one_adam_step_on_the_two_steps_summed_gradient
         muon.step()
         reference.model.zero_grad(set_to_none=True)
     assert_same_state(all_state(runner), all_state(reference))
-
-
-def dataclasses_replace(config, **changes):
-    import dataclasses
-    return dataclasses.replace(config, **changes)
 
 
 def test_the_warmup_leaves_no_gradient_waiting_for_adam():
@@ -834,7 +831,7 @@ def test_two_processes_train_like_one_process_with_two_micro_steps(synthetic_dir
     decimals but one, off by 1e-6. Asserted: 2^-6 (1.6%) at step 4, losses within 1e-5."""
     import test_distributed as td
     one, two = tmp_path / "one", tmp_path / "two"
-    td.launch([([os.sys.executable, "train_gpt_medium.py", *td.run_args(synthetic_dir, one, *BULK_FLAGS)],
+    td.launch([([sys.executable, "train_gpt_medium.py", *td.run_args(synthetic_dir, one, *BULK_FLAGS)],
                 td.clean_env())], one)
     port = str(free_port())
     td.launch([(["./run.sh", *td.run_args(synthetic_dir, two, *BULK_FLAGS)],
