@@ -9,7 +9,8 @@
 Map of the file. The recipe, in the order data flows (what a record diff touches):
   1. Hyperparameters   the record's values as a table, and the presets
   2. Schedules         learning rate, Muon momentum, attention window
-  3. Muon              Newton-Schulz orthogonalization, the sharded optimizer
+  3. Muon              Newton-Schulz orthogonalization, the sharded optimizer; the bulk record's
+                       Polar Express, NorMuon and cautious bf16 Adam
   4. Model             masks, rotary, attention, MLP, block, GPT; the seed ideas' modules in one
                        section; initialization; optimizer groups
   5. Data              token shards and the loader
@@ -127,6 +128,33 @@ class Hyperparameters:
     muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0)
     muon_weight_decay: float = recipe(0.01, "Muon decoupled weight decay (w *= 1 - lr*wd*mul)", at_least=0)
     mlp_weight_decay_mul: float = recipe(2.0, "weight decay multiplier of the MLP matrices", at_least=0)
+    # ---- bulk record (2025-12-31): optimizers (docs/bulk-optimizers.md); each off = the record x01
+    orthogonalization: str = recipe("newton_schulz", "Muon's orthogonalization: newton_schulz (5 fixed quintic steps "
+                                    "on G/|G|) or polar_express (5 steps with their own coefficients on "
+                                    "G/(1.02|G| + 1e-6), always in bf16)", choices=("newton_schulz", "polar_express"))
+    muon_row_normalization: bool = recipe(False, "NorMuon: scale each row of the orthogonalized update by 1/sqrt of a "
+                                          "running mean of its mean square, then restore the update's Frobenius norm")
+    muon_row_beta2: float = recipe(0.95, "NorMuon: decay of the running row mean square", at_least=0, below=1)
+    muon_cautious_weight_decay: bool = recipe(False, "Muon decays only where update and weight agree in sign (or one is "
+                                              "0), by muon_weight_decay * lr * lr_eff: quadratic in the lr schedule "
+                                              "(off: w *= 1 - lr*wd everywhere)")
+    muon_lr_shape: str = recipe("blocks", "Muon's lr factor sqrt(max(1, rows/cols)) from each orthogonalized block "
+                                "(attention 1, MLP in 2, MLP out 1) or from the matrix as stored, leading dims counted "
+                                "as rows (attention 2)", choices=("blocks", "stored"))
+    adam_variant: str = recipe("torch", "torch: PyTorch's Adam, moments in the weight's dtype, no decay; cautious_bf16: "
+                               "bf16 moments, eps added to sqrt(v) before the bias correction, decay "
+                               "adam_weight_decay * lr^2 where update and weight agree in sign",
+                               choices=("torch", "cautious_bf16"))
+    adam_weight_decay: float = recipe(0.0, "cautious_bf16 Adam's weight decay (times each weight's wd_mul)", at_least=0)
+    adam_odd_steps_only: bool = recipe(False, "Adam steps on odd steps only, on the summed gradients of the step "
+                                       "before and its own (Muon steps every step)")
+    scalar_adam_beta1: Optional[float] = recipe(None, "Adam beta1 of the scalar group (auto: adam_beta1)",
+                                                at_least=0, below=1)
+    scalar_adam_beta2: Optional[float] = recipe(None, "Adam beta2 of the scalar group (auto: adam_beta2)",
+                                                at_least=0, below=1)
+    x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer x0 mixing weights, where the model has them",
+                                  at_least=0)
+    gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates, where the model has them", at_least=0)
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -619,7 +647,8 @@ def warmup_schedule(config: Hyperparameters) -> list[int]:
 
 
 # =============================================================================
-# 3. Muon: orthogonalized momentum for the matrices inside the blocks; Snoo, an outer step around all
+# 3. Muon: orthogonalized momentum for the matrices inside the blocks (and the bulk record's
+#    optimizers); Snoo, an outer step around all
 
 _compiled_functions: dict = {}
 
@@ -684,7 +713,8 @@ def muon_update(weight: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch
 
     The scalars are 0-d fp32 tensors on the matrix's device, refilled in place each step, so that
     the compiled version of this function never recompiles for a new lr or momentum. `Muon.step`
-    computes them in Python floats: 1 - m, 1 - lr*wd*wd_mul, -lr*sqrt(max(1, rows/cols)), beta, 1 - beta.
+    computes them in Python floats: 1 - m, 1 - lr*wd*wd_mul, -lr*lr_mul*sqrt(max(1, rows/cols)), beta,
+    1 - beta.
     """
     grad = grad.float()  # the gradient itself for fp32 weights: only read, never written
     momentum_buffer.lerp_(grad, one_minus_momentum)
@@ -711,6 +741,27 @@ def smooth_update(update: torch.Tensor, smoothed_update: torch.Tensor, smoothing
     return new if apply_smoothed else smoothing * new + one_minus_smoothing * u
 
 
+def multiplier_key(p: nn.Parameter) -> tuple:
+    """(shape, lr_mul, wd_mul): a parameter's lr and weight-decay multipliers are attributes set
+    where it is created (absent: 1.0); Muon groups matrices that share all three."""
+    return p.shape, getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0)
+
+
+def orthogonalized_shape(p: torch.Tensor, group: dict) -> torch.Size:
+    """The shape Muon orthogonalizes: the matrix itself, or with group["blocks"] = k its k row
+    blocks (the merged attention weight: q, k, v, o), whatever the storage's leading dims."""
+    blocks = group.get("blocks", 1)
+    if blocks == 1:
+        return p.shape
+    return torch.Size((blocks, p.numel() // (blocks * p.shape[-1]), p.shape[-1]))
+
+
+def block_view(p: torch.Tensor, group: dict):
+    """A function viewing tensors shaped like `p` in orthogonalized_shape (the tensor itself when equal)."""
+    shape = orthogonalized_shape(p, group)
+    return lambda t: t if t.shape == shape else t.view(shape)
+
+
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz, for bf16 matrices with fp32-precise updates
     (fp32 matrices, as on CPU, are simply updated in place and iterate in fp32).
@@ -724,13 +775,16 @@ class Muon(torch.optim.Optimizer):
     "update_smoothing" is its beta, set per step like the lr.
     """
 
+    SCALARS = ("momentum", "one_minus_momentum", "decay", "step_size")
+
     def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
                  rank: int = 0, world_size: int = 1, compile_update: bool = False, update_smoothing: str = "off"):
         groups = []
-        for group in param_groups:  # split each group by shape so a gather moves one shape
+        for group in param_groups:  # split each group by shape (a gather moves one shape) and by multipliers
             params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
-            for shape in dict.fromkeys(p.shape for p in params):
-                groups.append({**group, "params": [p for p in params if p.shape == shape]})
+            for shape, lr_mul, wd_mul in dict.fromkeys(multiplier_key(p) for p in params):
+                groups.append({**group, "params": [p for p in params if multiplier_key(p) == (shape, lr_mul, wd_mul)],
+                               "lr_mul": lr_mul, "wd_mul": group.get("wd_mul", 1.0) * wd_mul})
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0)
         if update_smoothing != "off":
             defaults.update(update_smoothing=0.0)
@@ -738,17 +792,20 @@ class Muon(torch.optim.Optimizer):
         self.rank, self.world_size, self.smoothing = rank, world_size, update_smoothing
         self.update = compiled(muon_update, fullgraph=True) if compile_update else muon_update
         # per group, the update's scalars: device tensors refilled in place (no recompile, no host sync)
-        names = ("momentum", "one_minus_momentum", "decay", "step_size") + (
-            ("smoothing", "one_minus_smoothing") if update_smoothing != "off" else ())
+        names = self.SCALARS + (("smoothing", "one_minus_smoothing") if update_smoothing != "off" else ())
         self.scalars = [{name: torch.zeros((), device=group["params"][0].device) for name in names}
                         for group in self.param_groups]
         for group in self.param_groups:
             for p in self.owned(group):
-                self.state[p] = dict(momentum_buffer=torch.zeros_like(p, dtype=torch.float32))
-                if p.dtype == torch.bfloat16:
-                    self.state[p]["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
-                if update_smoothing != "off":
-                    self.state[p]["smoothed_update"] = torch.zeros_like(p)
+                self.state[p] = self.new_state(group, p)
+
+    def new_state(self, group: dict, p: nn.Parameter) -> dict:
+        state = dict(momentum_buffer=torch.zeros_like(p, dtype=torch.float32))
+        if p.dtype == torch.bfloat16:
+            state["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
+        if self.smoothing != "off":
+            state["smoothed_update"] = torch.zeros_like(p)
+        return state
 
     def owned(self, group: dict) -> list[nn.Parameter]:
         return group["params"][self.rank::self.world_size]
@@ -763,11 +820,7 @@ class Muon(torch.optim.Optimizer):
                 chunk = params[base:base + W]
                 mine = chunk[self.rank] if self.rank < len(chunk) else None
                 if mine is not None:
-                    state = self.state[mine]
-                    smoothing = {} if self.smoothing == "off" else dict(
-                        smoothed_update=state["smoothed_update"], apply_smoothed=self.smoothing == "ema")
-                    self.update(mine.data, mine.grad, state["momentum_buffer"], state.get("low_bits"), **scalars,
-                                **smoothing)
+                    self.update_matrix(group, scalars, mine)
                 if W > 1:  # everyone sends its updated matrix (or padding) and receives the rest
                     send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
                     outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
@@ -776,14 +829,22 @@ class Muon(torch.optim.Optimizer):
         for work in pending:
             work.wait()
 
-    @staticmethod
-    def _fill_scalars(group: dict, scalars: dict[str, torch.Tensor]) -> None:
+    def update_matrix(self, group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
+        """This rank's step of one matrix it owns, on views split into the group's blocks."""
+        state, as_blocks = self.state[p], block_view(p, group)
+        low_bits = state.get("low_bits")
+        smoothing = {} if self.smoothing == "off" else dict(
+            smoothed_update=as_blocks(state["smoothed_update"]), apply_smoothed=self.smoothing == "ema")
+        self.update(as_blocks(p.data), as_blocks(p.grad), as_blocks(state["momentum_buffer"]),
+                    as_blocks(low_bits) if low_bits is not None else None, **scalars, **smoothing)
+
+    def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
         """The group's lr, momentum and decay as the update's scalars, computed in Python floats
         (float64) and rounded once to fp32, as the arithmetic on Python scalars always did."""
         m, lr = group["momentum"], group["lr"]
-        rows, cols = group["params"][0].shape[-2:]
+        rows, cols = orthogonalized_shape(group["params"][0], group)[-2:]
         values = dict(momentum=m, one_minus_momentum=1 - m, decay=1 - lr * group["weight_decay"] * group["wd_mul"],
-                      step_size=-lr * max(1.0, rows / cols) ** 0.5)
+                      step_size=-lr * group["lr_mul"] * max(1.0, rows / cols) ** 0.5)
         if "smoothing" in scalars:
             beta = group["update_smoothing"]
             values.update(smoothing=beta, one_minus_smoothing=1 - beta)
@@ -870,6 +931,248 @@ class Snoo:
             anchor.copy_(state["anchors"][name])
         self.momentum_buffers = {name: _copy(v, self.anchors[name].device)
                                  for name, v in state["momentum_buffers"].items()}
+# ---- the bulk record's optimizers (docs/bulk-optimizers.md): Polar Express, NorMuon and its Adam.
+# Each part is switched by its own field (section 1); a part that is off is never built or called.
+
+# (a, b, c) of the five Polar Express steps. Each step's coefficients are tuned for where that step
+# finds the singular values (the first lifts tiny ones hard, the last settle near 1), so five steps
+# land closer to the polar factor than five repetitions of one polynomial.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# G is divided by 1.02 |G|_F + 1e-6 first: the 2% margin keeps every singular value below 1 despite
+# the bf16 rounding of the norm.
+POLAR_EXPRESS_NORM_SCALE, POLAR_EXPRESS_EPS = 1.02, 1e-6
+
+
+def add_as_cuda_(t: torch.Tensor, other, alpha: float = 1.0) -> torch.Tensor:
+    """t += alpha * other in place (`other` a tensor or a number), as CUDA's kernels compute it:
+    in fp32, alpha and numbers in fp32, one fused multiply-add, rounded once to t's dtype. On
+    CUDA that is t.add_. PyTorch's CPU kernels round alpha, or a number added, to bf16 first
+    when t is bf16 (0.2 becomes 0.2002, 8.1566 becomes 8.1875, 1e-8 becomes 1.0012e-8), so on
+    the CPU a bf16 t gets the fp32 sum formed explicitly."""
+    if t.is_cuda or t.dtype != torch.bfloat16:
+        return t.add_(other, alpha=alpha)
+    return t.copy_(t.float().add_(other.float() if torch.is_tensor(other) else other, alpha=alpha))
+
+
+def addcmul_as_cuda_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float) -> torch.Tensor:
+    """t += value * (a * b) in place, as CUDA's kernel computes it: a*b in fp32, then one fused
+    multiply-add with value, rounded once to t's dtype (PyTorch's CPU kernel forms (value*a)*b)."""
+    if t.is_cuda:
+        return t.addcmul_(a, b, value=value)
+    return t.copy_(t.float().add_(a.float() * b.float(), alpha=value))
+
+
+def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: float = POLAR_EXPRESS_NORM_SCALE,
+                  eps: float = POLAR_EXPRESS_EPS, dtype=torch.bfloat16, split_last_product: bool = False) -> torch.Tensor:
+    """Approximate U V^T of G = U S V^T for each matrix in the last two dims, every operation in
+    `dtype` (bf16 in the record): G is cast, a tall matrix transposed (so A below is the smaller
+    Gram matrix), divided by norm_scale*|G|_F + eps, then each step is X <- a X + (b A + c A^2) X
+    with A = X X^T. Each step rounds where the record's kernels round: A; b A + c A A^T once; and
+    a X + B X once, or with `split_last_product` (the record does this for the MLP matrices) B X
+    and then + a X. With Newton-Schulz's coefficients, norm_scale 1 and eps 1e-7 it computes the
+    polynomial `orthogonalize` does (only the roundings of the fused steps differ)."""
+    X = G.to(dtype)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    X = (X / add_as_cuda_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
+    plus_product = torch.baddbmm if X.ndim > 2 else torch.addmm  # beta*input + alpha*(m1 @ m2), rounded once
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        B = plus_product(A, A, A.mT, beta=b, alpha=c)
+        X = add_as_cuda_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
+    return X.mT if transposed else X
+
+
+def nesterov_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum: torch.Tensor,
+                      one_minus_momentum: torch.Tensor) -> torch.Tensor:
+    """Muon's momentum, in place, and its Nesterov output m*b + (1-m)*g (EMA form, as Muon). An fp32
+    buffer: Muon's own arithmetic. A bf16 buffer (the record's gates): each lerp computed in fp32
+    and rounded to bf16, which is what a bf16 lerp with a Python-float weight computes (a bf16
+    lerp with a tensor weight would round the weight to bf16 first)."""
+    grad = grad.float()
+    if momentum_buffer.dtype == torch.float32:
+        momentum_buffer.lerp_(grad, one_minus_momentum)
+        return grad.lerp(momentum_buffer, momentum)
+    momentum_buffer.copy_(momentum_buffer.float().lerp_(grad, one_minus_momentum))
+    return grad.lerp(momentum_buffer.float(), momentum).to(momentum_buffer.dtype)
+
+
+def normuon_row_normalize(update: torch.Tensor, row_mean_square: torch.Tensor, beta2: float,
+                          reduce_dim: int) -> torch.Tensor:
+    """NorMuon's row normalization, in place: r = mean over `reduce_dim` of update^2 (fp32; one
+    value per row for reduce_dim=-1), row_mean_square <- lerp toward r by 1 - beta2 (in its own
+    dtype, no bias correction), then each row is scaled by 1/sqrt(max(row_mean_square, 1e-10)) and
+    the whole matrix by |update|_F / |scaled|_F (its Frobenius norm is kept). The order and dtype
+    of every operation are the record's; the norms are computed from r, not from the update."""
+    r = update.float().square().mean(dim=reduce_dim, keepdim=True)
+    n = update.size(reduce_dim)
+    norm = r.sum(dim=(-2, -1), keepdim=True).mul_(n).sqrt_()
+    row_mean_square.lerp_(r.to(row_mean_square.dtype), 1 - beta2)
+    row_scale = row_mean_square.clamp_min(1e-10).rsqrt_()
+    scaled_norm = ((r * n) * row_scale.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    scale = row_scale * (norm / scaled_norm.clamp_min_(1e-10))
+    return update.mul_(scale.type_as(update))
+
+
+def normuon_reduce_dim(p: torch.Tensor, group: dict) -> int:
+    """The dim NorMuon's statistic averages over: -1 (one value per stored row) for gates and for
+    matrices with at least as many stored rows as columns (leading dims count as rows), else -2
+    (one per column). Rows are as stored: an MLP output matrix stored transposed gets one value
+    per hidden unit."""
+    rows, cols = p.numel() // p.shape[-1], p.shape[-1]
+    return -1 if group.get("gate", False) or rows >= cols else -2
+
+
+def cautious_step(weight: torch.Tensor, update: torch.Tensor, wd_factor: torch.Tensor,
+                  lr_factor: torch.Tensor) -> None:
+    """Cautious weight decay and the step, in place: entries where update*weight >= 0 decay by
+    wd_factor*lr_factor, then weight -= lr_factor*update. The factors are cast to the weight's
+    dtype first (bf16 for the record's gates) and every product runs in the record's order."""
+    same_sign = (update * weight) >= 0
+    wd, lr = wd_factor.to(weight.dtype), lr_factor.to(weight.dtype)
+    weight.copy_(weight - weight * same_sign * wd * lr - update * lr)
+
+
+def decoupled_step(master: torch.Tensor, update: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor) -> None:
+    """Muon's step, in place: master *= 1 - lr*wd*wd_mul, then master += step_size*update."""
+    master.mul_(decay)
+    master.addcmul_(update.float(), step_size)
+
+
+class NorMuon(Muon):
+    """Muon as the bulk record runs it, each part switched on its own: Polar Express instead of
+    Newton-Schulz, the row normalization, cautious weight decay quadratic in the lr (decay factor
+    weight_decay * wd_mul * lr * lr_eff with lr_eff = lr * lr_mul * shape factor), and the lr
+    shape factor sqrt(max(1, rows/cols)) of the stored matrix or of each block. With every part at
+    Muon's setting it is Muon.
+
+    Dtypes: a group with "gate": True (the record's attention and value-embedding gates) keeps
+    its momentum and row statistic in the gates' dtype and updates them in place in it (bf16 on a
+    GPU, as the record: no fp32 master). Other matrices have fp32 state; bf16 ones keep Muon's
+    16 low bits (the bulk model stores its matrices in fp32, so it has none). The round-robin
+    sharding, the gathers and checkpoints are Muon's.
+
+    With compile_update the three steps the record compiles (orthogonalization, row
+    normalization, cautious step) are compiled separately, each with fullgraph, so the compiler
+    fuses the same operations as the record's; the momentum runs eagerly, as there.
+    """
+
+    SCALARS = Muon.SCALARS + ("lr_factor", "wd_factor")
+
+    def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
+                 rank: int = 0, world_size: int = 1, compile_update: bool = False, *,
+                 orthogonalization: str = "polar_express", row_normalization: bool = True, row_beta2: float = 0.95,
+                 cautious_weight_decay: bool = True, lr_shape: str = "stored"):
+        self.orthogonalization, self.lr_shape = orthogonalization, lr_shape
+        self.row_normalization, self.row_beta2 = row_normalization, row_beta2
+        self.cautious_weight_decay = cautious_weight_decay
+        super().__init__(param_groups, lr, momentum, weight_decay, rank, world_size, compile_update)
+        part = (lambda fn: compiled(fn, fullgraph=True)) if compile_update else (lambda fn: fn)
+        self.orthogonalize = part(polar_express if orthogonalization == "polar_express" else orthogonalize)
+        self.row_normalize, self.cautious_step, self.decoupled_step = (
+            part(normuon_row_normalize), part(cautious_step), part(decoupled_step))
+
+    def new_state(self, group: dict, p: nn.Parameter) -> dict:
+        gate = group.get("gate", False)
+        dtype = p.dtype if gate else torch.float32
+        state = dict(momentum_buffer=torch.zeros_like(p, dtype=dtype))
+        if p.dtype == torch.bfloat16 and not gate:
+            state["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
+        if self.row_normalization:
+            shape = list(orthogonalized_shape(p, group))
+            shape[normuon_reduce_dim(p, group)] = 1
+            state["row_mean_square"] = torch.zeros(shape, dtype=dtype, device=p.device)
+        return state
+
+    def update_matrix(self, group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
+        state, as_blocks = self.state[p], block_view(p, group)
+        weight, low_bits = as_blocks(p.data), state.get("low_bits")
+        g = nesterov_momentum(as_blocks(p.grad), as_blocks(state["momentum_buffer"]), scalars["momentum"],
+                              scalars["one_minus_momentum"])
+        if self.orthogonalization == "polar_express":
+            update = self.orthogonalize(g, split_last_product=group.get("split_last_product", False))
+        else:
+            update = self.orthogonalize(g, weight.dtype)
+        if self.row_normalization:
+            update = self.row_normalize(update, state["row_mean_square"], self.row_beta2, normuon_reduce_dim(p, group))
+        master = fp32_from_halves(weight, as_blocks(low_bits)) if low_bits is not None else weight
+        if self.cautious_weight_decay:
+            self.cautious_step(master, update, scalars["wd_factor"], scalars["lr_factor"])
+        else:
+            self.decoupled_step(master, update, scalars["decay"], scalars["step_size"])
+        if low_bits is not None:
+            store_halves(master, weight, as_blocks(low_bits))
+
+    def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
+        """Momentum, and the step's factors. Cautious: lr_factor = lr * lr_mul * shape factor and
+        wd_factor = wd_mul * weight_decay * lr, each product rounded to fp32 as the record's fp32
+        multiplier vectors round it. Otherwise Muon's decay and step size."""
+        m, lr, p = group["momentum"], group["lr"], group["params"][0]
+        rows, cols = ((p.numel() // p.shape[-1], p.shape[-1]) if self.lr_shape == "stored"
+                      else orthogonalized_shape(p, group)[-2:])
+        shape_factor = max(1.0, rows / cols) ** 0.5
+        values = dict(momentum=m, one_minus_momentum=1 - m)
+        if self.cautious_weight_decay:
+            f32 = np.float32
+            values.update(lr_factor=f32(f32(shape_factor * group["lr_mul"]) * f32(lr)),
+                          wd_factor=f32(f32(f32(group["wd_mul"]) * f32(group["weight_decay"])) * f32(lr)))
+        else:
+            values.update(decay=1 - lr * group["weight_decay"] * group["wd_mul"],
+                          step_size=-lr * group["lr_mul"] * shape_factor)
+        for name, value in values.items():
+            scalars[name].fill_(float(value))
+
+
+def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
+                       eps: float, weight_decay: float, wd_mul: float) -> None:
+    """One parameter's step of the bulk record's Adam, in place, operation by operation in the
+    record's order and dtypes (its step runs uncompiled): moments m, v in bf16 whatever the
+    weight's dtype; u = lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), so eps sits
+    where torch's would be eps / sqrt(1 - beta2^t); then where u*p > 0 (strictly) u += lr^2 * wd *
+    wd_mul * p; p -= u. Bias corrections and factors are Python floats, as there. Each operation
+    rounds as its CUDA kernel does (add_as_cuda_, addcmul_as_cuda_)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    t = state["step"]
+    add_as_cuda_(m.mul_(beta1), grad, alpha=1 - beta1)
+    addcmul_as_cuda_(v.mul_(beta2), grad, grad, value=1 - beta2)
+    bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
+    denom = add_as_cuda_(v.sqrt(), eps)
+    update = m.div(denom).mul_(lr * (bias2 ** 0.5 / bias1))
+    same_sign = (update * p) > 0
+    addcmul_as_cuda_(update, p, same_sign, value=lr * weight_decay * wd_mul * lr)
+    p.add_(update, alpha=-1.0)
+
+
+class CautiousAdam(torch.optim.Optimizer):
+    """The bulk record's Adam (cautious_adam_step for each parameter with a gradient), replicated
+    on every rank. A parameter's `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's
+    lr and weight decay. State per parameter as PyTorch's Adam names it: step (a Python int,
+    counting this parameter's steps), exp_avg and exp_avg_sq (bf16), created at construction."""
+
+    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            for p in group["params"]:
+                moment = torch.zeros_like(p, dtype=torch.bfloat16)
+                self.state[p] = dict(step=0, exp_avg=moment, exp_avg_sq=torch.zeros_like(moment))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is not None:  # no gradient, no step (the untied embedding before the split)
+                    cautious_adam_step(p, p.grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), beta1,
+                                       beta2, group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
 
 
 # =============================================================================
@@ -2049,28 +2352,45 @@ def load_data(config: Hyperparameters) -> RunData:
 # =============================================================================
 # 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
 
+# Muon group options: the attention weight is orthogonalized as its 4 row blocks (q, k, v, o);
+# NorMuon splits the MLP's last Polar Express product (as the record does) and keeps the gates'
+# state in their own dtype.
+MUON_GROUP_OPTIONS = dict(muon_attn=dict(blocks=4), muon_mlp=dict(split_last_product=True), muon_gates=dict(gate=True))
+
+
 def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int,
                      compile_muon: bool = False) -> list[torch.optim.Optimizer]:
     """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks
-    (its per-matrix update compiled with `compile_muon`)."""
-    groups = parameter_groups(model)
-    # the bulk record's x0_lambdas and (1, 16) gates take the scalar lr here (its own optimizers
-    # read each parameter's lr_mul and wd_mul; these do not)
-    adam_lrs = dict(head=config.head_lr, embed=config.embed_lr, value_embed=config.embed_lr,
-                    ve_coeff=config.ve_coeff_lr, scalar=config.scalar_lr, x0_lambdas=config.scalar_lr,
-                    gates=config.scalar_lr)
-    fused = next(model.parameters()).is_cuda
-    adam = torch.optim.Adam([dict(params=groups[name], lr=lr, name=name) for name, lr in adam_lrs.items() if name in groups],
-                            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=0.0,
-                            fused=fused)
-    wd_muls = dict(muon_mlp=config.mlp_weight_decay_mul)
-    muon_groups = [dict(params=groups[name], name=name, wd_mul=wd_muls.get(name, 1.0))
-                   for name in ("muon_attn", "muon_mlp", "muon_lore", "muon_gates")
-                   if name in groups]  # no attention: no muon_attn
-    muon = Muon(muon_groups,
-                lr=config.muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
-                rank=rank, world_size=world_size, compile_update=compile_muon,
-                update_smoothing=config.muon_update_smoothing)
+    (its per-matrix update compiled with `compile_muon`). A parameter's `lr_mul` / `wd_mul`
+    attributes multiply its group's lr / decay in every optimizer. The bulk record's parts:
+    adam_variant, the NorMuon fields (NorMuon is built when any of them differs from Muon)."""
+    cfg, groups = config, parameter_groups(model)
+    adam_lrs = dict(head=cfg.head_lr, embed=cfg.embed_lr, value_embed=cfg.embed_lr, ve_coeff=cfg.ve_coeff_lr,
+                    x0_lambdas=cfg.x0_lambdas_lr, gates=cfg.gates_lr, scalar=cfg.scalar_lr)
+    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (
+        cfg.adam_beta1 if cfg.scalar_adam_beta1 is None else cfg.scalar_adam_beta1,
+        cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
+    adam_groups = [dict(params=groups[name], lr=lr, name=name, betas=scalar_betas if name == "scalar" else betas)
+                   for name, lr in adam_lrs.items() if name in groups]
+    if cfg.adam_variant == "cautious_bf16":
+        adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps,
+                            weight_decay=cfg.adam_weight_decay)
+    else:  # PyTorch's Adam takes the lr multipliers as groups of their own
+        by_lr_mul = [{**g, "params": [p for p in g["params"] if getattr(p, "lr_mul", 1.0) == mul], "lr": g["lr"] * mul}
+                     for g in adam_groups for mul in dict.fromkeys(getattr(p, "lr_mul", 1.0) for p in g["params"])]
+        adam = torch.optim.Adam(by_lr_mul, betas=betas, eps=cfg.adam_eps, weight_decay=0.0,
+                                fused=next(model.parameters()).is_cuda)
+    wd_muls = dict(muon_mlp=cfg.mlp_weight_decay_mul)
+    muon_groups = [dict(params=groups[name], name=name, wd_mul=wd_muls.get(name, 1.0), **MUON_GROUP_OPTIONS.get(name, {}))
+                   for name in ("muon_attn", "muon_mlp", "muon_lore", "muon_gates") if name in groups]
+    muon_args = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
+                     rank=rank, world_size=world_size, compile_update=compile_muon)
+    if normuon_enabled(cfg):
+        muon = NorMuon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
+                       row_normalization=cfg.muon_row_normalization, row_beta2=cfg.muon_row_beta2,
+                       cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape)
+    else:
+        muon = Muon(muon_groups, **muon_args, update_smoothing=cfg.muon_update_smoothing)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -2092,13 +2412,20 @@ def build_outer_optimizer(model: GPT, optimizers: list[torch.optim.Optimizer], c
     return Snoo(list(model.named_parameters()), config.snoo_period, config.snoo_lr, config.snoo_momentum, low_bits_of)
 
 
+def normuon_enabled(config: Hyperparameters) -> bool:
+    """Any NorMuon part on (with all of them at Muon's setting, NorMuon is Muon)."""
+    return (config.orthogonalization != "newton_schulz" or config.muon_row_normalization
+            or config.muon_cautious_weight_decay or config.muon_lr_shape != "blocks")
+
+
 def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
-    mult = lr_schedule(step, config)
+    """Each group's lr for `step`; Muon's momentum (and update smoothing's beta)."""
+    mult, momentum = lr_schedule(step, config), momentum_schedule(step, config)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * mult
             if isinstance(opt, Muon):
-                group["momentum"] = momentum_schedule(step, config)
+                group["momentum"] = momentum
                 if opt.smoothing != "off":
                     group["update_smoothing"] = update_smoothing_beta(step, config)
 
@@ -2109,12 +2436,13 @@ class GradientAverager:
 
     def __init__(self, model: nn.Module, world_size: int):
         self.world_size, self.armed, self.pending = world_size, False, []
+        self.held: frozenset = frozenset()  # parameters whose local gradients wait for a later step
         if world_size > 1:
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p):
-        if self.armed:
+        if self.armed and p not in self.held:
             self.pending.append(dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True))
 
     def wait(self):
@@ -2146,6 +2474,10 @@ class Runner:
         self.outer = build_outer_optimizer(self.model, self.optimizers, config)  # None without Snoo
         if use_compile:
             fail_instead_of_eager_fallback()
+        # --adam_odd_steps_only: on even steps Adam's gradients stay on each rank, unreduced, and the
+        # next backward adds to them; Adam then steps on the sum (see train_step)
+        self.adam_params = frozenset(p for g in self.optimizers[0].param_groups for p in g["params"])
+        self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
         # the long window in blocks (the short one is its half), or [long, short] where a
@@ -2195,6 +2527,8 @@ class Runner:
         window, scale = self.window(step), 1.0 / (self.micro_steps * self.world_size)
         self.set_embedding_tie(step)
         mtp = self.mtp_input(mtp_weights)
+        adam_waits = self.config.adam_odd_steps_only and step % 2 == 0
+        self.averager.held = self.adam_params if adam_waits else frozenset()
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             self.averager.armed = i == len(batches) - 1
@@ -2206,10 +2540,15 @@ class Runner:
         self.averager.wait()
         set_schedules(self.optimizers, step, self.config)
         for opt in self.optimizers:
-            opt.step()
+            if not (adam_waits and opt is self.optimizers[0]):
+                opt.step()
         if self.outer is not None:
             self.outer.step()
-        self.model.zero_grad(set_to_none=True)
+        if adam_waits:  # Adam's local gradients stay for the next (odd) step's backward to add to
+            for p in self.stepped_every_step:
+                p.grad = None
+        else:
+            self.model.zero_grad(set_to_none=True)
         if step == self.config.untie_embed_after_step > 0:  # the split: right after this step's update
             self.model.untie_embedding(self.optimizers)
         return total
@@ -2274,6 +2613,7 @@ class Runner:
         if self.outer is not None:
             self.outer.load_state_dict(saved_outer)  # anchors, no momentum yet, the counter back to 0
         self.set_embedding_tie(0)  # the warm-up may have passed the split
+        self.model.zero_grad(set_to_none=True)  # gradients an odd-step Adam was still holding
         self.first_nonfinite.fill_(NO_STEP)
         del saved
         reset_peak_memory(self.device)
@@ -2586,11 +2926,11 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
     if text is None:
         raise argparse.ArgumentTypeError(f"needs a value: --{f.name}=VALUE")
     try:
-        if kind == "Optional[int]" and text.lower() in ("none", "auto"):
+        if kind in ("Optional[int]", "Optional[float]") and text.lower() in ("none", "auto"):
             return None
         if kind in ("int", "Optional[int]"):
             return int(text)
-        if kind == "float":
+        if kind in ("float", "Optional[float]"):
             value = float(text)
             if not math.isfinite(value):
                 raise ValueError
@@ -2734,6 +3074,14 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
              "the head doubles as the input table: not with --lore_input or --lore_output")
         need(cfg.pad_vocab_tables, "untie_embed_after_step",
              "the input table becomes a copy of the head: pass --pad_vocab_tables so both have the head's rows")
+    need(cfg.muon_update_smoothing == "off" or not normuon_enabled(cfg), "muon_update_smoothing",
+         "smooths Muon's update; the bulk record's NorMuon parts (orthogonalization, muon_row_normalization, "
+         "muon_cautious_weight_decay, muon_lr_shape) have no smoothing: turn one of the two off")
+    need(cfg.adam_weight_decay == 0 or cfg.adam_variant == "cautious_bf16", "adam_weight_decay",
+         "only --adam_variant=cautious_bf16 decays weights; set it, or leave the decay at 0")
+    need(not cfg.adam_odd_steps_only or cfg.save_every % 2 == 0, "save_every",
+         f"{cfg.save_every} is odd; with --adam_odd_steps_only checkpoints must fall after odd steps, when no "
+         "gradients wait for Adam: choose an even number")
     return cfg
 
 
@@ -3556,14 +3904,34 @@ def flops_by_window(config: Hyperparameters, model: GPT) -> dict[str, float]:
             for lw, sw in dict.fromkeys(schedule_windows(config))}
 
 
+def optimizer_state_parts(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> dict[str, int]:
+    """Bytes of one parameter's optimizer state by kind. Adam: two moments in the parameter's
+    dtype (cautious_bf16: in bf16). Muon: an fp32 momentum, plus the 16 low bits of the fp32
+    master for bf16 weights; NorMuon's gates keep momentum and statistic in their own dtype and
+    have no low bits; with row normalization one statistic per row. Each counted once: Muon's
+    is held by the rank that owns the matrix, Adam's is the same on every rank."""
+    cfg = config or Hyperparameters()
+    dtype_name = lambda dt: str(dt).removeprefix("torch.")
+    if not group.startswith("muon"):
+        moment = torch.bfloat16 if cfg.adam_variant == "cautious_bf16" else p.dtype
+        return {f"adam moments {dtype_name(moment)}": 2 * p.numel() * torch.finfo(moment).bits // 8}
+    options = MUON_GROUP_OPTIONS.get(group, {})
+    own_dtype = normuon_enabled(cfg) and options.get("gate", False)
+    state = p.dtype if own_dtype else torch.float32
+    size = torch.finfo(state).bits // 8
+    parts = {f"muon momentum {dtype_name(state)}": p.numel() * size}
+    if p.dtype == torch.bfloat16 and not own_dtype:
+        parts["muon low bits int16"] = p.numel() * 2
+    if normuon_enabled(cfg) and cfg.muon_row_normalization:
+        shape = orthogonalized_shape(p, options)
+        parts[f"normuon row statistics {dtype_name(state)}"] = p.numel() // shape[normuon_reduce_dim(p, options)] * size
+    if cfg.muon_update_smoothing != "off":
+        parts[f"muon smoothed update {dtype_name(p.dtype)}"] = p.numel() * p.element_size()
+    return parts
+
+
 def optimizer_state_bytes(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> int:
-    """Adam: two moments in the parameter's dtype. Muon: an fp32 momentum, plus the 16 low bits of
-    the fp32 master for bf16 weights, plus with update smoothing the smoothed update in the weight's
-    dtype (held once, by the rank that owns the matrix)."""
-    if group.startswith("muon"):
-        smoothing = config is not None and config.muon_update_smoothing != "off"
-        return p.numel() * (4 + (2 if p.dtype == torch.bfloat16 else 0) + (p.element_size() if smoothing else 0))
-    return 2 * p.numel() * p.element_size()
+    return sum(optimizer_state_parts(group, p, config).values())
 
 
 def snoo_state_bytes(model: GPT, config: Hyperparameters) -> int:
@@ -3654,13 +4022,18 @@ def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
 
 
 def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
-    """Parameters, their MiB in storage dtype, and optimizer-state MiB, per group and in total."""
+    """Parameters, their MiB in storage dtype, and optimizer-state MiB, per group and in total,
+    and the optimizer state by kind."""
     counts, flops = parameter_counts(model), flops_per_token(config, model)
     mib = lambda b: b / 2**20
-    lines, total_param_b, total_state_b = [], 0, 0
+    lines, total_param_b, total_state_b, kinds = [], 0, 0, {}
     for name, params in parameter_groups(model).items():
         param_b = sum(p.numel() * p.element_size() for p in params)
-        state_b = sum(optimizer_state_bytes(name, p, config) for p in params)
+        state_b = 0
+        for p in params:
+            for kind, nbytes in optimizer_state_parts(name, p, config).items():
+                kinds[kind] = kinds.get(kind, 0) + nbytes
+                state_b += nbytes
         total_param_b, total_state_b = total_param_b + param_b, total_state_b + state_b
         dtypes = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
         lines.append(f"params {name}: {counts[name]:,} ({dtypes}) {mib(param_b):.1f} MiB, optimizer state {mib(state_b):.1f} MiB")
@@ -3675,6 +4048,7 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
         pads = dict(model.scalar_layout).get("pad", [])
         lines.append(f"scalars: {model.scalars.numel()} ({len(pads)} of them padding to a multiple of "
                      f"{model.config.scalar_pad_multiple}, unused)")
+    lines.append("optimizer state by kind: " + ", ".join(f"{k} {mib(b):.1f} MiB" for k, b in kinds.items()))
     lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
     if config.token_windows:
         lines.append("flops_per_token by window (long/short blocks): "

@@ -354,7 +354,7 @@ def placeholder(f) -> str:
         return "[true|false]"  # the value is optional: a bare flag means true
     if kind.startswith("tuple"):
         return "LIST"
-    return {"int": "INT", "Optional[int]": "INT", "float": "FLOAT", "str": "STR"}[kind]
+    return {"int": "INT", "Optional[int]": "INT", "float": "FLOAT", "Optional[float]": "FLOAT", "str": "STR"}[kind]
 
 
 def test_help_lists_every_field_with_its_type_and_default(capsys):
