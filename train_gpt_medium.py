@@ -255,6 +255,14 @@ class Hyperparameters:
                                     "the head is")
     scalar_pad_multiple: int = recipe(1, "scalar vector padded with unused ones to a multiple of this (bulk record: "
                                       "8, its GPU count)", at_least=1)
+    fp32_block_weights: bool = recipe(False, "attention and MLP matrices stored in fp32 (the optimizer's master) and "
+                                      "rounded to the model dtype where used (off: stored in the model dtype, Muon "
+                                      "keeping the low 16 bits of a bf16 weight's fp32 master)")
+    table_multipliers: bool = recipe(False, "the bulk record's lr and weight-decay multipliers of the tables, head "
+                                     "and scalars: second input table and value embeddings lr x75 wd x5, head and "
+                                     "input table wd x150, scalars lr x5 and no decay (read by every optimizer)")
+    multi_token_prediction: bool = recipe(False, "training loss over the next 3, then 2, then 1 tokens per position, "
+                                          "weighted by the step grid's multi-token schedule (mtp_weights)")
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
     device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
     compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
@@ -430,6 +438,35 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+# The 2025-12-31 record ("bulk transfer of the short track's features", docs/bulk.md): its own
+# lineage, not built on the recipes above. Its model, its optimizers (with the base lrs of its
+# Adam groups), and its step grid (BULK_RECORD_GRID: batch ramp, windows, lr peaks and floor,
+# extension steps), whose embedding split lands on the grid's odd step.
+BULK_MODEL = dict(
+    attention_free_layers=(), attn_scale=0.1, token_windows=True, yarn_window_limit=13, rotary_bf16=True,
+    key_offset=True, prenorm_attention=True, qkv_init_std=1.0, attn_output_gate=True, value_embed_gate=True,
+    value_embed_zero_init=True, residual_scale_init=1.05, separate_x0_lambdas=True, gated_skips=True,
+    smear_embed=True, mlp_proj_transposed=True, logit_softcap_form="sigmoid", train_loss_reduction="sum",
+    pad_vocab_tables=True, scalar_pad_multiple=8, fp32_block_weights=True, table_multipliers=True,
+    multi_token_prediction=True, backout="subtract", backout_layer=11)
+BULK_OPTIMIZERS = dict(
+    orthogonalization="polar_express", muon_row_normalization=True, muon_cautious_weight_decay=True,
+    muon_lr_shape="stored", muon_lr=0.015, muon_weight_decay=1.2, mlp_weight_decay_mul=1.0,
+    adam_variant="cautious_bf16", adam_weight_decay=0.005, adam_odd_steps_only=True, adam_eps=1e-8,
+    head_lr=0.004, embed_lr=0.004, x0_lambdas_lr=0.004, gates_lr=0.004, scalar_lr=0.008,
+    scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)
+
+
+# where each grid's embedding_split_step falls (tests check that it does)
+BULK_SPLIT_STEP = dict(medium=785, tiny=33)
+RECIPES["bulk"] = Recipe(
+    dict(BULK_MODEL, **BULK_OPTIMIZERS, **BULK_RECORD_GRID["medium"], untie_embed_after_step=BULK_SPLIT_STEP["medium"]), "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
+    "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, tied->untied "
+    "embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam on odd steps",
+    1041.28, 2, 0.0046, 57_397,
+    at_preset=dict(tiny=dict(BULK_RECORD_GRID["tiny"], untie_embed_after_step=BULK_SPLIT_STEP["tiny"])))
+
+
 def recipe_values(preset: str, name: str) -> dict:
     """The fields recipe `name` sets under `preset`: its values, except those the preset sets itself
     (its scale), then its values for that preset."""
@@ -496,7 +533,8 @@ def grid_slot(step: int, config: Hyperparameters, slots: int) -> int:
 
 def uses_step_grid(config: Hyperparameters) -> bool:
     """Whether any schedule runs on the step grid (then the warm-up and the benchmark visit its phases)."""
-    return bool(config.batch_schedule or config.window_schedule or config.lr_peaks or config.extension_steps)
+    return bool(config.batch_schedule or config.window_schedule or config.lr_peaks or config.extension_steps
+                or config.multi_token_prediction or config.untie_embed_after_step)
 
 
 def batch_tokens(step: int, config: Hyperparameters) -> int:
@@ -593,7 +631,7 @@ def yarn_changes(config: Hyperparameters) -> list[tuple[int, int, int]]:
     return changes
 
 
-def mtp_weights(step: int, config: Hyperparameters) -> tuple[float, ...]:
+def multi_token_weights(step: int, config: Hyperparameters) -> tuple[float, ...]:
     """Loss weights of the next, second-next and third-next token (multi-token prediction) at
     `step`: three weights over the first twelfth of S, the third falling from 0.25 toward 0; two
     over the second twelfth, the second falling from 0.5 toward 0; then next-token only."""
@@ -618,15 +656,16 @@ def is_validation_step(step: int, config: Hyperparameters) -> bool:
 
 def grid_changes(config: Hyperparameters) -> list[int]:
     """Training steps where the grid's batch shape or phase changes: a new batch size, a window_schedule's
-    new long window, a new number of multi-token weights, the first step after the embedding split,
-    the first extension step."""
-    N, split = config.num_iterations, embedding_split_step(config)
+    new long window, a new number of multi-token weights, the first step after the embedding split
+    (--untie_embed_after_step), the first extension step."""
+    N, split = config.num_iterations, config.untie_embed_after_step
     changes = {scheduled_steps(config)} if config.extension_steps else set()
-    if split + 1 < N:
+    if split and split + 1 < N:
         changes.add(split + 1)
     for step in range(1, N):
         if (batch_tokens(step, config) != batch_tokens(step - 1, config)
-                or len(mtp_weights(step, config)) != len(mtp_weights(step - 1, config))
+                or config.multi_token_prediction
+                and len(multi_token_weights(step, config)) != len(multi_token_weights(step - 1, config))
                 or config.window_schedule and attention_windows(step, config) != attention_windows(step - 1, config)):
             changes.add(step)
     return sorted(changes)
@@ -1481,7 +1520,8 @@ class Attention(nn.Module):
         # q, k, v, o merged; Muon orthogonalizes the four (attn_dim, model_dim) matrices separately.
         # o is used as y @ o (x01) or, with --prenorm_attention, as the bulk record stores it: rows
         # are output features, y @ o^T
-        self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim, dtype=dtype))
+        self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
+                                               dtype=torch.float32 if config.fp32_block_weights else dtype))
         # gates: group muon_gates, lr multiplier 0.1, zero init
         self.output_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if config.attn_output_gate else None
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
@@ -1501,7 +1541,7 @@ class Attention(nn.Module):
             q, k, v = F.linear(x, w_qkv).view(B, T, 3 * H, D).chunk(3, dim=-2)
             q, k = rms_norm(q), rms_norm(k)
         else:
-            q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1)).view(B, T, 3 * H, D).chunk(3, dim=-2)
+            q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)
             q, k, v = rms_norm(q), rms_norm(k), rms_norm(v)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.key_offset:
@@ -1520,13 +1560,14 @@ class Attention(nn.Module):
         y = y.reshape(B, T, -1)
         if self.prenorm:
             return F.linear(y, lambdas[1] * self.qkvo_w[3].type_as(y))
-        return F.linear(y, self.qkvo_w[3].mT)
+        return F.linear(y, self.qkvo_w[3].mT.type_as(y))
 
 
 class MLP(nn.Module):
     def __init__(self, config: Hyperparameters, dtype: torch.dtype):
         super().__init__()
         hidden = config.mlp_ratio * config.model_dim
+        dtype = torch.float32 if config.fp32_block_weights else dtype  # --fp32_block_weights: the master itself
         self.fc_w = nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype))
         # --mlp_proj_transposed stores the output weight as the bulk record does, (hidden, model_dim)
         # like fc_w, which is the shape its optimizer sees; lr multiplier 2 for the bulk optimizers
@@ -1545,7 +1586,8 @@ class MLP(nn.Module):
         if self.transposed:
             hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()
             return F.linear(hidden, self.proj_w.T.type_as(hidden))
-        return F.linear(F.relu(F.linear(x, self.fc_w)).square(), self.proj_w)
+        hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()
+        return F.linear(hidden, self.proj_w.type_as(hidden))
 
 
 class Block(nn.Module):
@@ -1838,6 +1880,13 @@ class GPT(nn.Module):
         # --untie_embed_after_step: the input embedding is the head matrix until the split (a Python
         # flag: embeds[0] gets no gradient at all until then; a compiled model compiles each state once)
         self.embed_tied = tied
+        if config.table_multipliers:  # --table_multipliers: the bulk record's (lr_mul, wd_mul) per table
+            self.head.param_multipliers = dict(weight=(1.0, 150.0))
+            for i, embed in enumerate(self.embeds):  # x00's table as the head (it becomes its copy), the rest x75
+                embed.param_multipliers = dict(weight=(1.0, 150.0) if i == 0 else (75.0, 5.0))
+            for table in self.value_embeds.tables:
+                table.param_multipliers = dict(weight=(75.0, 5.0))
+            self.param_multipliers["scalars"] = (5.0, 0.0)
         set_multipliers(self)
 
     def initial_value(self, name, shape, gen):
@@ -2523,9 +2572,12 @@ class Runner:
 
     def train_step(self, step: int, batches, mtp_weights=None) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss.
-        mtp_weights: this step's multi-token prediction weights (a list of floats), or None."""
+        mtp_weights: this step's multi-token prediction weights (a list of floats); None: the
+        schedule's with --multi_token_prediction, else the next-token loss."""
         window, scale = self.window(step), 1.0 / (self.micro_steps * self.world_size)
         self.set_embedding_tie(step)
+        if mtp_weights is None and self.config.multi_token_prediction:
+            mtp_weights = multi_token_weights(step, self.config)
         mtp = self.mtp_input(mtp_weights)
         adam_waits = self.config.adam_odd_steps_only and step % 2 == 0
         self.averager.held = self.adam_params if adam_waits else frozenset()
@@ -3958,7 +4010,7 @@ def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) ->
     (replicated), the Muon state of the busiest rank, Snoo's state (replicated)."""
     groups = parameter_groups(model)
     params = sum(p.numel() * p.element_size() for ps in groups.values() for p in ps)
-    adam = sum(optimizer_state_bytes(n, p) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
+    adam = sum(optimizer_state_bytes(n, p, config) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
     return dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)),
                 snoo=snoo_state_bytes(model, config))
 
@@ -3982,25 +4034,50 @@ PEAK_NEUTRAL_FIELDS = {
 PEAK_WORLD_SIZE = 8
 
 
+def peak_base_recipe(config: Hyperparameters) -> str:
+    """The logged record a configuration's peak is predicted from: the bulk record for its own
+    lineage, x01 for the others."""
+    return "bulk" if config.recipe == "bulk" else "x01"
+
+
+def record_adam_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> int:
+    """Adam's state per GPU as the bulk record held it: sharded over the GPUs for tensors of 1024
+    elements or more, whole below (here every process holds all of it)."""
+    return sum(optimizer_state_bytes(n, p, config) // (world_size if p.numel() >= 1024 else 1)
+               for n, ps in parameter_groups(model).items() if not n.startswith("muon") for p in ps)
+
+
 def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
-    """Peak allocated MiB per GPU of an 8-GPU run, from x01's logged peak (see KEPT_ACTIVATIONS), or
-    None for a configuration whose shapes or execution differ from the record's in other ways."""
-    base = make_config()
+    """Peak allocated MiB per GPU of an 8-GPU run of this trainer, from the logged peak of the
+    record the configuration descends from (peak_base_recipe), or None for a configuration whose
+    shapes or execution differ from that record's in other ways. The prediction moves the logged
+    peak by what this configuration holds more per GPU (state_bytes_per_gpu; the bulk record
+    sharded its Adam state over the GPUs, which this trainer replicates) and by the activations the
+    head-input ideas keep (KEPT_ACTIVATIONS)."""
+    base_name = peak_base_recipe(config)
+    base = make_config(recipe=base_name)
     differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
                and f.name not in PEAK_NEUTRAL_FIELDS and getattr(config, f.name) != getattr(base, f.name)]
     if (differs or config.activation_checkpointing or config.compile is False or config.attention == "sdpa"
             or config.dtype == "float32"):
         return None
 
-    def per_gpu(cfg):
+    def meta(cfg):
         with torch.device("meta"):
-            model = GPT(cfg, torch.bfloat16)
+            return GPT(cfg, torch.bfloat16)
+
+    def per_gpu(cfg, model):
         return sum(state_bytes_per_gpu(model, cfg, PEAK_WORLD_SIZE).values())
 
+    model, base_model = meta(config), meta(base)
+    base_state = per_gpu(base, base_model)
+    if base_name == "bulk":  # what the record itself held: its Adam state sharded
+        base_state += (record_adam_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)
+                       - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
     tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
-    activations = KEPT_ACTIVATIONS[config.backout] * tokens * config.model_dim * 2
-    extra = per_gpu(config) - per_gpu(base) + activations
-    return RECIPES["x01"].peak_mib + round(extra / 2**20)
+    activations = (KEPT_ACTIVATIONS[config.backout] - KEPT_ACTIVATIONS[base.backout]) * tokens * config.model_dim * 2
+    extra = per_gpu(config, model) - base_state + activations
+    return RECIPES[base_name].peak_mib + round(extra / 2**20)
 
 
 def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
@@ -4015,9 +4092,11 @@ def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
         lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
                      f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
     else:
+        base = peak_base_recipe(config)
         lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
-                     f"record logged {logged:,} MiB (x01's logged {RECIPES['x01'].peak_mib:,} MiB plus the state and "
-                     "kept activations this configuration adds)")
+                     f"record logged {logged:,} MiB ({base}'s logged {RECIPES[base].peak_mib:,} MiB plus the state and "
+                     "kept activations this configuration adds" + (": this trainer holds Adam's state whole on every "
+                     "GPU, the record sharded it" if base == "bulk" else "") + ")")
     return lines
 
 

@@ -71,7 +71,7 @@ def test_the_record_final_validation_uses_windows_27_and_11():
 
 
 def test_the_record_multi_token_weights_fade_over_two_twelfths():
-    w = lambda s: tg.mtp_weights(s, RECORD)
+    w = lambda s: tg.multi_token_weights(s, RECORD)
     assert w(0) == (1.0, 0.5, 0.25)
     assert w(391) == pytest.approx((1.0, 0.5, 0.25 * (1 - 391 / 391.6667)), abs=1e-6) and len(w(391)) == 3
     assert w(392) == pytest.approx((1.0, 0.5 * (2 - 392 / 391.6667)), abs=1e-6)
@@ -83,7 +83,8 @@ def test_the_record_splits_its_embeddings_after_the_odd_step_785():
 
 
 def test_the_record_rescales_rope_at_the_first_three_long_window_changes_only():
-    assert tg.yarn_changes(RECORD) == [(392, 3, 7), (784, 7, 11), (1175, 11, 13)]
+    assert tg.yarn_changes(tg.make_config("medium", recipe="bulk")) == [(392, 3, 7), (784, 7, 11), (1175, 11, 13)]
+    assert tg.yarn_changes(RECORD) == []  # the grid alone: no --yarn_window_limit
 
 
 def test_the_record_validates_every_250_steps_and_at_the_end():
@@ -137,7 +138,7 @@ def test_every_step_of_the_record_grid_equals_the_records_formulas_bit_for_bit()
         want = record_formulas(s)
         got = dict(batch=tg.batch_tokens(s, RECORD), windows=tg.attention_windows(s, RECORD),
                    lr=tg.grid_lr_multiplier(s, RECORD, 0.1),
-                   momentum=tg.momentum_schedule(s, RECORD), mtp=tg.mtp_weights(s, RECORD))
+                   momentum=tg.momentum_schedule(s, RECORD), mtp=tg.multi_token_weights(s, RECORD))
         assert got == want, s
 
 
@@ -182,7 +183,7 @@ def test_the_tiny_grid_is_the_record_grid_at_steps_divided_by_25():
         assert tg.batch_tokens(t, TINY_GRID) * 512 == tg.batch_tokens(s, RECORD)
         assert tg.attention_windows(t, TINY_GRID) == tg.attention_windows(s, RECORD)
         assert tg.grid_lr_multiplier(t, TINY_GRID, 0.1) == tg.grid_lr_multiplier(s, RECORD, 0.1)
-        assert tg.mtp_weights(t, TINY_GRID) == tg.mtp_weights(s, RECORD)
+        assert tg.multi_token_weights(t, TINY_GRID) == tg.multi_token_weights(s, RECORD)
         assert tg.muon_momentum_with_cooldown(t, TINY_GRID) == tg.muon_momentum_with_cooldown(s, RECORD)
     assert tg.attention_windows(190, TINY_GRID) == (27, 11)
 
@@ -192,9 +193,12 @@ def test_the_tiny_grid_runs_every_phase_within_its_steps():
     assert N <= 200 and tg.scheduled_steps(c) == 188
     assert sorted({tg.batch_tokens(s, c) for s in range(N)}) == [256, 512, 768, 1024]
     assert sorted({tg.slice_tokens(s, c) % c.attn_block_size for s in range(N)}) == [0]
-    assert {len(tg.mtp_weights(s, c)) for s in range(N)} == {1, 2, 3}
+    assert {len(tg.multi_token_weights(s, c)) for s in range(N)} == {1, 2, 3}
     assert tg.embedding_split_step(c) == 33 < N
-    assert [(old, new) for _, old, new in tg.yarn_changes(c)] == [(3, 7), (7, 11), (11, 13)]
+    bulk = tg.make_config("tiny", recipe="bulk")
+    assert [(old, new) for _, old, new in tg.yarn_changes(bulk)] == [(3, 7), (7, 11), (11, 13)]
+    assert tg.embedding_split_step(bulk) == bulk.untie_embed_after_step
+    assert tg.embedding_split_step(tg.make_config("medium", recipe="bulk")) == 785
     assert tg.grid_lr_multiplier(N - 1, c, 0.1) == 0.1  # an extension step
     assert tg.muon_momentum_with_cooldown(N - 1, c) < c.muon_momentum  # inside the cool-down
     assert max(tg.attention_windows(s, c)[0] for s in range(N + 1)) * c.attn_block_size < c.train_seq_len
@@ -428,6 +432,9 @@ def test_the_warmup_runs_every_batch_shape_of_the_grid(monkeypatch):
 def test_without_a_window_schedule_the_warmup_skips_the_x01_window_changes():
     """x01's window is a device tensor (no new shape): only the grid's own phases are visited."""
     config = tg.make_config("medium", lr_peaks=(1.0, 2.0), warmup_steps=2)
+    assert tg.grid_changes(config) == [] and tg.warmup_schedule(config) == [0, 1]
+    config = tg.make_config("medium", lr_peaks=(1.0, 2.0), warmup_steps=2, multi_token_prediction=True,
+                            untie_embed_after_step=tg.embedding_split_step(config), pad_vocab_tables=True)
     mtp_and_split = [475, 949, 950]  # two multi-token changes (S/12, S/6) and the step after the split
     assert tg.grid_changes(config) == mtp_and_split
     assert tg.warmup_schedule(config) == [0, 1, 474, 475, 476, 948, 949, 950, 951]
@@ -443,7 +450,7 @@ def test_the_schedules_reach_the_optimizers():
                 assert group["lr"] == group["initial_lr"] * tg.grid_lr_multiplier(step, runner.config, 0.1)
                 if isinstance(opt, tg.Muon):
                     assert group["momentum"] == tg.muon_momentum_with_cooldown(step, runner.config)
-        assert runner.window(step).item() == tg.attention_windows(step, runner.config)[0]
+        assert tuple(runner.window(step).tolist()) == tg.attention_windows(step, runner.config)  # [long, short]
 
 
 def test_validation_is_the_contiguous_x01_chunks_with_aligned_batches_too():

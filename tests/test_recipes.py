@@ -88,9 +88,10 @@ def test_help_lists_each_recipe_with_its_records_published_result():
     text = " ".join(tg.help_text().split())
     published = {"x01": "1412.45 s mean over 19 runs", "snoo": "1404.03 s mean over 30 runs",
                  "update_smoothing": "1410.96 s mean over 160 runs", "smoothed_snoo": "1405.70 s mean over 160 runs",
-                 "backout": "1384.62 s mean over 22 runs", "smear": "1374.69 s mean over 26 runs"}
+                 "backout": "1384.62 s mean over 22 runs", "smear": "1374.69 s mean over 26 runs",
+                 "bulk": "1041.28 s mean over 2 runs"}
     p_values = dict(x01="p=0.00036", snoo="p=0.0032", update_smoothing="p=3.2e-05", smoothed_snoo="p=1.2e-11",
-                    backout="p=0.000126", smear="p=1.13e-05")
+                    backout="p=0.000126", smear="p=1.13e-05", bulk="p=0.0046")
     for name, r in tg.RECIPES.items():
         assert f"{name} ({r.date}, {r.folder})" in text
         assert published[name] in text and p_values[name] in text
@@ -129,11 +130,30 @@ def test_ablate_arms_over_recipes_parse_and_share_their_initial_tensors(tmp_path
 
 
 def test_tensors_two_recipes_share_start_identical():
-    models = {name: dict(tg.build_model(tiny(name, dtype="bfloat16", seed=2)).named_parameters()) for name in tg.RECIPES}
+    """The x01 lineage; the bulk record is a lineage of its own (next test)."""
+    names = [name for name in tg.RECIPES if name != "bulk"]
+    models = {name: dict(tg.build_model(tiny(name, dtype="bfloat16", seed=2)).named_parameters()) for name in names}
     for name, params in models.items():
         for other, other_params in models.items():
             for k in set(params) & set(other_params):
                 assert torch.equal(params[k], other_params[k]), (name, other, k)
+
+
+def test_the_bulk_recipe_and_its_ablations_share_their_tensors_identical():
+    """Every tensor the bulk recipe shares with itself minus one switch starts identical; the scalar
+    vector's slots are compared by name (a switch adds or drops slots, and so moves the others)."""
+    bulk_model = tg.build_model(tiny("bulk", dtype="bfloat16", seed=2))
+    bulk = dict(bulk_model.named_parameters())
+    for switch in ("smear_embed", "gated_skips", "attn_output_gate", "value_embed_gate", "separate_x0_lambdas"):
+        model = tg.build_model(tiny("bulk", dtype="bfloat16", seed=2, **{switch: False}))
+        ablated = dict(model.named_parameters())
+        shared = (set(bulk) & set(ablated)) - {"scalars"}
+        assert len(shared) > len(bulk) // 2, switch
+        for k in shared:
+            assert torch.equal(bulk[k], ablated[k]), (switch, k)
+        slots, ablated_slots = bulk_model.scalar_slots(), model.scalar_slots()
+        for slot in (set(slots) & set(ablated_slots)) - {"pad"}:
+            assert torch.equal(slots[slot], ablated_slots[slot]), (switch, slot)
 
 
 # ---- --dry_run at the record's size
