@@ -266,9 +266,12 @@ class Hyperparameters:
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
     device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
     compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
-    attention: str = execution("auto", "auto: flex on CUDA, sdpa with a dense mask on CPU",
-                               choices=("auto", "flex", "sdpa"))
+    attention: str = execution("auto", "auto: flex on CUDA, sdpa with a dense mask on CPU; fa3: FlashAttention-3 "
+                               "(Hopper GPUs, the `kernels` package; token windows only)",
+                               choices=("auto", "flex", "sdpa", "fa3"))
     threads: int = execution(0, "CPU threads of a CPU run (0: OMP_NUM_THREADS if set, else 1)", at_least=0)
+    coordinate_descent_tuning: bool = execution(True, "CUDA: let the compiler search each kernel's launch settings "
+                                                "(slower compile; the 2025-12-31 record ran without)")
     activation_checkpointing: bool = execution(False, "recompute each block (and the loss in chunks) in backward")
     warmup_steps: int = execution(10, "untimed compile warm-up steps, state restored afterwards", at_least=0)
     train_files: str = execution("data/fineweb10B/fineweb_train_*.bin", "training shards (a glob)")
@@ -455,12 +458,14 @@ BULK_OPTIMIZERS = dict(
     adam_variant="cautious_bf16", adam_weight_decay=0.005, adam_odd_steps_only=True, adam_eps=1e-8,
     head_lr=0.004, embed_lr=0.004, x0_lambdas_lr=0.004, gates_lr=0.004, scalar_lr=0.008,
     scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)
+BULK_EXECUTION = dict(coordinate_descent_tuning=False)
 
 
 # where each grid's embedding_split_step falls (tests check that it does)
 BULK_SPLIT_STEP = dict(medium=785, tiny=33)
 RECIPES["bulk"] = Recipe(
-    dict(BULK_MODEL, **BULK_OPTIMIZERS, **BULK_RECORD_GRID["medium"], untie_embed_after_step=BULK_SPLIT_STEP["medium"]), "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
+    dict(BULK_MODEL, **BULK_OPTIMIZERS, **BULK_EXECUTION, **BULK_RECORD_GRID["medium"],
+         untie_embed_after_step=BULK_SPLIT_STEP["medium"]), "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
     "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, tied->untied "
     "embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam on odd steps",
     1041.28, 2, 0.0046, 57_397,
@@ -1441,16 +1446,65 @@ def fail_instead_of_eager_fallback() -> None:
 
 
 def attention_backend(config: Hyperparameters, device_type: str) -> str:
-    """flex or sdpa: --attention, where auto means flex on CUDA and sdpa elsewhere."""
+    """flex, sdpa or fa3: --attention, where auto means flex on CUDA and sdpa elsewhere."""
     if config.attention != "auto":
         return config.attention
     return "flex" if device_type == "cuda" else "sdpa"
 
 
+# ---- --attention=fa3: FlashAttention-3's variable-length kernel, fetched from the `kernels` hub at
+# run time (the bulk record's attention). It takes documents as cumulative lengths and a window of W
+# tokens back, the token-window mask above; a window is a number, so each one is its own graph.
+
+FA3_KERNEL = "varunneal/flash-attention-3"
+_fa3_kernel: dict = {}
+
+
+def flash_attention_3():
+    """FA3's flash_attn_varlen_func, fetched on first use (needs the `kernels` package and, for
+    the download, network access; a Hopper GPU to run)."""
+    if "varlen" not in _fa3_kernel:
+        from kernels import get_kernel
+        _fa3_kernel["varlen"] = get_kernel(FA3_KERNEL).flash_attn_interface.flash_attn_varlen_func
+    return _fa3_kernel["varlen"]
+
+
+@dataclass(frozen=True)
+class VarlenWindow:
+    """The token-window mask in FA3's terms: documents as cumulative lengths (a fixed count of
+    them, unused ones empty), the longest a document can be, and the window W in tokens (a query
+    sees keys q-W .. q of its own document)."""
+    cu_seqlens: torch.Tensor  # (max_docs + 2,) int32
+    max_seqlen: int
+    reach: int
+
+
+def varlen_windows(ids: torch.Tensor, windows: tuple[int, int], config: Hyperparameters, training: bool):
+    """(long, short) VarlenWindows of one packed sequence; windows (long, short) in blocks. A
+    document starts at each end-of-text token, as in the masks (doc id = cumsum(ids == eot)). Room
+    for ceil128(T / 300) documents, as the bulk record (its median document is about 400 tokens);
+    any beyond that share the last one's slot. Training sequences of whole documents cut at
+    document_cut_tokens are at most that long; anything else at most T."""
+    T = ids.numel()
+    max_docs = max(-(-(T // 300) // 128) * 128, 128)
+    docs = (ids == config.eot_token).cumsum(0).clamp_max(max_docs)
+    lengths = torch.zeros(max_docs + 1, dtype=torch.int32, device=ids.device).scatter_add_(
+        0, docs, torch.ones_like(docs, dtype=torch.int32))
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    longest = min(T, config.document_cut_tokens) if training and config.document_aligned_batches else T
+    return tuple(VarlenWindow(cu_seqlens, longest, w * config.attn_block_size) for w in windows)
+
+
 def attend(q, k, v, mask, scale: float, scale_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Causal attention of (B, T, H, D) tensors under a BlockMask (flex) or a dense bool mask (SDPA).
-    With `scale_tensor` (a 0-d fp32 tensor of the same value as `scale`, rewritten in place by
-    YaRN) flex multiplies the scores by the tensor, so a new scale needs no recompile."""
+    """Causal attention of (B, T, H, D) tensors under a BlockMask (flex), a dense bool mask (SDPA)
+    or a VarlenWindow (FA3, B = 1). With `scale_tensor` (a 0-d fp32 tensor of the same value as
+    `scale`, rewritten in place by YaRN) flex multiplies the scores by the tensor, so a new scale
+    needs no recompile."""
+    if isinstance(mask, VarlenWindow):
+        y = flash_attention_3()(q[0], k[0], v[0], cu_seqlens_q=mask.cu_seqlens, cu_seqlens_k=mask.cu_seqlens,
+                                max_seqlen_q=mask.max_seqlen, max_seqlen_k=mask.max_seqlen, causal=True,
+                                softmax_scale=scale, window_size=(mask.reach, 0))
+        return (y[0] if isinstance(y, tuple) else y)[None]  # some builds also return the log-sum-exp
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if isinstance(mask, BlockMask):
         # FlexAttention run eagerly evaluates mask_mod everywhere and ignores the BlockMask's block
@@ -1927,8 +1981,12 @@ class GPT(nn.Module):
         T = input_seq.numel()
         reduction = reduction or (cfg.train_loss_reduction if self.training else "mean")
         backend = attention_backend(cfg, input_seq.device.type)
-        long_mask, short_mask = (token_window_masks(input_seq, *long_and_short(window), cfg, backend)
-                                 if cfg.token_windows else attention_masks(input_seq, window, cfg, backend))
+        if backend == "fa3":  # the windows as numbers (Runner.window)
+            long_mask, short_mask = varlen_windows(input_seq, window, cfg, self.training)
+        elif cfg.token_windows:
+            long_mask, short_mask = token_window_masks(input_seq, *long_and_short(window), cfg, backend)
+        else:
+            long_mask, short_mask = attention_masks(input_seq, window, cfg, backend)
         scale, scale_tensor = cfg.attn_scale, None
         if self.rotary is None:
             cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
@@ -2519,6 +2577,9 @@ class Runner:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
         use_compile = compile_enabled(config, device)
+        self.backend = attention_backend(config, device.type)
+        if self.backend == "fa3":
+            flash_attention_3()  # fetched before anything is compiled
         self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
         self.outer = build_outer_optimizer(self.model, self.optimizers, config)  # None without Snoo
         if use_compile:
@@ -2546,6 +2607,8 @@ class Runner:
         # one device tensor refilled in place: torch.tensor(..., device="cuda") each step would be
         # a blocking host-to-device copy; fill_ is an ordinary kernel launch
         long, short = attention_windows(step, self.config)
+        if self.backend == "fa3":  # FA3 takes its window as numbers: each pair is its own compiled graph
+            return long, short
         if self.window_blocks.dim() == 0:
             return self.window_blocks.fill_(long)
         self.window_blocks[0].fill_(long)
@@ -2902,8 +2965,10 @@ def run_training(config: Hyperparameters, rank: int) -> int:
     if device.type == "cuda":
         use_expandable_segments()  # read when CUDA starts: before the first CUDA call
         torch.cuda.set_device(device)
+        if config.attention == "fa3":
+            check_fa3_device(device)
         import torch._inductor.config as inductor_config
-        inductor_config.coordinate_descent_tuning = True
+        inductor_config.coordinate_descent_tuning = config.coordinate_descent_tuning
     else:
         notes.append(set_cpu_threads(config))
     distributed = "RANK" in os.environ
@@ -3273,9 +3338,35 @@ def check_run_request(config: Hyperparameters, device: torch.device) -> None:
         raise ConfigError(f"--attention: flex cannot train on the {device.type.upper()}: FlexAttention has no backward "
                           "pass there (and uncompiled it would ignore the attention window); drop --attention=flex "
                           "(auto picks sdpa off CUDA) or pass --attention=sdpa")
+    if config.attention == "fa3":
+        check_fa3_request(config, device)
     if config.bench_at_step is not None and config.bench_at_step >= config.num_iterations:
         raise ConfigError(f"--bench_at_step: {config.bench_at_step} is not a step of the run; it must be below "
                           f"--num_iterations={config.num_iterations}")
+
+
+def check_fa3_request(config: Hyperparameters, device: torch.device) -> None:
+    """--attention=fa3 needs a CUDA device, token windows (FA3's window counts tokens back from the
+    query; x01's block windows have no FA3 form) and the `kernels` package; the GPU must be a
+    Hopper (checked once CUDA is up: check_fa3_device)."""
+    if device.type != "cuda":
+        raise ConfigError(f"--attention: fa3 runs on Hopper GPUs only, not on the {device.type.upper()}; use "
+                          "--attention=flex on a GPU, or sdpa on the CPU")
+    if not config.token_windows:
+        raise ConfigError("--attention: fa3 counts its window in tokens; x01's block windows have no FA3 form: pass "
+                          "--token_windows (as --recipe bulk does) or use --attention=flex")
+    import importlib.util
+    if importlib.util.find_spec("kernels") is None:
+        raise ConfigError("--attention: fa3 needs the `kernels` package (pip install kernels), which fetches the "
+                          f"{FA3_KERNEL} kernel at run time; or use --attention=flex, which computes the same mask")
+
+
+def check_fa3_device(device: torch.device) -> None:
+    """FA3's kernels are built for Hopper (compute capability 9.x)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise ConfigError(f"--attention: fa3 runs on Hopper GPUs (compute capability 9.x); this GPU "
+                          f"({torch.cuda.get_device_name(device)}) is {major}.{minor}: use --attention=flex")
 
 
 # The caching allocator's settings: torch >= 2.8 reads PYTORCH_ALLOC_CONF, and the older
