@@ -4,21 +4,22 @@
     python tools/switch_table.py --write    # replace the table in README.md (between its markers)
 
 tests/test_config.py requires README.md to hold exactly this table, so a new or changed field
-shows up in the README by running --write.
+shows up in the README by running --write. The trainer (and with it torch) is imported after the
+arguments are checked.
 """
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import train_gpt_medium as tg  # noqa: E402
+from tools.cli import OneLineParser  # noqa: E402
 
 START, END = "<!-- switches:start -->", "<!-- switches:end -->"
 
 
 def table() -> str:
     """Markdown rows grouped as in --help: flag, the record's default, meaning and allowed values."""
+    import train_gpt_medium as tg
     rows, group = ["| flag | default (record) | meaning |", "|---|---|---|"], None
     for f in tg.fields(tg.Hyperparameters):
         if f.metadata["group"] != group:
@@ -36,7 +37,7 @@ def readme_with_table(readme: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(__file__, description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="update README.md in place")
     args = parser.parse_args(argv)
     if not args.write:
