@@ -77,7 +77,8 @@ def heavy_libraries_refused(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("no_heavy_libraries")
     for name in HEAVY_LIBRARIES:
         (folder / name).mkdir()
-        (folder / name / "__init__.py").write_text(f"raise ImportError('{name} imported before the arguments were checked')\n")
+        (folder / name / "__init__.py").write_text(
+            f"raise ImportError('{name} imported before the arguments were checked')\n")
     return folder
 
 
@@ -105,6 +106,7 @@ def test_the_refusing_folder_does_refuse_torch(heavy_libraries_refused):
     ("tools/inspect_checkpoint.py", ["no_such_checkpoint", "--top_k=0"], "--top_k"),
     ("tools/switch_table.py", ["--wrte"], "--wrte"),
     ("tools/bench_threads.py", ["--repeats=0"], "--repeats"),
+    ("tests/golden/make_golden.py", ["--jobs=0"], "--jobs"),
 ])
 def test_each_script_refuses_a_bad_argument_in_one_line_with_exit_code_2_before_torch_loads(
         script, argv, named, tmp_path, heavy_libraries_refused):
@@ -117,7 +119,8 @@ def test_each_script_refuses_a_bad_argument_in_one_line_with_exit_code_2_before_
                           env=without_heavy_libraries(heavy_libraries_refused), timeout=60)
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and named in done.stderr
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == [Path("data"), Path("data/x")]  # nothing written
+    nothing_written = [Path("data"), Path("data/x")]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == nothing_written
 
 
 def test_synthetic_data_written_with_the_trainers_shard_writer_does_not_import_the_trainer_again(
@@ -127,12 +130,14 @@ def test_synthetic_data_written_with_the_trainers_shard_writer_does_not_import_t
     (refused here), and every shard goes through that writer."""
     code = ("import sys; sys.path.insert(0, 'data'); import synthetic; written = []; "
             f"synthetic.write_dataset({str(tmp_path / 'syn')!r}, vocab_size=50, eot_token=49, train_shards=1, "
-            "shard_tokens=1000, val_tokens=500, write_shard=lambda path, tokens: written.append((path.name, len(tokens)))); "
+            "shard_tokens=1000, val_tokens=500, "
+            "write_shard=lambda path, tokens: written.append((path.name, len(tokens)))); "
             "print(sorted(written), 'train_gpt_medium' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=without_heavy_libraries(heavy_libraries_refused), timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "[('synthetic_train_000001.bin', 1000), ('synthetic_val_000000.bin', 500)] False"
+    shards = "[('synthetic_train_000001.bin', 1000), ('synthetic_val_000000.bin', 500)]"
+    assert done.stdout.splitlines()[-1] == f"{shards} False"
 
 
 # ---- data/gpt2_token_bytes.py: the merges file
