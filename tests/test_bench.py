@@ -144,6 +144,16 @@ def test_peak_bf16_tflops_by_device_name(name, peak):
 # ---- tools/gpu_check.sh: in-process through gpu_check.main (each check is a trainer process anyway)
 
 
+@pytest.fixture
+def short_gpu_check(monkeypatch):
+    """gpu_check's logic with fewer steps per run (2 timed bench steps, 6 training steps validated
+    every 3): the same checks and rows, in about half the time; one thread per trainer process."""
+    monkeypatch.setattr(gpu_check, "BENCH_STEPS", 2)
+    monkeypatch.setattr(gpu_check, "TRAIN_STEPS", 6)
+    monkeypatch.setattr(gpu_check, "VAL_EVERY", 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 def run_gpu_check(capsys, *flags) -> tuple[int, str, str, dict]:
     """gpu_check on the CPU with the tiny preset: (exit code, stdout, stderr, the summary JSON)."""
     code = gpu_check.main(["--preset=tiny", "--device=cpu", *flags])
@@ -152,9 +162,8 @@ def run_gpu_check(capsys, *flags) -> tuple[int, str, str, dict]:
 
 
 @pytest.mark.slow
-def test_gpu_check_with_the_tiny_preset_runs_every_check_on_the_cpu_and_passes(tmp_path, monkeypatch, capsys):
+def test_gpu_check_with_the_tiny_preset_runs_every_check_on_the_cpu_and_passes(tmp_path, short_gpu_check, capsys):
     """Without shards (the pattern matches nothing) the training check trains on generated tokens."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code, out, err, summary = run_gpu_check(capsys, f"--train_files={tmp_path / 'none_*.bin'}")
     assert code == 0, out[-3000:] + err[-3000:]
     names = [c["check"] for c in summary["checks"]]
@@ -162,18 +171,17 @@ def test_gpu_check_with_the_tiny_preset_runs_every_check_on_the_cpu_and_passes(t
     for expected in ("bench, CPU, step 0 (window 1)", "bench, CPU, step 199 (window 3)",
                      "compiled graphs after warm-up, CPU", "window change (1 -> 3 blocks), CPU",
                      "into evaluation, CPU", "peak memory, CPU", "activation checkpointing: first losses",
-                     "training 20 steps, CPU"):
+                     "training 6 steps, CPU"):
         assert expected in names
-    training = next(c for c in summary["checks"] if c["check"] == "training 20 steps, CPU")
+    training = next(c for c in summary["checks"] if c["check"] == "training 6 steps, CPU")
     assert "generated tokens" in training["measured"]
     assert "check  " in out and "result" in out  # the table's header
 
 
 @pytest.mark.slow
-def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(monkeypatch, capsys):
+def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(short_gpu_check, capsys):
     """An attention scale of 1e38 turns every score into inf: nan losses from the first forward (the
     training run looks for them after every step, so it stops at the first)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code, _, err, summary = run_gpu_check(capsys, "--attn_scale=1e38", "--nonfinite_check_every=1")
     assert code == 1
     assert not summary["ok"]
@@ -181,18 +189,18 @@ def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(monkeypatch
 
 
 @pytest.mark.slow
-def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, monkeypatch, capsys):
+def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, short_gpu_check, monkeypatch,
+                                                                       capsys):
     """Two GPUs counted (patched; the trainer's processes find none and run on the CPU over gloo):
     the benchmark and the training run again on 2 processes, whose first losses match one process's."""
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code = gpu_check.main(["--preset=tiny", f"--train_files={tmp_path / 'none_*.bin'}"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
     names = [c["check"] for c in summary["checks"]]
     for label in ("1 GPU(s)", "2 GPU(s)"):
-        assert f"bench, {label}, step 0 (window 1)" in names and f"training 20 steps, {label}" in names
+        assert f"bench, {label}, step 0 (window 1)" in names and f"training 6 steps, {label}" in names
     assert "2 GPU(s) vs 1: first bench losses" in names
 
 
