@@ -85,6 +85,13 @@ def probe_hub(request=head_request, timeout: float = PROBE_TIMEOUT_S) -> None:
                              "this machine seems offline")
 
 
+def progress(paths: list[Path]):
+    """The shards to fetch, counted by a progress bar on stderr when it is a terminal: shards done of
+    all, rate and time left (the hub client adds a bar per file). Nothing is printed elsewhere."""
+    from tqdm import tqdm
+    return tqdm(paths, desc="shards", unit="shard", disable=None)
+
+
 def hub_fetch(name: str, directory: Path) -> None:
     from huggingface_hub import hf_hub_download
     hf_hub_download(repo_id=REPO_ID, filename=name, repo_type="dataset", local_dir=directory)
@@ -125,7 +132,7 @@ def download(num_train: int, out_dir: Path, fetch=None, probe=None) -> list[Path
     first_created = next((p for p in [out_dir, *out_dir.parents][::-1] if not p.exists()), None)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        for path in missing:
+        for path in progress(missing):
             fetch(path.name, out_dir)
             if not is_valid(path):
                 from train_gpt_medium import ShardError
