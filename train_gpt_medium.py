@@ -3475,7 +3475,8 @@ def ensure_synthetic_data(config: Hyperparameters) -> None:
     import synthetic
     folder = Path(config.train_files).parent
     try:
-        synthetic.write_dataset(folder, vocab_size=config.vocab_size, eot_token=config.eot_token)
+        synthetic.write_dataset(folder, vocab_size=config.vocab_size, eot_token=config.eot_token,
+                                write_shard=write_shard)  # this module's writer: no second copy of it
     except OSError as e:
         raise WriteError(f"--synthetic_data: cannot write the synthetic data into {folder} ({e.strerror or e}); "
                          "run from a writable folder, or pass --train_files and --val_files")

@@ -8,6 +8,8 @@ already present and passes the shard header check is skipped; a corrupt one is f
 Before the first download one short request (no retries) checks that the hub answers, so an
 offline machine gets one line at once instead of the hub client's half minute of retries.
 HF_ENDPOINT (a mirror) and HTTPS_PROXY are honoured. More in docs/data.md.
+The trainer (for its shard check, so torch) and huggingface_hub are imported only once the
+arguments are checked: a mistyped argument is refused at once.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.cli import OneLineParser, fail, first_line, output_folder_problem  # noqa: E402
-from train_gpt_medium import ShardError, shard_token_count  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 TRAIN_SHARDS_IN_REPO = 103
@@ -39,10 +40,12 @@ def shard_names(num_train: int) -> list[str]:
 
 
 def is_valid(path: Path) -> bool:
+    """True when `path` passes the trainer's shard check (header and size)."""
+    import train_gpt_medium as tg
     try:
-        shard_token_count(path)
+        tg.shard_token_count(path)
         return True
-    except (OSError, ShardError):
+    except (OSError, tg.ShardError):
         return False
 
 
@@ -80,6 +83,13 @@ def probe_hub(request=head_request, timeout: float = PROBE_TIMEOUT_S) -> None:
     if outcome["error"] is not None:
         raise HubUnreachable(f"{constants.ENDPOINT} is out of reach ({first_line(outcome['error'])}): "
                              "this machine seems offline")
+
+
+def progress(paths: list[Path]):
+    """The shards to fetch, counted by a progress bar on stderr when it is a terminal: shards done of
+    all, rate and time left (the hub client adds a bar per file). Nothing is printed elsewhere."""
+    from tqdm import tqdm
+    return tqdm(paths, desc="shards", unit="shard", disable=None)
 
 
 def hub_fetch(name: str, directory: Path) -> None:
@@ -122,9 +132,10 @@ def download(num_train: int, out_dir: Path, fetch=None, probe=None) -> list[Path
     first_created = next((p for p in [out_dir, *out_dir.parents][::-1] if not p.exists()), None)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        for path in missing:
+        for path in progress(missing):
             fetch(path.name, out_dir)
             if not is_valid(path):
+                from train_gpt_medium import ShardError
                 raise ShardError(f"{path}: downloaded but fails the shard check; delete it and try again")
     finally:
         if first_created is not None:
@@ -162,6 +173,7 @@ def main(argv=None, fetch=None, probe=None) -> int:
     args = parse_args(argv)
     if problem := output_folder_problem(args.out, "--out"):
         return fail(problem)
+    from train_gpt_medium import ShardError
     try:
         download(args.num_train, args.out, fetch, probe)
     except HubUnreachable as e:

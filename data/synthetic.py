@@ -23,7 +23,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.cli import OneLineParser, fail, os_error_line, output_folder_problem  # noqa: E402
-from train_gpt_medium import write_shard  # noqa: E402  (one shard writer for the whole project)
 
 BRANCHING = 8  # likely successors per token
 MAX_VOCAB = 8192  # the chain is a dense V x V float64 matrix: 0.5 GB and minutes of eigen-decomposition at 8192
@@ -100,10 +99,16 @@ def check_parameters(vocab_size: int, eot_token: int, seed: int, train_shards: i
 
 
 def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: int = 1234,
-                  train_shards: int = 2, shard_tokens: int = 400_000, val_tokens: int = 65_536) -> dict:
+                  train_shards: int = 2, shard_tokens: int = 400_000, val_tokens: int = 65_536,
+                  write_shard=None) -> dict:
     """Write synthetic_train_00000{1..}.bin, synthetic_val_000000.bin, synthetic_token_bytes.npy
-    and synthetic_meta.json (the entropies). SyntheticDataError for parameters out of range."""
+    and synthetic_meta.json (the entropies). SyntheticDataError for parameters out of range.
+    `write_shard(path, tokens)` is the trainer's shard writer (one writer for the whole project):
+    the trainer passes its own, so it is not imported a second time; by default it is imported here,
+    after the parameters are checked."""
     check_parameters(vocab_size, eot_token, seed, train_shards, shard_tokens, val_tokens)
+    if write_shard is None:
+        from train_gpt_medium import write_shard
     P = markov_chain(vocab_size, eot_token, seed)
     stream = sample(P, eot_token, train_shards * shard_tokens + val_tokens, seed + 1)
     out_dir = Path(out_dir)

@@ -1,4 +1,7 @@
-"""Shared fixtures: the repository on sys.path, and tiny configurations."""
+"""Shared fixtures: the repository (and tests/golden) on sys.path, tiny configurations, and the
+tiny preset's run at --seed=0, made once per session."""
+import contextlib
+import io
 import os
 import sys
 from pathlib import Path
@@ -8,7 +11,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "golden"))
 
+import make_golden  # noqa: E402
 import train_gpt_medium as tg  # noqa: E402
 
 # One thread per process unless OMP_NUM_THREADS says otherwise: the suite's in-process runs and
@@ -34,3 +39,28 @@ def synthetic_dir(tmp_path_factory):
     synthetic.write_dataset(out, vocab_size=500, eot_token=499, seed=7, train_shards=2, shard_tokens=60_000,
                             val_tokens=16_384)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_seed0_run(tmp_path_factory):
+    """The README's first command, `--preset tiny --seed=0` on one thread, run in-process from the
+    repository root (its data generated into data/synthetic/ if missing). One run serves every test
+    that needs a whole tiny training run: the golden numbers, the log format, learning.
+    Returns what train() returned, the log's path and what the run printed."""
+    out, cwd = io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out):
+            result, log = make_golden.tiny_run(tmp_path_factory.mktemp("tiny_seed0"))
+    finally:
+        os.chdir(cwd)
+    return dict(result=result, log=log, stdout=out.getvalue())
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say at the end of the run how the golden files were compared on this machine (bit for bit,
+    or within the tolerance on a machine kind without an entry)."""
+    notes = [value for key in ("passed", "failed") for report in terminalreporter.stats.get(key, [])
+             for name, value in getattr(report, "user_properties", []) if name == "golden_comparison"]
+    for note in notes:
+        terminalreporter.write_line(f"golden files: {note}")

@@ -1,10 +1,11 @@
-"""Slow, literal implementations of SPEC §2 used as oracles by the tests (numpy / float64)."""
+"""Slow, literal implementations of the recipe's model and masks (docs/recipe.md, "Model" and
+"Attention masks"), used as oracles by the tests (numpy / float64)."""
 import numpy as np
 import torch
 
 
 def literal_mask(ids: np.ndarray, window: int, block_size: int, eot: int) -> np.ndarray:
-    """SPEC §2 read word by word: per query block, list candidates, split full / partial, keep the
+    """The block rule of docs/recipe.md ("Attention masks") read word by word: per query block, list candidates, split full / partial, keep the
     most recent min(n_full, W-1) full and min(n_partial, max(W - n_full, 1)) partial blocks."""
     BS, T = block_size, ids.size
     docs = np.cumsum(ids == eot)
@@ -30,7 +31,7 @@ def literal_mask(ids: np.ndarray, window: int, block_size: int, eot: int) -> np.
 
 
 def reference_loss(model, ids: torch.Tensor, targets: torch.Tensor, window: int) -> float:
-    """The record's forward pass (SPEC §2 steps 1-4) in float64 with explicit loops, from the
+    """The record's forward pass (docs/recipe.md, "Model", steps 1-4) in float64 with explicit loops, from the
     model's parameters. Assumes the record's layer pattern (16 layers, skips 9<6, 10<4, 11<2,
     no attention in layer 7, long windows at 0, 4, 11, 15, value embeddings 0..4 - 0..4)."""
     cfg = model.config

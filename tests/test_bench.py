@@ -141,64 +141,76 @@ def test_peak_bf16_tflops_by_device_name(name, peak):
     assert tg.peak_bf16_tflops(name) == peak
 
 
-# ---- tools/gpu_check.sh
+# ---- tools/gpu_check.sh: in-process through gpu_check.main (each check is a trainer process anyway)
 
 
-def run_gpu_check(*flags):
-    env = {k: v for k, v in os.environ.items() if k not in gpu_check.LAUNCHER_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--preset=tiny", "--device=cpu", *flags],
-                          env=env, capture_output=True, text=True, timeout=600)
+@pytest.fixture
+def short_gpu_check(monkeypatch):
+    """gpu_check's logic with fewer steps per run (2 timed bench steps, 6 training steps validated
+    every 3): the same checks and rows, in about half the time; one thread per trainer process."""
+    monkeypatch.setattr(gpu_check, "BENCH_STEPS", 2)
+    monkeypatch.setattr(gpu_check, "TRAIN_STEPS", 6)
+    monkeypatch.setattr(gpu_check, "VAL_EVERY", 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def run_gpu_check(capsys, *flags) -> tuple[int, str, str, dict]:
+    """gpu_check on the CPU with the tiny preset: (exit code, stdout, stderr, the summary JSON)."""
+    code = gpu_check.main(["--preset=tiny", "--device=cpu", *flags])
+    out, err = capsys.readouterr()
+    return code, out, err, json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_gpu_check_with_the_tiny_preset_runs_every_check_on_the_cpu_and_passes(tmp_path):
+def test_gpu_check_with_the_tiny_preset_runs_every_check_on_the_cpu_and_passes(tmp_path, short_gpu_check, capsys):
     """Without shards (the pattern matches nothing) the training check trains on generated tokens."""
-    done = run_gpu_check(f"--train_files={tmp_path / 'none_*.bin'}")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    code, out, err, summary = run_gpu_check(capsys, f"--train_files={tmp_path / 'none_*.bin'}")
+    assert code == 0, out[-3000:] + err[-3000:]
     names = [c["check"] for c in summary["checks"]]
     assert summary["ok"] and all(c["ok"] for c in summary["checks"])
     for expected in ("bench, CPU, step 0 (window 1)", "bench, CPU, step 199 (window 3)",
                      "compiled graphs after warm-up, CPU", "window change (1 -> 3 blocks), CPU",
                      "into evaluation, CPU", "peak memory, CPU", "activation checkpointing: first losses",
-                     "training 20 steps, CPU"):
+                     "training 6 steps, CPU"):
         assert expected in names
-    training = next(c for c in summary["checks"] if c["check"] == "training 20 steps, CPU")
+    training = next(c for c in summary["checks"] if c["check"] == "training 6 steps, CPU")
     assert "generated tokens" in training["measured"]
-    assert "check  " in done.stdout and "result" in done.stdout  # the table's header
+    assert "check  " in out and "result" in out  # the table's header
 
 
 @pytest.mark.slow
-def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite():
-    """An attention scale of 1e38 turns every score into inf: nan losses from the first forward."""
-    done = run_gpu_check("--attn_scale=1e38")
-    assert done.returncode == 1
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(short_gpu_check, capsys):
+    """An attention scale of 1e38 turns every score into inf: nan losses from the first forward (the
+    training run looks for them after every step, so it stops at the first)."""
+    code, _, err, summary = run_gpu_check(capsys, "--attn_scale=1e38", "--nonfinite_check_every=1")
+    assert code == 1
     assert not summary["ok"]
-    assert "gpu_check: FAILED" in done.stderr and "non-finite" in done.stderr
+    assert "gpu_check: FAILED" in err and "non-finite" in err
 
 
 @pytest.mark.slow
-def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, monkeypatch, capsys):
+def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, short_gpu_check, monkeypatch,
+                                                                       capsys):
     """Two GPUs counted (patched; the trainer's processes find none and run on the CPU over gloo):
     the benchmark and the training run again on 2 processes, whose first losses match one process's."""
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code = gpu_check.main(["--preset=tiny", f"--train_files={tmp_path / 'none_*.bin'}"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
     names = [c["check"] for c in summary["checks"]]
     for label in ("1 GPU(s)", "2 GPU(s)"):
-        assert f"bench, {label}, step 0 (window 1)" in names and f"training 20 steps, {label}" in names
+        assert f"bench, {label}, step 0 (window 1)" in names and f"training 6 steps, {label}" in names
     assert "2 GPU(s) vs 1: first bench losses" in names
 
 
-def test_gpu_check_refuses_a_bad_flag_with_exit_code_2():
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--num_iterations=0"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--num_iterations" in done.stderr
+def test_gpu_check_sh_refuses_a_bad_flag_with_exit_code_2_in_one_line():
+    """The shell wrapper end to end: the trainer's own parser checks the flags."""
+    env = {k: v for k, v in os.environ.items() if k not in gpu_check.LAUNCHER_VARIABLES}
+    done = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--num_iterations=0"],
+                          env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: --num_iterations")
 
 
 def test_generated_training_tokens_follow_a_sparse_markov_chain(tmp_path):

@@ -1,5 +1,5 @@
-"""Configuration and command line: the --dry_run accounting against SPEC §2/§5 numbers recomputed
-here from the shapes, flag parsing, errors that name the flag (exit code 2), and an import
+"""Configuration and command line: the --dry_run accounting against the recipe's numbers
+(docs/recipe.md, "Model" and "Model FLOPs") recomputed here from the shapes, flag parsing, errors that name the flag (exit code 2), and an import
 without side effects. Everything runs in-process through tg.main / tg.parse_args."""
 import json
 import os
@@ -15,11 +15,11 @@ import train_gpt_medium as tg
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# SPEC §2 shapes of the record model
+# the record model's shapes (docs/recipe.md, "Model")
 V, V_PAD, D, L, HIDDEN = 50257, 50304, 1024, 16, 4096
 ATTENTION_LAYERS = [i for i in range(L) if i != 7]
 LONG_LAYERS = {0, 4, 11, 15}
-SPEC_GROUPS = dict(
+RECIPE_GROUPS = dict(
     head=V_PAD * D,
     embed=2 * V * D,
     value_embed=5 * V * D,
@@ -43,15 +43,15 @@ def error_of(argv, capsys) -> str:
 # ---- --dry_run
 
 
-def test_dry_run_parameter_count_is_the_spec_total(capsys):
+def test_dry_run_parameter_count_is_the_recipe_total(capsys):
     summary = dry_run_summary(capsys)
-    assert summary["total_params"] == 608_885_856 == sum(SPEC_GROUPS.values())
+    assert summary["total_params"] == 608_885_856 == sum(RECIPE_GROUPS.values())
     assert sum(summary["params_by_group"].values()) == summary["total_params"]
-    assert summary["params_by_group"] == SPEC_GROUPS
+    assert summary["params_by_group"] == RECIPE_GROUPS
 
 
-def test_dry_run_flops_per_token_is_the_spec_figure(capsys):
-    """SPEC §5: about 1.686e9 = 1.492e9 (6 x matmul weights) + 0.194e9 (attention)."""
+def test_dry_run_flops_per_token_is_the_recipe_figure(capsys):
+    """docs/recipe.md ("Model FLOPs"): about 1.686e9 = 1.492e9 (6 x matmul weights) + 0.194e9 (attention)."""
     summary = dry_run_summary(capsys)
     assert summary["flops_per_token"] == pytest.approx(1.686e9, rel=1e-3)
     assert summary["flops_per_token_weights"] == pytest.approx(1.492e9, rel=1e-3)
@@ -65,7 +65,7 @@ def test_dry_run_flops_equal_a_recount_from_the_shapes_and_the_window_schedule(c
     12 x attn_dim x (mean keys per query over the 128 offsets in a block: the window's earlier
     blocks whole plus the own block up to the query), averaged over the 5690 steps."""
     summary = dry_run_summary(capsys)
-    weights = 6 * (SPEC_GROUPS["head"] + SPEC_GROUPS["muon_attn"] + SPEC_GROUPS["muon_mlp"])
+    weights = 6 * (RECIPE_GROUPS["head"] + RECIPE_GROUPS["muon_attn"] + RECIPE_GROUPS["muon_mlp"])
     assert summary["flops_per_token_weights"] == weights
     config = tg.make_config()
     total = 0.0

@@ -1,4 +1,4 @@
-"""Shards and the training loader (SPEC §4): the file format read back independently with numpy,
+"""Shards and the training loader (docs/recipe.md, "Data"): the file format read back independently with numpy,
 errors that name the file and the problem, and the loader's slices checked against the shard's
 own tokens, across world sizes and shard boundaries."""
 import numpy as np

@@ -65,21 +65,79 @@ def no_folder_is_writable(monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)
 
 
-# ---- every script, as a process: a bad argument is one line and exit code 2
+# ---- every script, as a process: a bad argument is one line and exit code 2, before torch loads
+
+HEAVY_LIBRARIES = ("torch", "huggingface_hub", "scipy", "matplotlib")
+
+
+@pytest.fixture(scope="module")
+def heavy_libraries_refused(tmp_path_factory) -> Path:
+    """A folder to put first on PYTHONPATH in which each heavy library fails to import: a script that
+    loads one before it has checked its arguments ends in an ImportError instead of exit code 2."""
+    folder = tmp_path_factory.mktemp("no_heavy_libraries")
+    for name in HEAVY_LIBRARIES:
+        (folder / name).mkdir()
+        (folder / name / "__init__.py").write_text(
+            f"raise ImportError('{name} imported before the arguments were checked')\n")
+    return folder
+
+
+def without_heavy_libraries(folder: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+def test_the_refusing_folder_does_refuse_torch(heavy_libraries_refused):
+    """Guards the test below: with that PYTHONPATH, importing torch fails."""
+    done = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True,
+                          env=without_heavy_libraries(heavy_libraries_refused), timeout=60)
+    assert done.returncode == 1 and "torch imported before the arguments were checked" in done.stderr
 
 
 @pytest.mark.parametrize("script, argv, named", [
+    ("data/cached_fineweb10B.py", ["abc"], "num_train"),
     ("data/cached_fineweb10B.py", ["0"], "num_train"),
+    ("data/cached_fineweb10B.py", ["1", "--out=data/x/y"], "--out"),  # under a file (see below)
     ("data/gpt2_token_bytes.py", ["no_such_merges.txt"], "no_such_merges.txt"),
+    ("data/gpt2_token_bytes.py", ["merges.txt", "--colour=red"], "--colour"),
     ("data/synthetic.py", ["--vocab_size=5"], "--vocab_size"),
+    ("data/synthetic.py", ["--out=data/x/y"], "--out"),
     ("tools/inspect_checkpoint.py", ["no_such_checkpoint"], "no_such_checkpoint"),
+    ("tools/inspect_checkpoint.py", ["no_such_checkpoint", "--top_k=0"], "--top_k"),
+    ("tools/switch_table.py", ["--wrte"], "--wrte"),
+    ("tools/bench_threads.py", ["--repeats=0"], "--repeats"),
+    ("tests/golden/make_golden.py", ["--jobs=0"], "--jobs"),
 ])
-def test_each_script_reports_a_bad_argument_in_one_line_with_exit_code_2(script, argv, named, tmp_path):
+def test_each_script_refuses_a_bad_argument_in_one_line_with_exit_code_2_before_torch_loads(
+        script, argv, named, tmp_path, heavy_libraries_refused):
+    """Run from an empty folder in which data/x is a file, with torch and the other heavy libraries
+    unimportable (tools/gpu_check.py's flags are the trainer's, checked by the trainer's own parser:
+    tests/test_bench.py)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x").write_text("a file")
     done = subprocess.run([sys.executable, str(ROOT / script), *argv], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-    assert done.returncode == 2
+                          env=without_heavy_libraries(heavy_libraries_refused), timeout=60)
+    assert done.returncode == 2, done.stderr
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and named in done.stderr
-    assert list(tmp_path.iterdir()) == []  # nothing written
+    nothing_written = [Path("data"), Path("data/x")]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == nothing_written
+
+
+def test_synthetic_data_written_with_the_trainers_shard_writer_does_not_import_the_trainer_again(
+        tmp_path, heavy_libraries_refused):
+    """The trainer hands its own write_shard to synthetic.write_dataset (so it is not loaded a second
+    time as another module); given a writer, data/synthetic.py imports no trainer, hence no torch
+    (refused here), and every shard goes through that writer."""
+    code = ("import sys; sys.path.insert(0, 'data'); import synthetic; written = []; "
+            f"synthetic.write_dataset({str(tmp_path / 'syn')!r}, vocab_size=50, eot_token=49, train_shards=1, "
+            "shard_tokens=1000, val_tokens=500, "
+            "write_shard=lambda path, tokens: written.append((path.name, len(tokens)))); "
+            "print(sorted(written), 'train_gpt_medium' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=without_heavy_libraries(heavy_libraries_refused), timeout=60)
+    assert done.returncode == 0, done.stderr
+    shards = "[('synthetic_train_000001.bin', 1000), ('synthetic_val_000000.bin', 500)]"
+    assert done.stdout.splitlines()[-1] == f"{shards} False"
 
 
 # ---- data/gpt2_token_bytes.py: the merges file

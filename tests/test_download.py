@@ -50,6 +50,39 @@ def test_valid_files_are_skipped_and_corrupt_ones_fetched_again(tmp_path):
     assert tg.shard_token_count(tmp_path / "fineweb_train_000001.bin") == 100
 
 
+def test_progress_counts_the_missing_shards_only(tmp_path, monkeypatch):
+    tg.write_shard(tmp_path / "fineweb_val_000000.bin", np.arange(100))  # present: not counted
+    counted = []
+
+    def recording_progress(paths):
+        counted.extend(p.name for p in paths)
+        return paths
+
+    monkeypatch.setattr(dl, "progress", recording_progress)
+    dl.download(2, tmp_path, fetch=lambda name, directory: tg.write_shard(Path(directory) / name, np.arange(100)))
+    assert counted == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+
+
+def test_the_progress_bar_prints_nothing_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    dl.download(1, tmp_path, fetch=lambda name, directory: tg.write_shard(Path(directory) / name, np.arange(100)))
+    assert capsys.readouterr().err == ""
+
+
+def test_the_progress_bar_shows_shards_done_and_time_left_on_a_terminal(tmp_path, monkeypatch):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    dl.download(2, tmp_path, fetch=lambda name, directory: tg.write_shard(Path(directory) / name, np.arange(100)))
+    updates = [u for u in terminal.getvalue().split("\r") if u.strip()]  # redrawn after each carriage return
+    assert updates[0].startswith("shards:   0%") and "0/3 [00:00<?" in updates[0]  # [elapsed<left, rate]
+    assert updates[-1].startswith("shards: 100%") and "3/3 [" in updates[-1] and "<00:00, " in updates[-1]
+
+
 # ---- offline: one quick probe, one clear line, nothing left behind
 
 

@@ -1,4 +1,4 @@
-"""The seed ideas (SPEC §7) as switches: matched initialization, extra embeddings, x00 at the
+"""The seed ideas (docs/ideas.md) as switches: matched initialization, extra embeddings, x00 at the
 output, LoRE, the value-embedding basis, accounting and bits per byte."""
 import math
 import sys
@@ -52,7 +52,7 @@ def test_unused_modules_are_not_built():
 # ---- extra input embeddings
 
 @pytest.mark.parametrize("extra", [0, 2, 4])
-def test_extra_embeddings_mix_into_every_layer_as_the_spec_says(extra):
+def test_extra_embeddings_mix_into_every_layer_as_documented(extra):
     """n = 0 is the older x = l0*x + l1*x00; each table adds one lambda per layer."""
     config = tiny(num_extra_embeds=extra)
     model = tg.build_model(config)
@@ -122,7 +122,7 @@ def test_corrected_init_gives_the_replaced_matrices_variance():
 
 def test_original_init_inflates_the_head():
     """`original` draws the head's first factor N(0, 1/r): the virtual head's variance is 1/(3r),
-    d/r times the 1/(3d) it replaces, i.e. d/(3r) times 1/d (SPEC's "about d/(3r) times")."""
+    d/r times the 1/(3d) it replaces, i.e. d/(3r) times the default 1/d."""
     embed, head = virtual_matrices("original")
     d, r = 1024, 128
     assert embed.var().item() == pytest.approx(1.0, rel=0.03)

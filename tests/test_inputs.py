@@ -480,7 +480,7 @@ def logged(tmp_path, pattern: str) -> list[str]:
 def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run(synthetic_dir, tmp_path):
     """Different seeds give different initial weights, hence different losses once training moved
     them. The step-0 training loss cannot tell: the output head starts at zero, so every seed's
-    first loss is ln(padded vocabulary) = ln 512 (SPEC section 2)."""
+    first loss is ln(padded vocabulary) = ln 512 (docs/recipe.md, "Model")."""
     runs = {name: tmp_path / name for name in ("first", "second", "repeat")}
     for name in ("first", "second"):
         assert tg.main(run_argv(synthetic_dir, runs[name])) == 0

@@ -1,18 +1,18 @@
 """Attention masks: the block structure given to FlexAttention and the dense CPU mask both equal
-SPEC §2's rule, computed here the slow, literal way; FlexAttention and SDPA agree."""
+the rule of docs/recipe.md ("Attention masks"), computed here the slow, literal way; FlexAttention and SDPA agree."""
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
-from reference import literal_mask as spec_mask
+import reference
 
 BS, EOT = 128, 99
 
 
 def literal_mask(ids, window):
-    return spec_mask(ids, window, BS, EOT)
+    return reference.literal_mask(ids, window, BS, EOT)
 
 
 def random_layout(rng, num_blocks: int, docs_per_block: float) -> np.ndarray:
@@ -34,7 +34,7 @@ def test_the_schedule_covers_windows_1_to_27():
 
 
 @pytest.mark.parametrize("seed,num_blocks,density", LAYOUTS)
-def test_dense_mask_equals_spec_rule_for_every_window_of_the_schedule(seed, num_blocks, density):
+def test_dense_mask_equals_the_literal_rule_for_every_window_of_the_schedule(seed, num_blocks, density):
     ids = random_layout(np.random.default_rng(seed), num_blocks, density)
     ids_t = torch.from_numpy(ids)
     for window in SCHEDULE_WINDOWS:
@@ -44,9 +44,9 @@ def test_dense_mask_equals_spec_rule_for_every_window_of_the_schedule(seed, num_
 
 
 @pytest.mark.parametrize("seed,num_blocks,density", LAYOUTS)
-def test_flex_block_mask_materializes_to_spec_rule(seed, num_blocks, density):
+def test_flex_block_mask_materializes_to_the_literal_rule(seed, num_blocks, density):
     """The BlockMask's own tensors (kv_num_blocks/kv_indices, full_kv_*), expanded by hand with
-    the mask_mod applied inside partial blocks only, give the SPEC mask."""
+    the mask_mod applied inside partial blocks only, give the literal rule's mask."""
     ids = random_layout(np.random.default_rng(seed), num_blocks, density)
     ids_t = torch.from_numpy(ids)
     docs = np.cumsum(ids == EOT)

@@ -1,4 +1,4 @@
-"""The model against SPEC §2: a float64 reference forward, the step-0 loss, init, structure."""
+"""The model against docs/recipe.md ("Model"): a float64 reference forward, the step-0 loss, init, structure."""
 import dataclasses
 import math
 
@@ -28,7 +28,7 @@ def packed_tokens(config, seed=0, docs_per_block=1.5):
 
 
 @pytest.mark.parametrize("window", [1, 3])
-def test_forward_matches_float64_reference_of_the_spec(tiny_config, window):
+def test_forward_matches_float64_reference_of_the_recipe(tiny_config, window):
     model = tg.build_model(tiny_config)
     randomize(model)
     inputs, targets = packed_tokens(tiny_config)
@@ -69,7 +69,7 @@ def test_medium_parameter_count_and_layout():
     assert model.scalars.numel() == 16 + 16 * 3 + 16 * 2
 
 
-def test_init_follows_the_spec(tiny_config):
+def test_init_follows_the_recipe(tiny_config):
     config = tg.make_config("tiny", dtype="float32", model_dim=128, head_dim=64)  # more samples per matrix
     model = tg.build_model(config)
     emb = model.embeds[0].weight
@@ -96,7 +96,7 @@ def test_same_seed_same_init_and_other_seed_differs(tiny_config):
 
 
 def test_flops_per_token_of_the_record():
-    """SPEC §5: about 1.492 GFLOP/token from the weights, 0.194 from attention, 1.686 in all."""
+    """docs/recipe.md ("Model FLOPs"): about 1.492 GFLOP/token from the weights, 0.194 from attention, 1.686 in all."""
     flops = tg.flops_per_token(tg.make_config(), tg.build_model(tg.make_config(), "meta"))
     assert flops["weights"] == 6 * (15 * 4 * 1024**2 + 16 * 2 * 4096 * 1024 + 50304 * 1024)
     assert flops["attention"] == pytest.approx(0.194e9, rel=2e-3)

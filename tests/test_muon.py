@@ -1,4 +1,4 @@
-"""Muon (SPEC §3): Newton-Schulz orthogonalization against an SVD, the per-matrix treatment of the
+"""Muon (docs/recipe.md, "Optimizers and schedules"): Newton-Schulz orthogonalization against an SVD, the per-matrix treatment of the
 merged attention weight, the bf16 + low-16-bit storage of the fp32 master value, the update
 arithmetic against references written here, and the three schedules."""
 import math
@@ -169,7 +169,7 @@ def run_muon(dtype):
 
 
 def reference_same_rounding(dtype):
-    """SPEC §3 on a plain fp32 master tensor, with the same fp32 primitives (so the same roundings):
+    """Muon's update on a plain fp32 master tensor, with the same fp32 primitives (so the same roundings):
     b = m*b + (1-m)*g as b + (1-m)*(g - b) (torch.lerp); w -= lr_eff*u as one fused multiply-add
     (Tensor.add_ with alpha; on this CPU that differs in the last bit from w - (lr_eff*u) for
     about a quarter of entries, measured). Only the storage differs from Muon's bf16 path."""
@@ -211,7 +211,7 @@ def test_fp32_parameters_are_the_master_updated_in_place_with_the_same_arithmeti
     assert "low_bits" not in opt.state[p]
 
 
-def test_update_matches_the_spec_formulas_evaluated_in_float64():
+def test_update_matches_the_recipe_formulas_evaluated_in_float64():
     """The formulas read literally (b = m*b + (1-m)*g; u = orth(m*b + (1-m)*g); w *= 1 - lr*wd*wd_mul;
     w -= lr*sqrt(max(1, rows/cols))*u) in float64, for fp32 parameters (fp32 Newton-Schulz):
     agreement to fp32 rounding. Ignoring wd_mul would be off by ~1e-4, the lr scale by ~1e-2."""

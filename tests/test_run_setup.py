@@ -81,3 +81,22 @@ def test_help_into_a_pipe_whose_reader_has_gone_ends_quietly():
     finally:
         os.close(write_end)
     assert trainer.returncode == 0 and trainer.stderr == ""
+
+
+def test_a_run_that_generates_its_synthetic_data_loads_the_trainer_once(tmp_path):
+    """Run as a script (`__main__`), the trainer hands data/synthetic.py its own shard writer, so
+    generating the tiny preset's data does not import the trainer a second time as a module."""
+    script = f"""
+import runpy, sys
+sys.argv = ["train_gpt_medium.py", "--preset=tiny", "--num_iterations=1", "--val_every=0", "--warmup_steps=0",
+            "--log_dir={tmp_path / 'logs'}"]
+try:
+    runpy.run_path({str(ROOT / 'train_gpt_medium.py')!r}, run_name="__main__")
+except SystemExit as e:
+    assert e.code == 0, e.code
+print("second copy:", "train_gpt_medium" in sys.modules)
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "data" / "synthetic").is_dir()  # it did generate
+    assert run.stdout.strip().splitlines()[-1] == "second copy: False"

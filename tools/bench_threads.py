@@ -17,7 +17,6 @@ Run it on a machine with nothing else running: other programs are busy cores the
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -27,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tools.cli import OneLineParser  # noqa: E402
+
 FINAL_VAL_LINE = r"^step:{N}/{N} val_loss:\S+ train_time:(\d+)ms"
 LOADS = ("idle", "one busy core")
 
@@ -78,7 +80,7 @@ def table(results: dict[tuple[int, str], list[float]], labels: dict[int, str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(__file__, description=__doc__.split("\n\n")[0])
     parser.add_argument("--num_iterations", type=int, default=30, help="training steps per run (default 30)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the table shows the median (default 3)")
     args = parser.parse_args(argv)

@@ -49,8 +49,8 @@ MEMORY_LIMIT = 0.95  # of the device's memory: above it a longer run or another 
 # the CPU with the tiny preset); bf16: compiled graphs round differently, guessed, not yet measured.
 LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
 COMPARED_LOSSES = 3
-# The record (SPEC §6, README): 1412.45 s mean over 19 runs on 8xH100, about 247 ms per step,
-# peak 53,988 MiB allocated, 1.686 GFLOP per token, about 45% MFU.
+# The record (docs/recipe.md, "The task and the claim"): 1412.45 s mean over 19 runs on 8xH100,
+# about 247 ms per step, peak 53,988 MiB allocated, 1.686 GFLOP per token, about 45% MFU.
 RECORD_MS_PER_STEP_8_GPUS, RECORD_PEAK_MIB, RECORD_MFU = 247, 53_988, 0.45
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -1,5 +1,6 @@
-"""Look inside a checkpoint (SPEC §7.1): the learned mixing weights of every layer, and logit
-lenses that decode the residual stream and the embeddings through the final norm and head.
+"""Look inside a checkpoint: the learned mixing weights of every layer (which layers use which
+input embedding, docs/ideas.md), and logit lenses that decode the residual stream and the
+embeddings through the final norm and head.
 
     python tools/inspect_checkpoint.py checkpoints/medium/step_005690
     python tools/inspect_checkpoint.py CKPT --position 200 --top_k 5 --token 262
@@ -13,24 +14,30 @@ Prints, on the CPU in fp32:
 3. an embedding lens for one token id: its input embeddings, its value embeddings, and each
    value embedding passed through the o-projection of every layer that uses it.
 GPT-2 tokens are printed as text when data/gpt2_tokens.bin is present, other vocabularies as ids.
+torch and the trainer are imported inside the functions that use them, so a mistyped argument is
+refused at once, before they load.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import train_gpt_medium as tg  # noqa: E402
 from tools.cli import OneLineParser, fail, first_line, os_error_line  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    import train_gpt_medium as tg
 
 
 def load_model(path: Path) -> tuple[tg.GPT, tg.Hyperparameters, int]:
     """The checkpoint's model in fp32 on the CPU, its config and its step. CheckpointError naming the
     file for anything that is not a checkpoint this script can read; OSError for an unreadable file."""
+    import train_gpt_medium as tg
     path = Path(path)
     try:
         tg.validate_checkpoint(path)
@@ -67,22 +74,25 @@ class Vocabulary:
         return repr(raw.decode("utf-8", errors="backslashreplace")) if raw else "<|endoftext|>"
 
 
-@torch.no_grad()
 def lens(model: tg.GPT, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities over the real vocabulary of rows h (n, d) read through the final norm, the head
     and the softcap, as the model reads its last layer. Returns (probs (n, V), top-k ids (n, k))."""
-    probs = torch.softmax(model.logits(tg.rms_norm(h)), dim=-1)[:, :model.config.vocab_size]
+    import torch
+    import train_gpt_medium as tg
+    with torch.no_grad():
+        probs = torch.softmax(model.logits(tg.rms_norm(h)), dim=-1)[:, :model.config.vocab_size]
     return probs, probs.topk(k, dim=-1).indices
 
 
-@torch.no_grad()
 def layer_inputs(model: tg.GPT, ids: torch.Tensor, window: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """x entering each block (after its skip), and x after the last block: each (T, d)."""
+    import torch
     seen = []
     hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(args[0][0])) for b in model.blocks]
     hooks.append(model.blocks[-1].register_forward_hook(lambda m, args, out: seen.append(out[0])))
     try:
-        model(ids[:-1].to(torch.int32), ids[1:].to(torch.int64), torch.tensor(window), reduction="none")
+        with torch.no_grad():
+            model(ids[:-1].to(torch.int32), ids[1:].to(torch.int64), torch.tensor(window), reduction="none")
     finally:
         for h in hooks:
             h.remove()
@@ -97,6 +107,8 @@ def describe(model, h, k, vocab, target=None) -> str:
 
 def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, position: int, k: int,
            token: int, seq_len: int) -> list[str]:
+    import torch
+    import train_gpt_medium as tg
     vocab, out = Vocabulary(config.vocab_size), []
     x0_weights = model.mixing_weights()[1].detach()  # (L, input embeddings)
     inputs = None
@@ -135,6 +147,8 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
 
 def read_val_tokens(pattern: str, min_tokens: int) -> torch.Tensor:
     """The concatenated validation shards; FileNotFoundError or ShardError naming the problem."""
+    import torch
+    import train_gpt_medium as tg
     shards = []
     for f in tg.shard_files(pattern, "val_files"):
         try:
@@ -162,6 +176,9 @@ def main(argv=None) -> int:
         parser.error(f"--top_k must be at least 1, got {args.top_k}")
     if args.position < 0:
         parser.error(f"--position must be at least 0, got {args.position}")
+    if not args.checkpoint.is_dir():  # the trainer's check too, here before torch loads
+        return fail(f"{args.checkpoint}: no such checkpoint folder")
+    import train_gpt_medium as tg
     try:
         model, config, step = load_model(args.checkpoint)
     except (tg.CheckpointError, tg.ConfigError) as e:

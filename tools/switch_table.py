@@ -5,15 +5,15 @@ and its table of recipes, made from RECIPES.
     python tools/switch_table.py --write    # replace the tables in README.md (between their markers)
 
 tests/test_config.py and tests/test_recipes.py require README.md to hold exactly these tables, so a
-new or changed field or recipe shows up in the README by running --write.
+new or changed field or recipe shows up in the README by running --write. The trainer (and with it
+torch) is imported after the arguments are checked.
 """
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import train_gpt_medium as tg  # noqa: E402
+from tools.cli import OneLineParser  # noqa: E402
 
 START, END = "<!-- switches:start -->", "<!-- switches:end -->"
 RECIPES_START, RECIPES_END = "<!-- recipes:start -->", "<!-- recipes:end -->"
@@ -21,6 +21,7 @@ RECIPES_START, RECIPES_END = "<!-- recipes:start -->", "<!-- recipes:end -->"
 
 def table() -> str:
     """Markdown rows grouped as in --help: flag, the record's default, meaning and allowed values."""
+    import train_gpt_medium as tg
     rows, group = ["| flag | default (record) | meaning |", "|---|---|---|"], None
     for f in tg.fields(tg.Hyperparameters):
         if f.metadata["group"] != group:
@@ -34,6 +35,7 @@ def table() -> str:
 
 def recipes_table() -> str:
     """One row per --recipe: its record, what it changes, steps, Muon lr, the published result."""
+    import train_gpt_medium as tg
     rows = ["| `--recipe` | record | what it changes | steps | Muon lr | published mean time, runs, p |",
             "|---|---|---|---|---|---|"]
     for name, r in tg.RECIPES.items():
@@ -51,7 +53,7 @@ def readme_with_table(readme: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(__file__, description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="update README.md in place")
     args = parser.parse_args(argv)
     if not args.write:
