@@ -225,3 +225,30 @@ def test_generated_training_tokens_follow_a_sparse_markov_chain(tmp_path):
     successors = np.bincount(inside[0], minlength=299)
     assert 0 < successors.max() <= 8
     assert (train == 299).mean() == pytest.approx(1 / 128, rel=0.2)
+
+
+def test_gpu_check_compares_with_the_record_of_the_recipe():
+    bulk, x01 = tg.make_config(recipe="bulk"), tg.make_config()
+    assert gpu_check.is_record_shape(bulk) and gpu_check.is_record_shape(x01)
+    assert not gpu_check.is_record_shape(tg.make_config(recipe="bulk", batch_schedule=(524288,)))
+    # the bulk record's log: 72 ms per step at its first batch size, 249 at the full one (8 GPUs)
+    assert gpu_check.record_ms_per_step(bulk, 0, 8) == "record (bulk): ~72 ms"
+    assert gpu_check.record_ms_per_step(bulk, 2000, 8) == "record (bulk): ~249 ms"
+    assert gpu_check.record_ms_per_step(bulk, 2000, 1) == "record (bulk): ~1,992 ms"
+    # x01: 1412.45 s over 5690 steps
+    assert gpu_check.record_ms_per_step(x01, 0, 8) == "record (x01): ~248 ms at ~45% MFU"
+
+
+@pytest.mark.slow
+def test_gpu_check_with_the_tiny_bulk_recipe_checks_every_batch_size(tmp_path, short_gpu_check, capsys):
+    """The bulk recipe's step grid: a bench point per batch size, none of which compiles again after
+    the warm-up, and a short training run (its extension steps dropped: 6 steps span the grid)."""
+    code, out, err, summary = run_gpu_check(capsys, "--recipe=bulk", f"--train_files={tmp_path / 'none_*.bin'}")
+    assert code == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
+    names = [c["check"] for c in summary["checks"]]
+    config = tg.make_config("tiny", recipe="bulk")
+    first_of_each_size = sorted({min(s for s in range(config.num_iterations) if tg.batch_tokens(s, config) == t)
+                                 for t in config.batch_schedule})
+    for step in first_of_each_size[1:]:
+        assert f"step {step} after step 0, CPU" in names
+    assert "training 6 steps, CPU" in names

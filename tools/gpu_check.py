@@ -49,9 +49,12 @@ MEMORY_LIMIT = 0.95  # of the device's memory: above it a longer run or another 
 # the CPU with the tiny preset); bf16: compiled graphs round differently, guessed, not yet measured.
 LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
 COMPARED_LOSSES = 3
-# The record (docs/recipe.md, "The task and the claim"): 1412.45 s mean over 19 runs on 8xH100,
-# about 247 ms per step, peak 53,988 MiB allocated, 1.686 GFLOP per token, about 45% MFU.
-RECORD_MS_PER_STEP_8_GPUS, RECORD_PEAK_MIB, RECORD_MFU = 247, 53_988, 0.45
+# The records' figures on 8xH100 (--recipe picks the record; its peak memory is in tg.RECIPES): ms
+# per step from each record's published mean time and step count; x01 (docs/recipe.md, "The task
+# and the claim") ran at about 45% MFU. The bulk record's log times each batch size of its ramp:
+# 72, 129, 189 and 249 ms per step at 131,072, 262,144, 393,216 and 524,288 tokens.
+RECORD_MFU = 0.45
+BULK_MS_PER_STEP_BY_BATCH = {131_072: 72, 262_144: 129, 393_216: 189, 524_288: 249}
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -136,7 +139,9 @@ def training_data(config: tg.Hyperparameters, folder: Path) -> tuple[list[str], 
     if glob.glob(config.train_files) and glob.glob(config.val_files):
         return [], f"shards {config.train_files}"
     step_tokens = config.batch_slices * config.train_seq_len
-    write_markov_shards(folder, config.vocab_size, config.eot_token, TRAIN_STEPS * step_tokens + 1,
+    # whole documents per slice (--document_aligned_batches) leave the rest of each slice's last one unused
+    waste = 3 if config.document_aligned_batches else 1
+    write_markov_shards(folder, config.vocab_size, config.eot_token, waste * TRAIN_STEPS * step_tokens + 1,
                         config.batch_slices * config.val_seq_len + 1)
     return [f"--train_files={folder / 'generated_train_*.bin'}", f"--val_files={folder / 'generated_val_*.bin'}",
             "--token_bytes_file="], "generated tokens, no shards found"
@@ -161,10 +166,22 @@ def muon_shapes(config: tg.Hyperparameters) -> int:
 
 
 def is_record_shape(config: tg.Hyperparameters) -> bool:
-    record = tg.make_config()
+    """The shapes of the record of config's recipe (its figures then apply)."""
+    record = tg.make_config(recipe=config.recipe)
     names = ("vocab_size", "model_dim", "num_layers", "num_heads", "head_dim", "mlp_ratio", "train_seq_len",
-             "batch_slices", "max_window_tokens", "value_embed_layout", "attention_free_layers")
+             "batch_slices", "max_window_tokens", "value_embed_layout", "attention_free_layers", "batch_schedule")
     return all(getattr(config, n) == getattr(record, n) for n in names)
+
+
+def record_ms_per_step(config: tg.Hyperparameters, step: int, world_size: int) -> str:
+    """What the record of config's recipe took per step at `step`, scaled from its 8 GPUs to `world_size`."""
+    recipe = tg.RECIPES[config.recipe]
+    if config.recipe == "bulk":
+        ms = BULK_MS_PER_STEP_BY_BATCH[tg.batch_tokens(step, config)]
+    else:
+        ms = recipe.mean_time_s * 1000 / tg.make_config(recipe=config.recipe).num_iterations
+    mfu = f" at ~{100 * RECORD_MFU:.0f}% MFU" if config.recipe == "x01" else ""
+    return f"record ({config.recipe}): ~{ms * 8 / world_size:,.0f} ms{mfu}"
 
 
 def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
@@ -176,8 +193,7 @@ def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
     for p in report["points"]:
         finite = all(math.isfinite(x) for x in p["losses"])
         mfu = f", MFU {100 * p['mfu']:.1f}%" if p["mfu"] is not None else ""
-        expected = (f"record: ~{RECORD_MS_PER_STEP_8_GPUS * 8 / W:,.0f} ms at ~{100 * RECORD_MFU:.0f}% MFU"
-                    if is_record_shape(config) else "times > 0, losses finite")
+        expected = record_ms_per_step(config, p["step"], W) if is_record_shape(config) else "times > 0, losses finite"
         bad = None if finite and min(p["times_ms"]) > 0 else f"bench, {label}, step {p['step']}: " + (
             "non-finite loss" if not finite else "a step time is not positive")
         rows.append(row(f"bench, {label}, step {p['step']} (window {p['window_blocks']})",
@@ -190,7 +206,8 @@ def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
     rows.append(row(f"peak memory, {label}", f"allocated {report['peak_memory_allocated_mib']:,} MiB, reserved "
                     f"{reserved:,} MiB{share}",
                     f"reserved < {100 * MEMORY_LIMIT:.0f}% of the device"
-                    + (f"; record: {RECORD_PEAK_MIB:,} MiB" if is_record_shape(config) else ""),
+                    + (f"; record ({config.recipe}): {tg.RECIPES[config.recipe].peak_mib:,} MiB"
+                       if is_record_shape(config) else ""),
                     f"peak memory, {label}: {reserved:,} MiB reserved is over {100 * MEMORY_LIMIT:.0f}% of "
                     f"{device_mib:,} MiB" if too_much else None))
     if report["allocator_settings"] is not None:
@@ -206,21 +223,27 @@ def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
 
 def graph_rows(label: str, report: dict, config: tg.Hyperparameters) -> list[dict]:
     """Compiled graphs: after the warm-up one training graph and one Muon update graph per matrix
-    shape; none added when the window changes; one evaluation graph (a recompile of the forward)."""
+    shape (on a step grid, one per phase: batch shape, multi-token weights, tied or not; not
+    counted); none added at a later point (a window change, another phase of the grid); one
+    evaluation graph (a recompile of the forward)."""
     compiled = report["compile"]
-    shapes = muon_shapes(config)
     warmup = report["warmup"]["graphs"]
-    want = 1 + shapes if compiled else 0
-    rows = [row(f"compiled graphs after warm-up, {label}", str(warmup),
-                f"{want}" + (f" (1 training + {shapes} Muon update shapes)" if compiled else " (compile off)"),
-                None if warmup == want else f"{label}: {warmup} graphs after the warm-up, expected {want} "
-                "(graph breaks? TORCH_LOGS=graph_breaks shows them)")]
-    if len(report["points"]) > 1:
-        later = report["points"][-1]
+    if tg.uses_step_grid(config):
+        rows = [row(f"compiled graphs after warm-up, {label}", str(warmup), "one set per phase of the step grid", None)]
+    else:
+        shapes = muon_shapes(config)
+        want = 1 + shapes if compiled else 0
+        rows = [row(f"compiled graphs after warm-up, {label}", str(warmup),
+                    f"{want}" + (f" (1 training + {shapes} Muon update shapes)" if compiled else " (compile off)"),
+                    None if warmup == want else f"{label}: {warmup} graphs after the warm-up, expected {want} "
+                    "(graph breaks? TORCH_LOGS=graph_breaks shows them)")]
+    first = report["points"][0]
+    for later in report["points"][1:]:
         added = (later["graphs_added"], later["recompiles_added"])
-        rows.append(row(f"window change ({report['points'][0]['window_blocks']} -> {later['window_blocks']} blocks), "
-                        f"{label}", f"+{added[0]} graphs, +{added[1]} recompiles", "+0 graphs, +0 recompiles",
-                        None if added in ((0, 0), (0, None)) else f"{label}: the window change compiled again"))
+        what = (f"step {later['step']} after step {first['step']}" if tg.uses_step_grid(config) else
+                f"window change ({first['window_blocks']} -> {later['window_blocks']} blocks)")
+        rows.append(row(f"{what}, {label}", f"+{added[0]} graphs, +{added[1]} recompiles", "+0 graphs, +0 recompiles",
+                        None if added in ((0, 0), (0, None)) else f"{label}: {what} compiled again"))
     e, want = report["evaluation"], 1 if compiled else 0
     ok = e["graphs_added"] == want and e["recompiles_added"] in (want, None)
     rows.append(row(f"into evaluation, {label}", f"+{e['graphs_added']} graphs, +{e['recompiles_added']} recompiles",
@@ -283,7 +306,9 @@ def main(argv: list[str]) -> int:
     dtype = str(tg.weight_dtype(config, "cuda" if gpus else "cpu")).removeprefix("torch.")
     tolerance = LOSS_TOLERANCE[dtype]
     base = ["--seed=0", f"--warmup_steps={WARMUP_STEPS}", *argv]  # the user's flags may override both
+    # a step grid's extension steps are beyond a 20-step run: its schedules then span all 20 steps
     train_flags = [f"--num_iterations={TRAIN_STEPS}", f"--val_every={VAL_EVERY}", "--save_every=0",
+                   *(["--extension_steps=0"] if config.extension_steps else []),
                    f"--val_tokens={config.batch_slices * config.val_seq_len}", "--synthetic_data=false"]
     rows, runs = [], {}
     where = f"{gpus} GPU(s)" if gpus else "the CPU"
