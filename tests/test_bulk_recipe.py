@@ -1,0 +1,119 @@
+"""The whole bulk recipe (--recipe bulk) at tiny size, on a short step grid that puts every phase
+within 24 steps: it learns; a run resumed before the embedding split and the last batch-size
+change, or killed after the split, ends where the uninterrupted run does, bit for bit; two
+processes train like one process accumulating two micro-steps.
+
+The short grid: 24 steps, the last 2 extension steps, so 22 scheduled steps in 12 slots. Batches
+of 256, 512, 768 and then 1024 tokens from steps 0, 2, 4 and 6; the long window 3, 7, 11, 13, ...
+blocks with YaRN at steps 2, 4 and 6; three multi-token weights until step 1, two until step 3;
+the tied head and input table split after step 5 (the grid's odd split step). Checkpoints every 4
+steps (odd-step Adam holds gradients after even steps, so checkpoints fall after odd ones).
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import train_gpt_medium as tg
+from test_checkpoint import log_text, run_argv
+from test_distributed import (ROOT, assert_bit_identical, checkpoint_tensors, clean_env, launch, run_args,
+                              val_losses)
+
+N = 24
+SHORT_GRID = ("--recipe=bulk", f"--num_iterations={N}", "--extension_steps=2", "--untie_embed_after_step=5",
+              "--save_every=4", "--seed=0")
+
+
+def test_the_short_grid_puts_every_phase_of_the_recipe_in_24_steps():
+    config = tg.parse_args(["--preset=tiny", *SHORT_GRID])
+    assert config.untie_embed_after_step == tg.embedding_split_step(config) == 5
+    assert [tg.batch_tokens(s, config) for s in (0, 2, 4, 6, N - 1)] == [256, 512, 768, 1024, 1024]
+    assert [step for step, _, _ in tg.yarn_changes(config)] == [2, 4, 6]
+    assert [len(tg.multi_token_weights(s, config)) for s in (1, 2, 3, 4)] == [3, 2, 2, 1]
+    assert tg.scheduled_steps(config) == N - 2 and tg.grid_lr_multiplier(N - 1, config, 0.1) == 0.1
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(synthetic_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bulk_uninterrupted")
+    assert tg.main(run_argv(synthetic_dir, out, *SHORT_GRID, N=N)) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_the_tiny_bulk_recipe_learns(uninterrupted):
+    losses = [float(m[1]) for m in re.finditer(r"^step:\d+/24 val_loss:(\S+)", log_text(uninterrupted), re.M)]
+    assert len(losses) == N // 2 + 1
+    assert losses[0] == pytest.approx(6.24, abs=0.01)  # about ln(512): the head starts N(0, 0.005^2)
+    assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses[2:], losses[3:]))
+
+
+@pytest.mark.slow
+def test_a_resume_before_the_split_and_the_last_batch_change_ends_bit_for_bit(uninterrupted, synthetic_dir,
+                                                                              tmp_path):
+    saved = uninterrupted / "ck" / "tiny" / "step_000004"
+    assert tg.main(run_argv(synthetic_dir, tmp_path, *SHORT_GRID, f"--resume={saved}", N=N)) == 0
+    assert f"resumed from {saved} at step 4/{N}" in log_text(tmp_path)
+    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000024"),
+                         checkpoint_tensors(uninterrupted / "ck/tiny/step_000024"))
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthetic_dir, tmp_path):
+    """SIGKILL as soon as the step-8 checkpoint (after the split) exists; --resume latest finishes."""
+    argv = run_argv(synthetic_dir, tmp_path, *SHORT_GRID, N=N)
+    with open(tmp_path / "killed.out", "w") as out:
+        process = subprocess.Popen([sys.executable, "train_gpt_medium.py", *argv], cwd=ROOT, env=clean_env(),
+                                   stdout=out, stderr=subprocess.STDOUT)
+    after_split = tmp_path / "ck" / "tiny" / "step_000008"
+    deadline = time.monotonic() + 300
+    while not after_split.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, (tmp_path / "killed.out").read_text()[-2000:]
+    assert not (tmp_path / "ck" / "tiny" / f"step_{N:06d}").exists()
+    assert tg.main(run_argv(synthetic_dir, tmp_path, *SHORT_GRID, "--resume=latest", N=N)) == 0
+    resumed_from = int(re.search(r"resumed from \S+step_(\d+) at step", log_text(tmp_path))[1])
+    assert resumed_from >= 8
+    assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{N:06d}"),
+                         checkpoint_tensors(uninterrupted / f"ck/tiny/step_{N:06d}"))
+
+
+# ---- world size 2 = world size 1 with 2 micro-steps
+
+def pair(synthetic_dir, tmp_path_factory, name, *flags):
+    one, two = tmp_path_factory.mktemp(f"{name}_one"), tmp_path_factory.mktemp(f"{name}_two")
+    argv = lambda out: [*run_args(synthetic_dir, out, *SHORT_GRID, *flags), f"--num_iterations={N}"]
+    launch([([sys.executable, "train_gpt_medium.py", *argv(one)], clean_env())], one)
+    launch([(["./run.sh", *argv(two)], clean_env(NPROC_PER_NODE="2"))], two)
+    return one, two
+
+
+@pytest.mark.slow
+def test_two_processes_equal_accumulation_bit_for_bit_with_adam_stepping_every_step(synthetic_dir,
+                                                                                    tmp_path_factory):
+    """Every part of the recipe but Adam's odd steps: the one cross-rank reduction per step is a sum
+    of two terms, exact in either order."""
+    one, two = pair(synthetic_dir, tmp_path_factory, "bulk_every_step", "--adam_odd_steps_only=false")
+    for step in (4, 8, N):
+        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
+                             checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
+
+
+@pytest.mark.slow
+def test_two_processes_equal_accumulation_with_adam_on_odd_steps_to_the_order_of_a_sum(synthetic_dir,
+                                                                                      tmp_path_factory):
+    """Adam's gradients of an even and an odd step are four terms per parameter: one process adds
+    them in step order, ((a0 + a1) + b0) + b1, two processes add their own first, then each other's:
+    (a0 + b0) + (a1 + b1) (as the record's 8 GPUs do). Only the fp32 rounding of that sum differs,
+    so the logged losses agree to the last printed digit but for a unit or two."""
+    one, two = pair(synthetic_dir, tmp_path_factory, "bulk_odd_steps")
+    a, b = val_losses(one), val_losses(two)
+    assert sorted(a) == sorted(b) and len(a) == N // 2 + 1
+    diffs = {s: abs(float(a[s]) - float(b[s])) for s in a}
+    assert max(diffs.values()) <= 1e-4, diffs
+    assert a[0] == b[0]  # before any training
