@@ -384,7 +384,7 @@ BULK_RECORD_GRID: dict[str, dict] = {
         lr_peaks=_BULK_LR_PEAKS, lr_floor=0.1, window_schedule=_BULK_WINDOWS, attn_block_size=16,
         max_window_tokens=27 * 16,
         muon_momentum_warmup_steps=12, muon_momentum_cooldown_steps=2,
-        document_aligned_batches=True, document_cut_tokens=256, val_every=10, warmup_steps=2,
+        document_aligned_batches=True, document_cut_tokens=256, val_every=38, warmup_steps=2,
     ),
 }
 
@@ -2588,6 +2588,7 @@ class Runner:
         # next backward adds to them; Adam then steps on the sum (see train_step)
         self.adam_params = frozenset(p for g in self.optimizers[0].param_groups for p in g["params"])
         self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
+        self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
         # the long window in blocks (the short one is its half), or [long, short] where a
@@ -2722,7 +2723,9 @@ class Runner:
         saved = capture_state(self.model, self.optimizers)
         saved_outer = self.outer.state_dict() if self.outer is not None else None
         gen = torch.Generator().manual_seed(cfg.init_seed)
-        for step in warmup_schedule(cfg):
+        # a step grid's phases are visited to compile their graphs; run eagerly, the first steps do
+        steps = warmup_schedule(cfg) if self.compiled else range(cfg.warmup_steps)
+        for step in steps:
             self.train_step(step, self.random_batches(gen, slice_tokens(step, cfg)))
         restore_state(self.model, self.optimizers, saved)
         if self.outer is not None:
@@ -4028,15 +4031,18 @@ def schedule_windows(config: Hyperparameters) -> list[tuple[int, int]]:
 
 def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
     """Model FLOPs per training token (docs/recipe.md, Model FLOPs): 6 x matmul weights + attention scores and values
-    (12 x attn_dim x keys per query) averaged over the run's window schedule."""
+    (12 x attn_dim x keys per query) averaged over the run's window schedule: over its steps, or
+    with a batch ramp (--batch_schedule) over its tokens (a step's weight is its batch)."""
     groups = parameter_groups(model)
     matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
                          for p in ps)
-    windows = schedule_windows(config)
+    weight = collections.Counter()
+    for step, window in enumerate(schedule_windows(config)):
+        weight[window] += batch_tokens(step, config) if config.batch_schedule else 1
     attention = 0.0
-    for (long_window, short_window), n in sorted(collections.Counter(windows).items()):
+    for (long_window, short_window), n in sorted(weight.items()):
         attention += n * attention_flops_per_token(config, long_window, short_window)
-    attention /= len(windows)
+    attention /= sum(weight.values())
     return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
 
 

@@ -419,6 +419,10 @@ def test_the_warmup_runs_every_batch_shape_of_the_grid(monkeypatch):
     monkeypatch.setattr(tg.Runner, "train_step", lambda self, step, batches: seen.append(
         (step, [tuple(x.shape) for x, _ in batches])))
     runner = tg.Runner(TINY_GRID, torch.device("cpu"))
+    runner.warmup()  # eager: nothing to compile, the first warmup_steps steps only
+    assert [s for s, _ in seen] == list(range(TINY_GRID.warmup_steps))
+    seen.clear()
+    runner.compiled = True  # as a compiled run (on CUDA) warms up
     runner.warmup()
     assert [s for s, _ in seen] == tg.warmup_schedule(TINY_GRID)
     assert all(shapes == [(tg.slice_tokens(s, TINY_GRID),)] * 2 for s, shapes in seen)

@@ -117,3 +117,16 @@ def test_two_processes_equal_accumulation_with_adam_on_odd_steps_to_the_order_of
     diffs = {s: abs(float(a[s]) - float(b[s])) for s in a}
     assert max(diffs.values()) <= 1e-4, diffs
     assert a[0] == b[0]  # before any training
+
+
+def test_the_bulk_recipes_flops_per_token_are_weighted_by_the_tokens_of_each_step():
+    """With a batch ramp a short-window step trains fewer tokens: the per-token average weights each
+    step's attention FLOPs by its batch (the matmul weights' FLOPs are the same for every token)."""
+    config = tg.make_config(recipe="bulk")
+    model = tg.build_model(config, "meta")
+    tokens = [tg.batch_tokens(s, config) for s in range(config.num_iterations)]
+    per_step = [tg.attention_flops_per_token(config, *tg.attention_windows(s, config))
+                for s in range(config.num_iterations)]
+    want = sum(t * f for t, f in zip(tokens, per_step)) / sum(tokens)
+    assert tg.flops_per_token(config, model)["attention"] == pytest.approx(want, rel=1e-12)
+    assert want > sum(per_step) / len(per_step)  # the long-window steps carry the full batch
