@@ -85,9 +85,15 @@ def test_a_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthet
 
 # ---- world size 2 = world size 1 with 2 micro-steps
 
+# Half the grid for the process pairs: 12 steps, 2 of them extension, the split after step 3;
+# batches of 256, 512, 768, 1024 tokens from steps 0, 1, 2, 3 (checkpoints at 4, 8, 12).
+PAIR_STEPS = 12
+PAIR_GRID = (*SHORT_GRID, f"--num_iterations={PAIR_STEPS}", "--untie_embed_after_step=3")
+
+
 def pair(synthetic_dir, tmp_path_factory, name, *flags):
     one, two = tmp_path_factory.mktemp(f"{name}_one"), tmp_path_factory.mktemp(f"{name}_two")
-    argv = lambda out: [*run_args(synthetic_dir, out, *SHORT_GRID, *flags), f"--num_iterations={N}"]
+    argv = lambda out: [*run_args(synthetic_dir, out, *PAIR_GRID, *flags), f"--num_iterations={PAIR_STEPS}"]
     launch([([sys.executable, "train_gpt_medium.py", *argv(one)], clean_env())], one)
     launch([(["./run.sh", *argv(two)], clean_env(NPROC_PER_NODE="2"))], two)
     return one, two
@@ -99,7 +105,7 @@ def test_two_processes_equal_accumulation_bit_for_bit_with_adam_stepping_every_s
     """Every part of the recipe but Adam's odd steps: the one cross-rank reduction per step is a sum
     of two terms, exact in either order."""
     one, two = pair(synthetic_dir, tmp_path_factory, "bulk_every_step", "--adam_odd_steps_only=false")
-    for step in (4, 8, N):
+    for step in (4, 8, PAIR_STEPS):
         assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
                              checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
 
@@ -113,7 +119,7 @@ def test_two_processes_equal_accumulation_with_adam_on_odd_steps_to_the_order_of
     so the logged losses agree to the last printed digit but for a unit or two."""
     one, two = pair(synthetic_dir, tmp_path_factory, "bulk_odd_steps")
     a, b = val_losses(one), val_losses(two)
-    assert sorted(a) == sorted(b) and len(a) == N // 2 + 1
+    assert sorted(a) == sorted(b) and len(a) == PAIR_STEPS // 2 + 1
     diffs = {s: abs(float(a[s]) - float(b[s])) for s in a}
     assert max(diffs.values()) <= 1e-4, diffs
     assert a[0] == b[0]  # before any training
