@@ -4,7 +4,8 @@ element; Muon update smoothing in both forms against a hand computation and at b
 floor and the beta ramp against the records' formulas; backout and smear against the float64
 reference forward and, frozen at their initial values, against the recipe before them; parameter
 counts, memory predictions, matched initialization; every recipe learns; the warm-up restores
-all of the new state. Resume and multi-process tests: test_checkpoint.py, test_distributed.py."""
+all of the new state; the Newton-Schulz input as the records' compiled update normalizes it.
+Resume and multi-process tests: test_checkpoint.py, test_distributed.py."""
 import dataclasses
 import json
 import math
@@ -745,3 +746,31 @@ def test_smoothing_computes_what_the_records_compiled_expressions_compute(form):
     rounded_first = master.addcmul((torch.tensor(0.2) * got_S.float() + torch.tensor(0.8) * u.float()
                                     if form == "interpolated" else got_S.float()), torch.tensor(-lr))
     assert not torch.equal(rounded_first, want_master)  # applying the stored (rounded) S would differ
+
+
+def records_newton_schulz_input(G):
+    """The records' Newton-Schulz opens with these lines (for torch.compile): the momentum cast to
+    bf16, transposed if it has more rows than columns, then divided by its Frobenius norm + 1e-7."""
+    X = G.bfloat16()
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    return X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(4, 64, 64), (48, 24)])
+def test_newton_schulz_input_is_what_the_records_compiled_update_normalizes(shape, monkeypatch):
+    """The records cast the momentum to bf16 before dividing by its norm, inside a compiled update,
+    where Inductor keeps the cast's value in fp32: they divide the fp32 momentum by its fp32 norm
+    and round once, as orthogonalize does eagerly. Bit for bit (Inductor on the CPU); the same
+    lines run eagerly round twice and differ in about a third of the elements."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(9))
+    want = torch.compile(records_newton_schulz_input, dynamic=False)(G)
+    if shape[0] > shape[1]:
+        want = want.mT  # orthogonalize returns the matrix the right way round
+    monkeypatch.setattr(tg, "NEWTON_SCHULZ_COEFFS", ())  # no iteration: orthogonalize returns its input
+    got = tg.orthogonalize(G, torch.bfloat16)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    eager = records_newton_schulz_input(G)
+    assert (eager.mT if shape[0] > shape[1] else eager).ne(want).float().mean() > 0.2  # rounded before the norm
