@@ -1013,6 +1013,16 @@ def addcmul_as_cuda_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: f
     return t.copy_(t.float().add_(a.float() * b.float(), alpha=value))
 
 
+def rsqrt_as_cuda_(t: torch.Tensor) -> torch.Tensor:
+    """t = 1/sqrt(t) in place, as CUDA's kernel computes it: in fp32, rounded once to t's dtype. On
+    CUDA that is t.rsqrt_. PyTorch's CPU kernel computes the elements of a bf16 tensor that do not
+    fill a vector register (all of a gate's statistic, one value per head) in bf16 arithmetic: a
+    quarter of those results are one bf16 step off. So on the CPU a bf16 t goes through fp32."""
+    if t.is_cuda or t.dtype != torch.bfloat16:
+        return t.rsqrt_()
+    return t.copy_(t.float().rsqrt_())
+
+
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: float = POLAR_EXPRESS_NORM_SCALE,
                   eps: float = POLAR_EXPRESS_EPS, dtype=torch.bfloat16, split_last_product: bool = False) -> torch.Tensor:
     """Approximate U V^T of G = U S V^T for each matrix in the last two dims, every operation in
@@ -1055,12 +1065,13 @@ def normuon_row_normalize(update: torch.Tensor, row_mean_square: torch.Tensor, b
     value per row for reduce_dim=-1), row_mean_square <- lerp toward r by 1 - beta2 (in its own
     dtype, no bias correction), then each row is scaled by 1/sqrt(max(row_mean_square, 1e-10)) and
     the whole matrix by |update|_F / |scaled|_F (its Frobenius norm is kept). The order and dtype
-    of every operation are the record's; the norms are computed from r, not from the update."""
+    of every operation are the record's; the norms are computed from r, not from the update; the
+    reciprocal square root is CUDA's (rsqrt_as_cuda_)."""
     r = update.float().square().mean(dim=reduce_dim, keepdim=True)
     n = update.size(reduce_dim)
     norm = r.sum(dim=(-2, -1), keepdim=True).mul_(n).sqrt_()
     row_mean_square.lerp_(r.to(row_mean_square.dtype), 1 - beta2)
-    row_scale = row_mean_square.clamp_min(1e-10).rsqrt_()
+    row_scale = rsqrt_as_cuda_(row_mean_square.clamp_min(1e-10))
     scaled_norm = ((r * n) * row_scale.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
     scale = row_scale * (norm / scaled_norm.clamp_min_(1e-10))
     return update.mul_(scale.type_as(update))
