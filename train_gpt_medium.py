@@ -142,7 +142,8 @@ class Hyperparameters:
                                 "(attention 1, MLP in 2, MLP out 1) or from the matrix as stored, leading dims counted "
                                 "as rows (attention 2)", choices=("blocks", "stored"))
     adam_variant: str = recipe("torch", "torch: PyTorch's Adam, moments in the weight's dtype, no decay; cautious_bf16: "
-                               "bf16 moments, eps added to sqrt(v) before the bias correction, decay "
+                               "the bulk record's Adam (moments in the weight's dtype too: bf16 for its tables, head "
+                               "and gates), eps added to sqrt(v) before the bias correction, decay "
                                "adam_weight_decay * lr^2 where update and weight agree in sign",
                                choices=("torch", "cautious_bf16"))
     adam_weight_decay: float = recipe(0.0, "cautious_bf16 Adam's weight decay (times each weight's wd_mul)", at_least=0)
@@ -1012,6 +1013,16 @@ def addcmul_as_cuda_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: f
     return t.copy_(t.float().add_(a.float() * b.float(), alpha=value))
 
 
+def rsqrt_as_cuda_(t: torch.Tensor) -> torch.Tensor:
+    """t = 1/sqrt(t) in place, as CUDA's kernel computes it: in fp32, rounded once to t's dtype. On
+    CUDA that is t.rsqrt_. PyTorch's CPU kernel computes the elements of a bf16 tensor that do not
+    fill a vector register (all of a gate's statistic, one value per head) in bf16 arithmetic: a
+    quarter of those results are one bf16 step off. So on the CPU a bf16 t goes through fp32."""
+    if t.is_cuda or t.dtype != torch.bfloat16:
+        return t.rsqrt_()
+    return t.copy_(t.float().rsqrt_())
+
+
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: float = POLAR_EXPRESS_NORM_SCALE,
                   eps: float = POLAR_EXPRESS_EPS, dtype=torch.bfloat16, split_last_product: bool = False) -> torch.Tensor:
     """Approximate U V^T of G = U S V^T for each matrix in the last two dims, every operation in
@@ -1054,12 +1065,13 @@ def normuon_row_normalize(update: torch.Tensor, row_mean_square: torch.Tensor, b
     value per row for reduce_dim=-1), row_mean_square <- lerp toward r by 1 - beta2 (in its own
     dtype, no bias correction), then each row is scaled by 1/sqrt(max(row_mean_square, 1e-10)) and
     the whole matrix by |update|_F / |scaled|_F (its Frobenius norm is kept). The order and dtype
-    of every operation are the record's; the norms are computed from r, not from the update."""
+    of every operation are the record's; the norms are computed from r, not from the update; the
+    reciprocal square root is CUDA's (rsqrt_as_cuda_)."""
     r = update.float().square().mean(dim=reduce_dim, keepdim=True)
     n = update.size(reduce_dim)
     norm = r.sum(dim=(-2, -1), keepdim=True).mul_(n).sqrt_()
     row_mean_square.lerp_(r.to(row_mean_square.dtype), 1 - beta2)
-    row_scale = row_mean_square.clamp_min(1e-10).rsqrt_()
+    row_scale = rsqrt_as_cuda_(row_mean_square.clamp_min(1e-10))
     scaled_norm = ((r * n) * row_scale.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
     scale = row_scale * (norm / scaled_norm.clamp_min_(1e-10))
     return update.mul_(scale.type_as(update))
@@ -1177,8 +1189,8 @@ class NorMuon(Muon):
 def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
                        eps: float, weight_decay: float, wd_mul: float) -> None:
     """One parameter's step of the bulk record's Adam, in place, operation by operation in the
-    record's order and dtypes (its step runs uncompiled): moments m, v in bf16 whatever the
-    weight's dtype; u = lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), so eps sits
+    record's order and dtypes (its step runs uncompiled): moments m, v in the weight's dtype;
+    u = lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), so eps sits
     where torch's would be eps / sqrt(1 - beta2^t); then where u*p > 0 (strictly) u += lr^2 * wd *
     wd_mul * p; p -= u. Bias corrections and factors are Python floats, as there. Each operation
     rounds as its CUDA kernel does (add_as_cuda_, addcmul_as_cuda_)."""
@@ -1199,14 +1211,18 @@ class CautiousAdam(torch.optim.Optimizer):
     """The bulk record's Adam (cautious_adam_step for each parameter with a gradient), replicated
     on every rank. A parameter's `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's
     lr and weight decay. State per parameter as PyTorch's Adam names it: step (a Python int,
-    counting this parameter's steps), exp_avg and exp_avg_sq (bf16), created at construction."""
+    counting this parameter's steps), exp_avg and exp_avg_sq, created at construction in the
+    weight's dtype. That is the dtype the record's timed run steps with: its optimizer creates bf16
+    moments for every weight, but after its compile warm-up it restores the initial optimizer state
+    with load_state_dict, which casts each state tensor to its weight's dtype, so its fp32 scalars
+    and x0 weights train with fp32 moments and its bf16 tables, head and gates with bf16 ones."""
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             for p in group["params"]:
-                moment = torch.zeros_like(p, dtype=torch.bfloat16)
+                moment = torch.zeros_like(p)
                 self.state[p] = dict(step=0, exp_avg=moment, exp_avg_sq=torch.zeros_like(moment))
 
     @torch.no_grad()
@@ -4055,16 +4071,15 @@ def flops_by_window(config: Hyperparameters, model: GPT) -> dict[str, float]:
 
 
 def optimizer_state_parts(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> dict[str, int]:
-    """Bytes of one parameter's optimizer state by kind. Adam: two moments in the parameter's
-    dtype (cautious_bf16: in bf16). Muon: an fp32 momentum, plus the 16 low bits of the fp32
+    """Bytes of one parameter's optimizer state by kind. Adam (either variant): two moments in the
+    parameter's dtype. Muon: an fp32 momentum, plus the 16 low bits of the fp32
     master for bf16 weights; NorMuon's gates keep momentum and statistic in their own dtype and
     have no low bits; with row normalization one statistic per row. Each counted once: Muon's
     is held by the rank that owns the matrix, Adam's is the same on every rank."""
     cfg = config or Hyperparameters()
     dtype_name = lambda dt: str(dt).removeprefix("torch.")
     if not group.startswith("muon"):
-        moment = torch.bfloat16 if cfg.adam_variant == "cautious_bf16" else p.dtype
-        return {f"adam moments {dtype_name(moment)}": 2 * p.numel() * torch.finfo(moment).bits // 8}
+        return {f"adam moments {dtype_name(p.dtype)}": 2 * p.numel() * p.element_size()}
     options = MUON_GROUP_OPTIONS.get(group, {})
     own_dtype = normuon_enabled(cfg) and options.get("gate", False)
     state = p.dtype if own_dtype else torch.float32
