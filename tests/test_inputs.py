@@ -421,6 +421,23 @@ def test_the_tiny_preset_generates_its_data_into_its_own_folder(tmp_path, monkey
         "synthetic_train_000002.bin", "synthetic_val_000000.bin"]
 
 
+def test_synthetic_data_appears_whole_with_the_token_byte_table_last(tmp_path, monkeypatch, capsys):
+    """Generated beside data/synthetic/ and moved in file by file, the table a run checks for last:
+    a second run starting meanwhile never reads a half-written shard. Nothing is left beside it."""
+    monkeypatch.chdir(tmp_path)
+    moved, real_replace = [], os.replace
+
+    def replace(src, dst):  # the shard writer's own atomic writes happen inside the staging folder
+        if Path(dst).parent.name == "synthetic":
+            moved.append(Path(dst).name)
+        real_replace(src, dst)
+    monkeypatch.setattr(tg.os, "replace", replace)
+    tg.ensure_synthetic_data(tg.make_config("tiny"))
+    assert len(moved) == 5 and moved[-1] == "synthetic_token_bytes.npy"
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["synthetic"]
+    assert capsys.readouterr().out.startswith("synthetic data in data/synthetic: conditional entropy ")
+
+
 def test_synthetic_data_is_never_generated_into_the_fineweb_folder(tmp_path, monkeypatch):
     """(A small vocabulary: should this regress, the generator's V x V chain stays small.)"""
     monkeypatch.chdir(tmp_path)
