@@ -1,8 +1,10 @@
 """Shared fixtures: the repository (and tests/golden) on sys.path, tiny configurations, and the
 tiny preset's run at --seed=0, made once per session."""
 import contextlib
+import fcntl
 import io
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -45,16 +47,28 @@ def synthetic_dir(tmp_path_factory):
 def tiny_seed0_run(tmp_path_factory):
     """The README's first command, `--preset tiny --seed=0` on one thread, run in-process from the
     repository root (its data generated into data/synthetic/ if missing). One run serves every test
-    that needs a whole tiny training run: the golden numbers, the log format, learning.
+    that needs a whole tiny training run: the golden numbers, the log format, learning. Under
+    pytest-xdist the worker that asks first runs it and the others wait for its saved result (the
+    session's temporary folder is shared by the workers).
     Returns what train() returned, the log's path and what the run printed."""
-    out, cwd = io.StringIO(), os.getcwd()
-    os.chdir(ROOT)
-    try:
-        with contextlib.redirect_stdout(out):
-            result, log = make_golden.tiny_run(tmp_path_factory.mktemp("tiny_seed0"))
-    finally:
-        os.chdir(cwd)
-    return dict(result=result, log=log, stdout=out.getvalue())
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # each worker's folder sits in the session's
+    saved = shared / "tiny_seed0_run.pickle"
+    with open(shared / "tiny_seed0_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if saved.exists():
+            return pickle.loads(saved.read_bytes())
+        out, cwd = io.StringIO(), os.getcwd()
+        os.chdir(ROOT)
+        try:
+            with contextlib.redirect_stdout(out):
+                result, log = make_golden.tiny_run(tmp_path_factory.mktemp("tiny_seed0"))
+        finally:
+            os.chdir(cwd)
+        run = dict(result=result, log=log, stdout=out.getvalue())
+        saved.write_bytes(pickle.dumps(run))
+        return run
 
 
 def pytest_terminal_summary(terminalreporter):
