@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
 import dataclasses
 import difflib
 import glob
 import hashlib
-import io
 import json
 import math
 import os
@@ -3496,23 +3494,8 @@ def ensure_synthetic_data(config: Hyperparameters) -> None:
     import synthetic
     folder = Path(config.train_files).parent
     try:
-        # Written beside the folder, then moved in file by file with the token-byte table last:
-        # another run starting in this checkout meanwhile sees the whole dataset or regenerates it
-        # (the same bytes), never a shard half written.
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".synthetic-", dir=folder.parent))
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):  # it would name the staging folder
-                meta = synthetic.write_dataset(staging, vocab_size=config.vocab_size, eot_token=config.eot_token,
-                                               write_shard=write_shard)  # this module's writer: no second copy
-            folder.mkdir(exist_ok=True)
-            last = Path(SYNTHETIC_PATHS["token_bytes_file"]).name
-            for file in sorted(staging.iterdir(), key=lambda f: f.name == last):
-                os.replace(file, folder / file.name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        print(f"synthetic data in {folder}: conditional entropy {meta['conditional_entropy']:.4f}, "
-              f"unigram entropy {meta['unigram_entropy']:.4f} nats/token")
+        synthetic.write_dataset(folder, vocab_size=config.vocab_size, eot_token=config.eot_token,
+                                write_shard=write_shard)  # this module's writer: no second copy of it
     except OSError as e:
         raise WriteError(f"--synthetic_data: cannot write the synthetic data into {folder} ({e.strerror or e}); "
                          "run from a writable folder, or pass --train_files and --val_files")

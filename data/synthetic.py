@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -112,17 +115,27 @@ def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: in
     P = markov_chain(vocab_size, eot_token, seed)
     stream = sample(P, eot_token, train_shards * shard_tokens + val_tokens, seed + 1)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed generation leaves no empty folder
-    write_shard(out_dir / "synthetic_val_000000.bin", stream[:val_tokens])
-    for i in range(train_shards):
-        start = val_tokens + i * shard_tokens
-        write_shard(out_dir / f"synthetic_train_{i + 1:06d}.bin", stream[start:start + shard_tokens])
-    # a byte length per token (1..6, end-of-text 0) so the tiny preset reports val_bpb as GPT-2 runs do
-    lengths = np.random.default_rng(seed + 2).integers(1, 7, size=vocab_size).astype(np.uint8)
-    lengths[eot_token] = 0
-    np.save(out_dir / "synthetic_token_bytes.npy", lengths)
-    meta = dict(vocab_size=vocab_size, eot_token=eot_token, seed=seed, **entropies(P))
-    (out_dir / "synthetic_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    # Written into a staging folder beside out_dir, then moved in file by file with the token-byte
+    # table last (the file a tiny run checks for): a run starting meanwhile in the same folder sees
+    # the whole dataset or none of it, never a shard half written.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        write_shard(staging / "synthetic_val_000000.bin", stream[:val_tokens])
+        for i in range(train_shards):
+            start = val_tokens + i * shard_tokens
+            write_shard(staging / f"synthetic_train_{i + 1:06d}.bin", stream[start:start + shard_tokens])
+        meta = dict(vocab_size=vocab_size, eot_token=eot_token, seed=seed, **entropies(P))
+        (staging / "synthetic_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        # a byte length per token (1..6, end-of-text 0) so the tiny preset reports val_bpb as GPT-2 runs do
+        lengths = np.random.default_rng(seed + 2).integers(1, 7, size=vocab_size).astype(np.uint8)
+        lengths[eot_token] = 0
+        np.save(staging / "synthetic_token_bytes.npy", lengths)
+        out_dir.mkdir(exist_ok=True)  # only now: a failed generation leaves no empty folder
+        for file in sorted(staging.iterdir(), key=lambda f: f.name == "synthetic_token_bytes.npy"):
+            os.replace(file, out_dir / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(f"synthetic data in {out_dir}: conditional entropy {meta['conditional_entropy']:.4f}, "
           f"unigram entropy {meta['unigram_entropy']:.4f} nats/token")
     return meta
