@@ -60,7 +60,7 @@ def names(records: list[PublishedRecord] | None = None) -> list[str]:
 def find(name: str, records: list[PublishedRecord] | None = None) -> PublishedRecord | None:
     """The record with this recipe name (x01, snoo, ...) or upstream name (case-insensitive), else None."""
     for r in records or load():
-        if name.lower() in {(r.recipe or "").lower(), r.name.lower()}:
+        if name and name.lower() in {r.name.lower(), *([r.recipe.lower()] if r.recipe else [])}:
             return r
     return None
 

@@ -361,10 +361,11 @@ def target_hint(losses: list[float], target: float) -> str | None:
 
 
 def published_reference(record: published.PublishedRecord) -> TimeReference:
-    """A published record as a time reference: its per-run times (Welch), or its mean (one-sample)."""
-    if record.train_time_s is not None:
+    """A published record as a time reference: its per-run times (Welch), or where fewer than two
+    are published its mean, as a number (one-sample: Welch needs two runs on each side)."""
+    if record.train_time_s is not None and len(record.train_time_s) >= 2:
         return TimeReference(f"{record.label}, published, {len(record.train_time_s)} runs", times=list(record.train_time_s))
-    return TimeReference(f"{record.label}, published mean of {record.n_times} runs", seconds=record.mean_train_time_s)
+    return TimeReference(f"{record.label}, published mean of {record.n_times} run{'s' if record.n_times != 1 else ''}", seconds=record.mean_train_time_s)
 
 
 def not_medium_track(losses: list[float], target: float, logs: list[RunLog] = ()) -> str | None:
@@ -544,6 +545,9 @@ def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
     record (write ./NAME for the folder)."""
     if spec is None:
         return None
+    if not spec.strip():
+        raise UnusableInput("--time-vs is empty: give a number of seconds, a published record "
+                            f"({', '.join(published.names())}) or a log folder")
     try:
         seconds = float(spec)
     except ValueError:

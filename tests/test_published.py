@@ -16,6 +16,7 @@ import pytest
 from scipy import stats as sps
 from test_records import PASS_LOSSES, TIMES, make_our_set, make_set, run_json
 
+import train_gpt_medium as tg
 from records import published
 from records import stats as stats_cli
 
@@ -109,6 +110,21 @@ def test_time_vs_a_published_mean_is_a_one_sample_test(tmp_path, capsys, monkeyp
     assert tv["p"] == pytest.approx(sps.ttest_1samp(FAST_TIMES, 1041.28, alternative="less").pvalue, rel=1e-9)
 
 
+def test_time_vs_a_record_with_one_published_time_is_a_one_sample_test_against_it(tmp_path, capsys):
+    """Welch's test needs two runs on each side: a record that published one time is a number."""
+    (time,) = RECORDS["BlockMaskRedundantOp"]["train_time_s"]
+    _, data = run_json(capsys, make_set(tmp_path / "r", PASS_LOSSES, FAST_TIMES), "--time-vs", "BlockMaskRedundantOp")
+    tv = data["time_vs"]
+    assert tv["method"].startswith("one-sample") and "published mean of 1 run" in tv["reference"]
+    assert tv["p"] == pytest.approx(sps.ttest_1samp(FAST_TIMES, time, alternative="less").pvalue, rel=1e-9)
+
+
+def test_an_empty_time_vs_is_refused_not_matched_to_a_record(tmp_path, capsys):
+    assert published.find("") is None
+    assert stats_cli.main([str(make_set(tmp_path / "r", PASS_LOSSES)), "--time-vs", ""]) == 2
+    assert capsys.readouterr().err.startswith("error: --time-vs is empty")
+
+
 def test_time_vs_an_unknown_name_lists_the_published_ones(tmp_path, capsys):
     assert stats_cli.main([str(make_set(tmp_path / "r", PASS_LOSSES)), "--time-vs", "bulky"]) == 2
     err = capsys.readouterr().err
@@ -196,3 +212,17 @@ def test_half_unit():
 
 def test_data_file_is_the_one_the_docs_name():
     assert published.DATA == Path(__file__).resolve().parents[1] / "records" / "published.json"
+
+
+# ---------------------------------------------------------------- the trainer's recipes name the same records
+
+
+@pytest.mark.parametrize("name", list(tg.RECIPES))
+def test_each_recipe_quotes_its_published_record(name):
+    """--help and gpu_check quote a recipe's record from the trainer's RECIPES, stats.py from
+    published.json: the two agree on the record's folder, date, step count, runs and mean time."""
+    recipe, record = tg.RECIPES[name], published.find(name)
+    assert record.recipe == name and record.folder.endswith("/" + recipe.folder) and record.date == recipe.date
+    assert record.steps == tg.make_config(recipe=name).num_iterations
+    assert recipe.runs == len(record.val_loss) == record.n_times
+    assert recipe.mean_time_s == pytest.approx(record.mean_train_time_s, abs=0.005)
