@@ -3583,8 +3583,7 @@ def open_run_log(config: Hyperparameters, device: torch.device, world_size: int,
     log.write(f"Running Python {sys.version}\nRunning PyTorch {torch.__version__}\n{hardware_description(device)}",
               console=False)
     log.write("=" * 100, console=False)
-    log.write("\n".join(f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)), console=False)
-    log.write_lines(config_group_lines(), console=False)
+    log.write("\n".join(config_lines(config)), console=False)
     log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
     log.write(f"seed {config.seed} (repeat this run with --seed={config.seed})")
     log.write(recipe_summary(config))
@@ -3593,12 +3592,14 @@ def open_run_log(config: Hyperparameters, device: torch.device, world_size: int,
     return log
 
 
-def config_group_lines() -> list[str]:
-    """Two JSON lines after the config lines: each field's group, and the groups whose fields make
-    two runs the same experiment. records/ derives "the same experiment" from them, so a field's
-    group is said once, here, and never listed again by hand."""
+def config_lines(config: Hyperparameters) -> list[str]:
+    """What the log says of the configuration (records/runlogs.py reads it back): a line per field,
+    then two JSON lines: each field's group, and the groups whose fields make two runs the same
+    experiment. records/ derives "the same experiment" from them, so a field's group is said once,
+    here, and never listed again by hand."""
     groups = {f.name: f.metadata["group"] for f in fields(Hyperparameters)}
-    return [f"config_groups = {json.dumps(groups)}", f"experiment_groups = {json.dumps(list(EXPERIMENT_GROUPS))}"]
+    return [f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)] + [
+        f"config_groups = {json.dumps(groups)}", f"experiment_groups = {json.dumps(list(EXPERIMENT_GROUPS))}"]
 
 
 def run_summary(config: Hyperparameters, result: dict, log: RunLog) -> str:

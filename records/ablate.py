@@ -324,8 +324,7 @@ def check_sweep_flags(sweep: Sweep, out: Path) -> None:
 def expected_log(tg, config) -> runlogs.RunLog:
     """The config lines (and field groups) the trainer would log for `config`, read back by records/runlogs.py,
     so that arms and finished logs are compared by the same rule as everything else."""
-    lines = [f"config {f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config)]
-    return runlogs.parse_text("\n".join(lines + tg.config_group_lines()))
+    return runlogs.parse_text("\n".join(tg.config_lines(config)))
 
 
 def check_sweep(sweep: Sweep, out: Path) -> None:
