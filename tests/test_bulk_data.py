@@ -7,7 +7,6 @@ end-of-text positions written here; it resumes exactly, across a batch-size chan
 the warm-up and the benchmark visit every batch shape, train() feeds each step its own shape, a
 resumed run and a 2-process run end bit-identical to the plain one."""
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -507,11 +506,9 @@ def test_a_run_resumed_before_a_batch_size_change_ends_bit_identical(synthetic_d
 @pytest.mark.slow
 def test_two_processes_on_the_grid_end_bit_identical_to_one(synthetic_dir, tmp_path):
     """gloo: each process takes one of the step's two slices; one process accumulates both."""
-    from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env, launch
-    one, two = tmp_path / "one", tmp_path / "two"
-    launch([([sys.executable, "train_gpt_medium.py", *grid_argv(synthetic_dir, one, "--save_every=12")],
-             clean_env())], one)
-    launch([(["./run.sh", *grid_argv(synthetic_dir, two, "--save_every=12")], clean_env(NPROC_PER_NODE="2"))], two)
+    from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes
+    one, two = one_and_two_processes(lambda out: grid_argv(synthetic_dir, out, "--save_every=12"),
+                                     tmp_path / "one", tmp_path / "two")
     assert_bit_identical(checkpoint_tensors(one / "ck/tiny/step_000012"), checkpoint_tensors(two / "ck/tiny/step_000012"))
 
 

@@ -13,20 +13,17 @@ stores its result, with its scalars in fp32, as PyTorch's CUDA kernels take them
 import copy
 import dataclasses
 import math
-import os
-import socket
 import struct
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import train_gpt_medium as tg
+from test_distributed import on_ranks
 from test_muon import with_spectrum
-from test_training import all_state, assert_same_state
+from test_training import all_state, assert_same_state, runner_and_loader
 
 # every bulk-record optimizer switch on, with the record's values
 BULK_OPTIMIZERS = dict(orthogonalization="polar_express", muon_row_normalization=True, muon_cautious_weight_decay=True,
@@ -476,30 +473,12 @@ def run_normuon(rank: int = 0, world_size: int = 1):
     return [p.detach().clone() for p in params], {index[p]: s for p, s in opt.state.items()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, out: Path, job: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.save(JOBS[job](rank, world_size), out / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # as in test_distributed.py: no interpreter shutdown with gloo threads around
-
-
 @pytest.mark.slow
 def test_normuon_sharded_over_two_processes_equals_one_process_bit_for_bit(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), tmp_path, "normuon"), nprocs=2)
+    results = on_ranks(run_normuon, 2, tmp_path)
     want_params, want_state = run_normuon()
     owners = {}
-    for rank in range(2):
-        params, state = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+    for rank, (params, state) in enumerate(results):
         for i, (got, want) in enumerate(zip(params, want_params)):
             assert torch.equal(got, want), f"rank {rank}, matrix {i}"
         for i, s in state.items():
@@ -703,7 +682,7 @@ def run_held_gradients(rank: int, world_size: int):
 def test_held_gradients_are_summed_on_each_rank_and_reduced_once(tmp_path):
     """The record's order: on the odd step each rank's own two gradients are added, then the sum
     over ranks is taken once (two processes: the exact sums, bit for bit)."""
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), tmp_path, "held"), nprocs=2)
+    results = on_ranks(run_held_gradients, 2, tmp_path)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     data = torch.randn(2, 2, 5, 4, generator=torch.Generator().manual_seed(1))
@@ -713,15 +692,11 @@ def test_held_gradients_are_summed_on_each_rank_and_reduced_once(tmp_path):
         model(data[rank, step]).square().sum().backward()
         return model.weight.grad.clone(), model.bias.grad.clone()
     g = {(r, s): local(r, s) for r in range(2) for s in range(2)}
-    for rank in range(2):
-        (w0, b0), (w1, b1) = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+    for rank, ((w0, b0), (w1, b1)) in enumerate(results):
         assert torch.equal(w0, g[rank, 0][0])  # held: this rank's own, unreduced
         assert torch.equal(b0, g[0, 0][1] + g[1, 0][1])
         assert torch.equal(w1, (g[0, 0][0] + g[0, 1][0]) + (g[1, 0][0] + g[1, 1][0]))
         assert torch.equal(b1, g[0, 1][1] + g[1, 1][1])
-
-
-JOBS = dict(normuon=run_normuon, held=run_held_gradients)
 
 
 # ---- checkpoints of the new state
@@ -734,13 +709,7 @@ def test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit(synthetic_d
     config = tg.make_config("tiny", dtype="bfloat16", train_seq_len=128, warmup_steps=0,
                             checkpoint_dir=str(tmp_path / "ck"), train_files=str(synthetic_dir / "synthetic_train_*.bin"),
                             **BULK_OPTIMIZERS)
-    files = tg.shard_files(config.train_files, "train_files")
-    cpu = torch.device("cpu")
-
-    def fresh():
-        return tg.Runner(config, cpu), tg.DataLoader(files, config.train_seq_len, config.batch_slices, 0, 1, cpu)
-
-    runner, loader = fresh()
+    runner, loader = runner_and_loader(config)
     for step in range(2):
         runner.train_step(step, loader.next_batch())
     adam, muon = runner.optimizers
@@ -748,7 +717,7 @@ def test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit(synthetic_d
     assert all("row_mean_square" in s and "low_bits" in s for s in muon.state.values())
     assert {s["step"] for s in adam.state.values()} == {1}
     path = tg.save_checkpoint(runner, loader, 2, 1.0)
-    resumed, resumed_loader = fresh()
+    resumed, resumed_loader = runner_and_loader(config)
     tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path))
     assert_same_state(all_state(resumed), all_state(runner))
     for step in (2, 3):

@@ -9,19 +9,13 @@ blocks with YaRN at steps 2, 4 and 6; three multi-token weights until step 1, tw
 the tied head and input table split after step 5 (the grid's odd split step). Checkpoints every 4
 steps (odd-step Adam holds gradients after even steps, so checkpoints fall after odd ones).
 """
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 import train_gpt_medium as tg
-from test_checkpoint import log_text, run_argv
-from test_distributed import (ROOT, assert_bit_identical, checkpoint_tensors, clean_env, launch, run_args,
-                              val_losses)
+from test_checkpoint import kill_when_saved, log_text, resumed_step, run_argv
+from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args, val_losses
 
 N = 24
 SHORT_GRID = ("--recipe=bulk", f"--num_iterations={N}", "--extension_steps=2", "--untie_embed_after_step=5",
@@ -65,20 +59,10 @@ def test_a_resume_before_the_split_and_the_last_batch_change_ends_bit_for_bit(un
 @pytest.mark.slow
 def test_a_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthetic_dir, tmp_path):
     """SIGKILL as soon as the step-8 checkpoint (after the split) exists; --resume latest finishes."""
-    argv = run_argv(synthetic_dir, tmp_path, *SHORT_GRID, N=N)
-    with open(tmp_path / "killed.out", "w") as out:
-        process = subprocess.Popen([sys.executable, "train_gpt_medium.py", *argv], cwd=ROOT, env=clean_env(),
-                                   stdout=out, stderr=subprocess.STDOUT)
-    after_split = tmp_path / "ck" / "tiny" / "step_000008"
-    deadline = time.monotonic() + 300
-    while not after_split.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, (tmp_path / "killed.out").read_text()[-2000:]
+    kill_when_saved(run_argv(synthetic_dir, tmp_path, *SHORT_GRID, N=N), tmp_path, 8)
     assert not (tmp_path / "ck" / "tiny" / f"step_{N:06d}").exists()
     assert tg.main(run_argv(synthetic_dir, tmp_path, *SHORT_GRID, "--resume=latest", N=N)) == 0
-    resumed_from = int(re.search(r"resumed from \S+step_(\d+) at step", log_text(tmp_path))[1])
-    assert resumed_from >= 8
+    assert resumed_step(tmp_path) >= 8
     assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{N:06d}"),
                          checkpoint_tensors(uninterrupted / f"ck/tiny/step_{N:06d}"))
 
@@ -92,11 +76,9 @@ PAIR_GRID = (*SHORT_GRID, f"--num_iterations={PAIR_STEPS}", "--untie_embed_after
 
 
 def pair(synthetic_dir, tmp_path_factory, name, *flags):
-    one, two = tmp_path_factory.mktemp(f"{name}_one"), tmp_path_factory.mktemp(f"{name}_two")
-    argv = lambda out: [*run_args(synthetic_dir, out, *PAIR_GRID, *flags), f"--num_iterations={PAIR_STEPS}"]
-    launch([([sys.executable, "train_gpt_medium.py", *argv(one)], clean_env())], one)
-    launch([(["./run.sh", *argv(two)], clean_env(NPROC_PER_NODE="2"))], two)
-    return one, two
+    return one_and_two_processes(
+        lambda out: [*run_args(synthetic_dir, out, *PAIR_GRID, *flags), f"--num_iterations={PAIR_STEPS}"],
+        tmp_path_factory.mktemp(f"{name}_one"), tmp_path_factory.mktemp(f"{name}_two"))
 
 
 @pytest.mark.slow

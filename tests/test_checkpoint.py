@@ -18,7 +18,7 @@ import torch
 
 import train_gpt_medium as tg
 from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env
-from test_training import all_state, assert_same_state
+from test_training import all_state, assert_same_state, runner_and_loader
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +35,27 @@ def log_text(tmp_path) -> str:
     """The body (after the source and versions) of the newest log under tmp_path/logs."""
     newest = max((tmp_path / "logs").glob("*.txt"), key=lambda p: p.stat().st_mtime_ns)
     return newest.read_text().split("=" * 100 + "\n")[-1]
+
+
+def kill_when_saved(argv, tmp_path, step: int) -> Path:
+    """Start the trainer on argv as a process of its own (output in tmp_path/killed.out) and SIGKILL
+    it as soon as the checkpoint tmp_path/ck/tiny/step_<step> exists (or 300 s passed); require that
+    the kill ended it (not a finish or a crash before). Returns that checkpoint's folder."""
+    folder = tmp_path / "ck" / "tiny" / f"step_{step:06d}"
+    with open(tmp_path / "killed.out", "w") as out:
+        process = subprocess.Popen([sys.executable, "train_gpt_medium.py", *argv], cwd=ROOT, env=clean_env(),
+                                   stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not folder.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, (tmp_path / "killed.out").read_text()[-2000:]
+    return folder
+
+
+def resumed_step(tmp_path) -> int:
+    """The step of the checkpoint the newest log under tmp_path/logs says it resumed from."""
+    return int(re.search(r"resumed from \S+step_(\d+) at step", log_text(tmp_path))[1])
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +84,12 @@ def test_checkpoint_round_trip_restores_every_state_bit_for_bit_bf16(synthetic_d
     config = tg.make_config("tiny", dtype="bfloat16", train_seq_len=128, warmup_steps=0,
                             checkpoint_dir=str(tmp_path / "ck"),
                             train_files=str(synthetic_dir / "synthetic_train_*.bin"))
-    files = tg.shard_files(config.train_files, "train_files")
-    cpu = torch.device("cpu")
-
-    def fresh():
-        return tg.Runner(config, cpu), tg.DataLoader(files, config.train_seq_len, config.batch_slices, 0, 1, cpu)
-
-    runner, loader = fresh()
+    runner, loader = runner_and_loader(config)
     for step in range(2):
         runner.train_step(step, loader.next_batch())
     path = tg.save_checkpoint(runner, loader, 2, 123.0)
     assert any("low_bits" in s for s in runner.optimizers[1].state.values())
-    resumed, resumed_loader = fresh()
+    resumed, resumed_loader = runner_and_loader(config)
     assert tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path)) == (2, 123.0)
     assert_same_state(all_state(resumed), all_state(runner))
     assert resumed_loader.state() == loader.state()
@@ -90,16 +105,11 @@ def test_checkpoint_round_trip_restores_every_recipe_state_bit_for_bit(synthetic
     and the next steps, the outer step after step 6 among them, are the same steps."""
     config = tg.make_config("tiny", "smear", dtype="bfloat16", train_seq_len=128, warmup_steps=0, snoo_period=3,
                             checkpoint_dir=str(tmp_path / "ck"), train_files=str(synthetic_dir / "synthetic_train_*.bin"))
-    files = tg.shard_files(config.train_files, "train_files")
-
-    def fresh():
-        return tg.Runner(config, CPU), tg.DataLoader(files, config.train_seq_len, config.batch_slices, 0, 1, CPU)
-
-    runner, loader = fresh()
+    runner, loader = runner_and_loader(config)
     for step in range(5):
         runner.train_step(step, loader.next_batch())
     path = tg.save_checkpoint(runner, loader, 5, 1.0)
-    resumed, resumed_loader = fresh()
+    resumed, resumed_loader = runner_and_loader(config)
     tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path))
     assert resumed.outer.counter == runner.outer.counter == 5
     for step in range(5, 8):
@@ -110,7 +120,6 @@ def test_checkpoint_round_trip_restores_every_recipe_state_bit_for_bit(synthetic
     assert any("smoothed_update" in s for s in runner.optimizers[1].state.values())
 
 
-CPU = torch.device("cpu")
 # Outer steps after steps 0, 3, 6 and 9; checkpoints at 4, 8 and 12: a resume from step 4 or 8
 # starts in the middle of an outer cycle.
 RECIPE_FLAGS = ("--recipe=smear", "--snoo_period=3", "--save_every=4", "--seed=0")
@@ -139,20 +148,10 @@ def test_a_recipe_run_killed_mid_outer_cycle_resumes_bit_for_bit(uninterrupted_r
     """SIGKILL as soon as the step-4 checkpoint exists (the run is then between the outer steps
     after steps 3 and 6, or saving step 8); `--resume latest` finishes it exactly as the
     uninterrupted run."""
-    argv = run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, N=12)
-    with open(tmp_path / "killed.out", "w") as out:
-        process = subprocess.Popen([sys.executable, "train_gpt_medium.py", *argv], cwd=ROOT, env=clean_env(),
-                                   stdout=out, stderr=subprocess.STDOUT)
-    first = tmp_path / "ck" / "tiny" / "step_000004"
-    deadline = time.monotonic() + 300
-    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, (tmp_path / "killed.out").read_text()[-2000:]
+    first = kill_when_saved(run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, N=12), tmp_path, 4)
     assert first.exists() and not (tmp_path / "ck" / "tiny" / "step_000012").exists()
     assert tg.main(run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, "--resume=latest", N=12)) == 0
-    resumed_from = int(re.search(r"resumed from \S+step_(\d+) at step", log_text(tmp_path))[1])
-    assert resumed_from in (4, 8)
+    assert resumed_step(tmp_path) in (4, 8)
     assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000012"),
                          checkpoint_tensors(uninterrupted_recipe_run / "step_000012"))
 
@@ -287,9 +286,7 @@ def test_forcing_snoo_onto_a_checkpoint_without_it_anchors_at_the_restored_weigh
     """The outer steps keep their place on the step grid: the counter is the checkpoint's step."""
     path = saved_run / "step_000002"
     config = tg.parse_args(run_argv(synthetic_dir, tmp_path, f"--resume={path}", "--snoo_period=3", "--force_resume"))
-    runner = tg.Runner(config, CPU)
-    loader = tg.DataLoader(tg.shard_files(config.train_files, "train_files"), config.train_seq_len,
-                           config.batch_slices, 0, 1, CPU)
+    runner, loader = runner_and_loader(config)
     tg.load_checkpoint(runner, loader, path, tg.validate_checkpoint(path))
     assert runner.outer.counter == 2 and runner.outer.momentum_buffers == {}
     saved = torch.load(path / "main.pt", weights_only=True)["model"]

@@ -57,6 +57,15 @@ def launch(commands: list[tuple[list[str], dict]], out: Path) -> Path:
     return out
 
 
+def one_and_two_processes(argv, one: Path, two: Path) -> tuple[Path, Path]:
+    """The same run as one plain process (2 micro-steps per step) into `one` and as two processes
+    (./run.sh with NPROC_PER_NODE=2: torchrun --standalone) into `two`; argv(out) is the run's
+    flags writing under out."""
+    launch([([sys.executable, "train_gpt_medium.py", *argv(one)], clean_env())], one)
+    launch([(["./run.sh", *argv(two)], clean_env(NPROC_PER_NODE="2"))], two)
+    return one, two
+
+
 def body(out: Path) -> str:
     (log,) = (out / "logs").glob("*.txt")
     return log.read_text().split("=" * 100 + "\n")[-1]
@@ -189,12 +198,8 @@ RECIPE_RUNS = {
 
 def recipe_pair(name: str, synthetic_dir, tmp_path_factory) -> tuple[Path, Path]:
     """(one process with 2 micro-steps, two processes) of one configuration of RECIPE_RUNS."""
-    flags = RECIPE_RUNS[name]
-    one = tmp_path_factory.mktemp(f"{name}_one")
-    launch([([sys.executable, "train_gpt_medium.py", *run_args(synthetic_dir, one, *flags)], clean_env())], one)
-    two = tmp_path_factory.mktemp(f"{name}_two")
-    launch([(["./run.sh", *run_args(synthetic_dir, two, *flags)], clean_env(NPROC_PER_NODE="2"))], two)
-    return one, two
+    return one_and_two_processes(lambda out: run_args(synthetic_dir, out, *RECIPE_RUNS[name]),
+                                 tmp_path_factory.mktemp(f"{name}_one"), tmp_path_factory.mktemp(f"{name}_two"))
 
 
 @pytest.fixture(scope="module")
@@ -255,12 +260,13 @@ def run_muon(rank: int = 0, world_size: int = 1):
     return [p.detach().clone() for p in params], {index[p]: s for p, s in opt.state.items()}
 
 
-def _muon_worker(rank: int, world_size: int, port: int, out: Path) -> None:
+def _rank_worker(rank: int, world_size: int, port: int, out: Path, job) -> None:
+    """One rank of a gloo group on localhost: saves job(rank, world_size) as out/rank<rank>.pt."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        torch.save(run_muon(rank, world_size), out / f"rank{rank}.pt")
+        torch.save(job(rank, world_size), out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
     # The result is on disk; leave without interpreter shutdown. A gloo worker thread may still be
@@ -272,13 +278,19 @@ def _muon_worker(rank: int, world_size: int, port: int, out: Path) -> None:
     os._exit(0)
 
 
+def on_ranks(job, world_size: int, out: Path) -> list:
+    """job(rank, world_size) (a module-level function) on world_size spawned processes of one gloo
+    group; each rank's result, by rank (saved under out)."""
+    torch.multiprocessing.spawn(_rank_worker, args=(world_size, free_port(), out, job), nprocs=world_size)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
 @pytest.mark.slow
 def test_muon_sharded_over_four_processes_equals_one_process_bit_for_bit(tmp_path):
-    torch.multiprocessing.spawn(_muon_worker, args=(4, free_port(), tmp_path), nprocs=4)
+    results = on_ranks(run_muon, 4, tmp_path)
     want_params, want_state = run_muon()
     owners: dict[int, list[int]] = {}
-    for rank in range(4):
-        params, state = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+    for rank, (params, state) in enumerate(results):
         for i, (got, want) in enumerate(zip(params, want_params)):
             assert torch.equal(got, want), f"rank {rank}, matrix {i}"
         for i, s in state.items():

@@ -285,7 +285,7 @@ def _two_process_worker(rank: int, port: int, argv: list[str], out: Path) -> Non
     with contextlib.redirect_stderr(err):
         code = tg.main(argv)
     (out / f"rank{rank}.txt").write_text(f"{code}\n{err.getvalue()}")
-    os._exit(0)  # see test_distributed._muon_worker: no interpreter shutdown with gloo threads about
+    os._exit(0)  # see test_distributed._rank_worker: no interpreter shutdown with gloo threads about
 
 
 def run_two_processes(argv: list[str], out: Path) -> list[tuple[str, str]]:

@@ -9,6 +9,7 @@ import torch
 
 import train_gpt_medium as tg
 from test_model import randomize
+from test_training import runner_and_loader
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -19,10 +20,8 @@ def saved_checkpoint(synthetic_dir, tmp_path):
     config = tg.make_config("tiny", checkpoint_dir=str(tmp_path / "ck"), warmup_steps=0,
                             train_files=str(synthetic_dir / "synthetic_train_*.bin"),
                             val_files=str(synthetic_dir / "synthetic_val_*.bin"))
-    runner = tg.Runner(config, torch.device("cpu"))
+    runner, loader = runner_and_loader(config)
     randomize(runner.model, seed=6)  # a non-zero head, so the lenses say something
-    loader = tg.DataLoader(tg.shard_files(config.train_files, "train_files"), config.train_seq_len,
-                           config.batch_slices, 0, 1, torch.device("cpu"))
     return tg.save_checkpoint(runner, loader, 3, 0.0), runner.model, config
 
 

@@ -42,6 +42,12 @@ def all_state(runner):
     return state
 
 
+def runner_and_loader(config, device=torch.device("cpu")):
+    """A freshly built Runner and the one-process DataLoader of config.train_files (at its start)."""
+    files = tg.shard_files(config.train_files, "train_files")
+    return tg.Runner(config, device), tg.DataLoader(files, config.train_seq_len, config.batch_slices, 0, 1, device)
+
+
 def assert_same_state(a, b):
     assert a.keys() == b.keys()
     for k in a:
