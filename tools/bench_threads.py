@@ -18,7 +18,6 @@ Run it on a machine with nothing else running: other programs are busy cores the
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -27,9 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from records import runlogs  # noqa: E402
 from tools.cli import OneLineParser  # noqa: E402
 
-FINAL_VAL_LINE = r"^step:{N}/{N} val_loss:\S+ train_time:(\d+)ms"
 LOADS = ("idle", "one busy core")
 
 
@@ -49,9 +48,8 @@ def seconds_per_step(threads: int, num_iterations: int, log_dir: Path) -> float:
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"the run failed (exit {result.returncode}): {' '.join(cmd)}\n{result.stderr[-2000:]}")
-    (log,) = log_dir.glob("*.txt")
-    match = re.search(FINAL_VAL_LINE.format(N=num_iterations), log.read_text(), re.M)
-    return int(match[1]) / 1000 / num_iterations
+    (log,) = runlogs.read_logs([log_dir])
+    return log.result.train_time_s / num_iterations
 
 
 def measure(threads: int, load: str, num_iterations: int, log_dir: Path) -> float:
