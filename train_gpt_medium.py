@@ -68,9 +68,13 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _flag(group: str):
-    def make(default, meaning: str, *, choices=None, at_least=None, above=None, at_most=None, below=None):
+    # counts_steps: a recipe value that is a number of training steps (or a step), so a run of another
+    # length scales it (with_num_iterations); tools that shorten a run read this, never a list of names
+    def make(default, meaning: str, *, choices=None, at_least=None, above=None, at_most=None, below=None,
+             counts_steps=False):
         return field(default=default, metadata=dict(group=group, meaning=meaning, choices=choices, at_least=at_least,
-                                                     above=above, at_most=at_most, below=below))
+                                                     above=above, at_most=at_most, below=below,
+                                                     counts_steps=counts_steps))
     return make
 
 
@@ -125,7 +129,8 @@ class Hyperparameters:
     muon_lr: float = recipe(0.025, "Muon lr (scaled by sqrt(max(1, rows/cols)))", at_least=0)
     muon_momentum: float = recipe(0.95, "Muon momentum after the warm-up", at_least=0, below=1)
     muon_momentum_start: float = recipe(0.85, "Muon momentum at step 0", at_least=0, below=1)
-    muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0)
+    muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0,
+                                             counts_steps=True)
     muon_weight_decay: float = recipe(0.01, "Muon decoupled weight decay (w *= 1 - lr*wd*mul)", at_least=0)
     mlp_weight_decay_mul: float = recipe(2.0, "weight decay multiplier of the MLP matrices", at_least=0)
     # ---- bulk record (2025-12-31): optimizers (docs/bulk-optimizers.md); each off = the record x01
@@ -184,7 +189,7 @@ class Hyperparameters:
     smoothing_beta_start: float = recipe(0.2, "update smoothing beta at step 0", at_least=0, below=1)
     smoothing_beta: float = recipe(0.2, "update smoothing beta from smoothing_ramp_steps on", at_least=0, below=1)
     smoothing_ramp_steps: int = recipe(0, "steps (absolute, not a fraction of the run) of the linear beta ramp",
-                                       at_least=0)
+                                       at_least=0, counts_steps=True)
     lr_floor: float = recipe(0.0, "the lr multiplier's cooldown ends at this floor instead of 0", at_least=0, at_most=1)
     backout: str = recipe("off", "head input from the last block's output h and backout_layer's output h_b: "
                           "mix = a*norm(h) + b*norm(h_b), (a, b) learned from (1, 0), no norm after; "
@@ -196,7 +201,7 @@ class Hyperparameters:
     # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
     extension_steps: int = recipe(0, "steps at the end of num_iterations past the step grid's schedules (which span "
                                   "S = num_iterations - N steps): lr at the floor, the last slot's batch and windows",
-                                  at_least=0)
+                                  at_least=0, counts_steps=True)
     batch_schedule: tuple[int, ...] = recipe((), "tokens per step in each slot of the step grid (n entries: slot = "
                                              "floor(n * step / S)), multiples of batch_slices*attn_block_size; "
                                              "empty: batch_slices*train_seq_len every step")
@@ -207,7 +212,8 @@ class Hyperparameters:
                                               "min(11, long // 2); the final validation's long window is "
                                               "max_window_tokens; empty: a cubic growth to max_window_tokens")
     muon_momentum_cooldown_steps: int = recipe(0, "the Muon momentum falls linearly from muon_momentum toward "
-                                               "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0)
+                                               "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0,
+                                               counts_steps=True)
     document_aligned_batches: bool = recipe(False, "each training slice is whole documents from their start, each "
                                             "cut at document_cut_tokens, the slice's last one cut to fit (off: "
                                             "contiguous slices)")
@@ -239,10 +245,11 @@ class Hyperparameters:
                                        "of their own (x0_lambdas, Adam), not part of the scalar vector")
     gated_skips: bool = recipe(False, "U-net skips weighted sigmoid(k) x 2 sigmoid(g x00[:16]), k from -1.5, g from "
                                "zero (off: one learned weight from 1)")
-    untie_embed_after_step: int = recipe(0, "s > 0: the head matrix (N(0, 0.005^2), model dtype) is also the input "
-                                         "embedding until the update of step s, which copies it and its optimizer "
-                                         "state into the input embedding; 0: separate tables from the start",
-                                         at_least=0)
+    untie_embed_after_step: Optional[int] = recipe(
+        0, "s > 0: the head matrix (N(0, 0.005^2), model dtype) is also the input embedding until the update of step "
+        "s, which copies it and its optimizer state into the input embedding; auto: the odd step after a sixth of the "
+        "scheduled steps (bulk record: 785), following --num_iterations; 0: separate tables from the start",
+        at_least=0, counts_steps=True)
     smear_embed: bool = recipe(False, "each input-embedding row adds lambda x sigmoid(g e[:16]) x the previous row "
                                "(lambda from 0)")
     mlp_proj_transposed: bool = recipe(False, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
@@ -285,7 +292,7 @@ class Hyperparameters:
                               "it sets the fields it names, your flags override them")
     run_id: str = bookkeeping("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
     seed: Optional[int] = bookkeeping(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
-                                      at_least=0)
+                                      at_least=0, at_most=2**64 - 1)  # torch's generators take 64 bits
     log_dir: str = bookkeeping("logs", "folder of the run logs")
     val_every: int = bookkeeping(125, "validate every N steps (and at the end); 0: only at the end", at_least=0)
     nonfinite_check_every: int = bookkeeping(25, "look for a nan/inf training loss every N steps (a host sync)",
@@ -462,15 +469,14 @@ BULK_OPTIMIZERS = dict(
 BULK_EXECUTION = dict(coordinate_descent_tuning=False)
 
 
-# where each grid's embedding_split_step falls (tests check that it does)
-BULK_SPLIT_STEP = dict(medium=785, tiny=33)
+# the embedding split is `auto`: it follows the scheduled steps (785 for the record, 33 for tiny)
 RECIPES["bulk"] = Recipe(
     dict(BULK_MODEL, **BULK_OPTIMIZERS, **BULK_EXECUTION, **BULK_RECORD_GRID["medium"],
-         untie_embed_after_step=BULK_SPLIT_STEP["medium"]), "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
+         untie_embed_after_step=None), "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
     "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, tied->untied "
     "embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam on odd steps",
     1041.28, 2, 0.0046, 57_397,
-    at_preset=dict(tiny=dict(BULK_RECORD_GRID["tiny"], untie_embed_after_step=BULK_SPLIT_STEP["tiny"])))
+    at_preset=dict(tiny=BULK_RECORD_GRID["tiny"]))
 
 
 def recipe_values(preset: str, name: str) -> dict:
@@ -540,7 +546,7 @@ def grid_slot(step: int, config: Hyperparameters, slots: int) -> int:
 def uses_step_grid(config: Hyperparameters) -> bool:
     """Whether any schedule runs on the step grid (then the warm-up and the benchmark visit its phases)."""
     return bool(config.batch_schedule or config.window_schedule or config.lr_peaks or config.extension_steps
-                or config.multi_token_prediction or config.untie_embed_after_step)
+                or config.multi_token_prediction or untie_step(config))
 
 
 def batch_tokens(step: int, config: Hyperparameters) -> int:
@@ -655,6 +661,14 @@ def embedding_split_step(config: Hyperparameters) -> int:
     return math.ceil(EMBEDDING_SPLIT_FRACTION * scheduled_steps(config)) | 1
 
 
+def untie_step(config: Hyperparameters) -> int:
+    """The step after whose update tied embeddings untie (0: never tied): --untie_embed_after_step,
+    or where it is auto, embedding_split_step (so a run of another length splits where the record
+    would at that length)."""
+    step = config.untie_embed_after_step
+    return embedding_split_step(config) if step is None else step
+
+
 def is_validation_step(step: int, config: Hyperparameters) -> bool:
     """Validation runs before the training step of every val_every-th step, and at the end."""
     return step == config.num_iterations or (config.val_every > 0 and step % config.val_every == 0)
@@ -664,7 +678,7 @@ def grid_changes(config: Hyperparameters) -> list[int]:
     """Training steps where the grid's batch shape or phase changes: a new batch size, a window_schedule's
     new long window, a new number of multi-token weights, the first step after the embedding split
     (--untie_embed_after_step), the first extension step."""
-    N, split = config.num_iterations, config.untie_embed_after_step
+    N, split = config.num_iterations, untie_step(config)
     changes = {scheduled_steps(config)} if config.extension_steps else set()
     if split and split + 1 < N:
         changes.add(split + 1)
@@ -1920,7 +1934,7 @@ class GPT(nn.Module):
         self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
         self.blocks = nn.ModuleList(Block(config, i, dtype) for i in range(L))
         # only the head is padded (to a multiple of 128), unless --pad_vocab_tables
-        tied = config.untie_embed_after_step > 0
+        tied = untie_step(config) > 0
         self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init) if config.lore_output
                      else Head(d, config.padded_vocab_size, dtype, init_std=0.005) if tied
                      else Head(d, config.padded_vocab_size))
@@ -2634,8 +2648,8 @@ class Runner:
 
     def set_embedding_tie(self, step: int) -> None:
         """--untie_embed_after_step: whether step `step` reads the input embedding from the head."""
-        if self.config.untie_embed_after_step:
-            self.model.embed_tied = step <= self.config.untie_embed_after_step
+        if untie_step(self.config):
+            self.model.embed_tied = step <= untie_step(self.config)
 
     def mtp_input(self, weights) -> Optional[torch.Tensor]:
         """The forward's mtp_weights for a step's list of weights: None for the next-token loss (no
@@ -2681,7 +2695,7 @@ class Runner:
                 p.grad = None
         else:
             self.model.zero_grad(set_to_none=True)
-        if step == self.config.untie_embed_after_step > 0:  # the split: right after this step's update
+        if step == untie_step(self.config) > 0:  # the split: right after this step's update
             self.model.untie_embedding(self.optimizers)
         return total
 
@@ -3132,6 +3146,21 @@ def make_config(preset: str = "medium", recipe: str = "x01", **overrides) -> Hyp
     return check_config(Hyperparameters(**{k: _as_field_value(by_name[k], v) for k, v in values.items()}))
 
 
+def with_num_iterations(config: Hyperparameters, steps: int) -> Hyperparameters:
+    """`config` as a run of `steps` training steps (a short check of a recipe): every field whose
+    flag counts steps (counts_steps) scaled by steps / num_iterations and rounded, a nonzero count
+    kept at least 1 so that its phase still happens; auto and 0 (off) stay as they are. The
+    extension stays shorter than the run, a cool-down no longer than it."""
+    ratio = steps / config.num_iterations
+    scaled = {f.name: max(1, round(getattr(config, f.name) * ratio)) for f in fields(config)
+              if f.metadata.get("counts_steps") and getattr(config, f.name)}
+    if "extension_steps" in scaled:
+        scaled["extension_steps"] = min(scaled["extension_steps"], steps - 1)
+    if "muon_momentum_cooldown_steps" in scaled:
+        scaled["muon_momentum_cooldown_steps"] = min(scaled["muon_momentum_cooldown_steps"], steps)
+    return check_config(dataclasses.replace(config, num_iterations=steps, **scaled))
+
+
 def range_text(f: dataclasses.Field) -> str:
     m = f.metadata
     if m.get("choices"):
@@ -3205,7 +3234,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     for flag in ("attn_output_gate", "value_embed_gate", "smear_embed", "gated_skips"):
         need(not getattr(cfg, flag) or cfg.model_dim >= GATE_INPUTS, flag,
              f"its gates read the first {GATE_INPUTS} features: model_dim must be at least {GATE_INPUTS}")
-    if cfg.untie_embed_after_step:
+    if untie_step(cfg):
         need(not (cfg.lore_input or cfg.lore_output), "untie_embed_after_step",
              "the head doubles as the input table: not with --lore_input or --lore_output")
         need(cfg.pad_vocab_tables, "untie_embed_after_step",
@@ -3285,10 +3314,10 @@ def recipe_facts(name: str) -> str:
 
 
 def recipe_summary(config: Hyperparameters) -> str:
-    """One line naming the run's recipe: its record, what it changes, its published result, what it sets."""
+    """One short line naming the run's recipe: its record and published result. Its values are the
+    config lines (the log's config block, the dry run's list); --help says what each recipe sets."""
     r = RECIPES[config.recipe]
-    return (f"recipe {config.recipe}: record {r.folder}: {r.change}; published {recipe_facts(config.recipe)}; "
-            f"sets {recipe_flags(config.recipe, config.preset)}")
+    return f"recipe {config.recipe}: record {r.folder}, published {recipe_facts(config.recipe)}"
 
 
 def help_epilog() -> str:
@@ -3504,11 +3533,17 @@ def ensure_synthetic_data(config: Hyperparameters) -> None:
 
 
 def recipe_notes(config: Hyperparameters) -> list[str]:
-    """Log lines for choices that change training where a memory switch would not."""
+    """Log lines for choices that change training where a memory switch would not, and for a
+    recipe phase the run is too short to reach."""
+    notes, split = [], untie_step(config)
+    if split and split >= config.num_iterations - 1:
+        notes.append(f"note: the embedding split after step {split} (--untie_embed_after_step="
+                     f"{to_text(config.untie_embed_after_step)}) comes after the run's last training step "
+                     f"{config.num_iterations - 1}: the input embedding stays the head matrix throughout")
     preset_len = make_config(config.preset).train_seq_len
     if config.train_seq_len == preset_len:
-        return []
-    return [f"note: --train_seq_len={config.train_seq_len} differs from the {config.preset} preset's {preset_len}: "
+        return notes
+    return notes + [f"note: --train_seq_len={config.train_seq_len} differs from the {config.preset} preset's {preset_len}: "
             f"a step trains on {config.batch_slices * config.train_seq_len:,} tokens instead of "
             f"{config.batch_slices * preset_len:,}, with shorter contexts. This changes training (results are not "
             f"comparable with the preset's); --activation_checkpointing saves memory without changing it"]
@@ -3918,6 +3953,14 @@ def check_resume_config(meta: dict, config: Hyperparameters, dtype: torch.dtype)
     parameters differ in shape or dtype); returns the differences that were forced, for the log."""
     now = config_record(config, dtype)
     diffs = config_differences(meta["config"], now)
+    saved_start = {k: meta["config"].get(k, f.default) for k, f in
+                   ((f.name, f) for f in fields(Hyperparameters)) if k in ("preset", "recipe")}
+    start = {"preset": config.preset, "recipe": config.recipe}
+    if diffs and saved_start != start and not config.force_resume:  # another recipe: every field it sets differs
+        want = " ".join(f"--{k}={v}" for k, v in saved_start.items())
+        raise CheckpointError(f"refusing to resume: the checkpoint was made with {want}, this run asks for "
+                              f"{' '.join(f'--{k}={v}' for k, v in start.items())} ({len(diffs)} fields that change "
+                              f"training differ); resume it with {want} and the checkpoint's other flags")
     listing = "".join(f"\n  --{name}: checkpoint {to_text(old)}, now {to_text(new)}"
                       for name, (old, new) in diffs.items())
     if diffs:
@@ -4020,7 +4063,7 @@ def parameter_counts(model: GPT) -> dict[str, int]:
     are in use before the split (the input table is not read until then)."""
     counts = {name: sum(p.numel() for p in ps) for name, ps in parameter_groups(model).items()}
     counts["total"] = sum(counts.values())
-    if model.config.untie_embed_after_step:
+    if untie_step(model.config):
         counts["in_use_before_split"] = counts["total"] - model.embeds[0].weight.numel()
     return counts
 
@@ -4235,7 +4278,7 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
         lines.append(f"snoo state: {mib(snoo_state_bytes(model, config)):.1f} MiB on every process (an anchor and a "
                      "momentum buffer per parameter)")
     if "in_use_before_split" in counts:
-        lines.append(f"params in use before the split (step {config.untie_embed_after_step}; the input table is "
+        lines.append(f"params in use before the split (step {untie_step(config)}; the input table is "
                      f"unread until then): {counts['in_use_before_split']:,}")
     if model.config.scalar_pad_multiple > 1:
         pads = dict(model.scalar_layout).get("pad", [])
@@ -4307,6 +4350,12 @@ def dry_run(config: Hyperparameters) -> int:
     print("\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in fields(config)))
     print(recipe_summary(config))
     print(f"dry run on {device} ({why}): {str(model.dtype).removeprefix('torch.')} weights")
+    try:  # what the real run checks before it builds anything (fa3: CUDA, token windows, `kernels`)
+        check_run_request(config, torch.device(device))
+    except ConfigError as e:
+        print(f"note: a real run on {device} would stop before training: {e}")
+    for note in recipe_notes(config):
+        print(note)
     print("\n".join(accounting_lines(model, config)))
     print("\n".join(memory_lines(model, config)))
     if weight_dtype(config, other) != model.dtype:
@@ -4315,7 +4364,7 @@ def dry_run(config: Hyperparameters) -> int:
         print(f"on {other} instead ({str(other_model.dtype).removeprefix('torch.')} weights): {total}")
     counts, flops = parameter_counts(model), flops_per_token(config, model)
     extra = {}
-    if config.untie_embed_after_step:
+    if untie_step(config):
         extra["params_in_use_before_split"] = counts.pop("in_use_before_split")
     if config.token_windows:
         extra["flops_per_token_by_window"] = flops_by_window(config, model)

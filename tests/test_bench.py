@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import train_gpt_medium as tg
 
@@ -252,3 +253,30 @@ def test_gpu_check_with_the_tiny_bulk_recipe_checks_every_batch_size(tmp_path, s
     for step in first_of_each_size[1:]:
         assert f"step {step} after step 0, CPU" in names
     assert "training 6 steps, CPU" in names
+
+
+@pytest.mark.parametrize("recipe", sorted(tg.RECIPES))
+def test_every_check_command_of_every_recipe_passes_the_config_check_at_the_medium_preset(recipe, tmp_path):
+    """What gpu_check would start on a GPU machine: each command line is a valid trainer run (a value
+    counting steps beyond the 20-step training check, as the record's 50-step momentum cool-down,
+    is scaled to it rather than refused)."""
+    argv = [f"--recipe={recipe}"]
+    config = tg.parse_args(argv)
+    data = [f"--train_files={tmp_path / 'train_*.bin'}", f"--val_files={tmp_path / 'val_*.bin'}"]
+    for name, flags in gpu_check.check_commands(config, argv, data, tmp_path / "logs").items():
+        checked = tg.parse_args(flags)
+        tg.check_run_request(checked, torch.device("cpu"))
+        if name == "training":
+            assert checked.num_iterations == gpu_check.TRAIN_STEPS
+            assert checked.muon_momentum_cooldown_steps <= checked.num_iterations
+            assert checked.extension_steps < checked.num_iterations
+
+
+def test_the_training_check_keeps_every_phase_of_the_bulk_recipe_at_its_length():
+    """20 steps of the bulk recipe: an extension step, a momentum warm-up and cool-down, and the
+    embedding split, each scaled from the record's 4740 steps (40, 300, 50, 785)."""
+    short = tg.parse_args(gpu_check.short_run_flags(tg.make_config(recipe="bulk")) + ["--recipe=bulk"])
+    assert (short.num_iterations, short.extension_steps) == (20, 1)
+    assert (short.muon_momentum_warmup_steps, short.muon_momentum_cooldown_steps) == (1, 1)
+    assert 0 < tg.untie_step(short) < short.num_iterations - 1  # the split happens within the check
+    assert tg.uses_step_grid(short) and len(set(map(lambda s: tg.batch_tokens(s, short), range(20)))) == 4

@@ -196,7 +196,7 @@ def test_the_tiny_grid_runs_every_phase_within_its_steps():
     assert tg.embedding_split_step(c) == 33 < N
     bulk = tg.make_config("tiny", recipe="bulk")
     assert [(old, new) for _, old, new in tg.yarn_changes(bulk)] == [(3, 7), (7, 11), (11, 13)]
-    assert tg.embedding_split_step(bulk) == bulk.untie_embed_after_step
+    assert tg.embedding_split_step(bulk) == tg.untie_step(bulk) == 33 and bulk.untie_embed_after_step is None
     assert tg.embedding_split_step(tg.make_config("medium", recipe="bulk")) == 785
     assert tg.grid_lr_multiplier(N - 1, c, 0.1) == 0.1  # an extension step
     assert tg.muon_momentum_with_cooldown(N - 1, c) < c.muon_momentum  # inside the cool-down
@@ -551,3 +551,25 @@ def test_grid_lists_parse_from_the_command_line_and_an_empty_one_is_off():
     config = tg.parse_args(["--preset=tiny", "--lr_peaks=1,1.52,2", "--batch_schedule=256,1024"])
     assert config.lr_peaks == (1.0, 1.52, 2.0) and config.batch_schedule == (256, 1024)
     assert tg.parse_args(["--preset=tiny", "--lr_peaks=1", "--lr_peaks="]).lr_peaks == ()
+
+
+@pytest.mark.parametrize("steps, extension, split", [(4740, 40, 785), (4620, 40, 765), (4150, 25, 689), (4600, 40, 761)])
+def test_the_bulk_recipes_embedding_split_follows_its_scheduled_steps(steps, extension, split):
+    """ceil(S/6) made odd, as the record computes it from S = num_iterations - extension_steps: 785 for
+    the record's 4700 + 40 steps, 765 and 689 at the lengths of the later claims (4580 + 40, 4125 + 25)."""
+    config = tg.make_config("medium", recipe="bulk", num_iterations=steps, extension_steps=extension)
+    assert tg.untie_step(config) == split
+    assert split + 1 in tg.grid_changes(config)  # the warm-up compiles the untied phase where it now starts
+
+
+def test_an_explicit_split_step_is_kept_and_0_means_untied_from_the_start():
+    assert tg.untie_step(tg.make_config("medium", recipe="bulk", untie_embed_after_step=101)) == 101
+    assert tg.untie_step(tg.make_config("medium", recipe="bulk", untie_embed_after_step=0)) == 0
+    assert tg.make_config("medium", recipe="bulk", untie_embed_after_step="auto").untie_embed_after_step is None
+
+
+def test_a_split_beyond_the_runs_last_step_is_said_once():
+    short = tg.make_config("tiny", recipe="bulk", untie_embed_after_step=50, num_iterations=40, extension_steps=1)
+    (note,) = [n for n in tg.recipe_notes(short) if "split" in n]
+    assert "after step 50" in note and "last training step 39" in note
+    assert not [n for n in tg.recipe_notes(tg.make_config("tiny", recipe="bulk")) if "split" in n]

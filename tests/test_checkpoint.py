@@ -274,6 +274,17 @@ def test_resume_with_a_config_that_changes_training_is_refused_listing_the_field
     assert not (tmp_path / "other_logs").exists()
 
 
+def test_resume_with_another_recipe_is_refused_in_one_line_naming_the_checkpoints_recipe(
+        saved_run, synthetic_dir, tmp_path, capsys):
+    """Not a list of every field the other recipe sets: which recipe the checkpoint was made with,
+    and the flags that resume it."""
+    argv = run_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}", "--recipe=bulk")
+    assert tg.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the checkpoint was made with --preset=tiny --recipe=x01" in line and "--recipe=bulk" in line
+    assert "resume it with --preset=tiny --recipe=x01" in line
+
+
 def test_force_resume_accepts_the_differences_and_says_so(saved_run, synthetic_dir, tmp_path):
     config = tg.parse_args(run_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}",
                                     "--embed_lr=0.5", "--force_resume", N=6))

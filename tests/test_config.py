@@ -234,3 +234,11 @@ def test_the_log_says_when_a_choice_changes_training_and_how_many_cpu_threads(sy
     body = log.read_text().split("=" * 100 + "\n")[-1]
     assert "note: --train_seq_len=256 differs from the tiny preset's 512" in body
     assert "CPU threads: 1 (--threads)" in body
+
+
+@pytest.mark.parametrize("recipe", sorted(tg.RECIPES))
+def test_the_recipe_line_is_one_short_line(recipe):
+    """The run's first recipe line names the record and its published result; the values it sets are
+    the config lines, not this line."""
+    line = tg.recipe_summary(tg.make_config(recipe=recipe))
+    assert "\n" not in line and len(line) <= 160 and tg.RECIPES[recipe].folder in line

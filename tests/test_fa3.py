@@ -2,6 +2,7 @@
 windows as the masks. No GPU and no `kernels` package here: a stand-in module supplies a plainly
 written varlen attention (a loop over the documents), so these tests check what the trainer hands
 FA3 (cumulative lengths, window, scale) against the SDPA path; the refusals are one line each."""
+import importlib.util
 import sys
 import types
 
@@ -115,3 +116,22 @@ def test_fa3_without_the_kernels_package_names_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kernels" else real(name, *a))
     with pytest.raises(tg.ConfigError, match="pip install kernels"):
         tg.check_run_request(bulk_config(attention="fa3"), torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--device=cpu", "--preset=tiny", "--recipe=bulk"], "fa3 runs on Hopper GPUs only"),
+    (["--device=cuda"], "fa3 counts its window in tokens"),
+])
+def test_the_dry_run_says_what_the_real_run_of_fa3_would_refuse(flags, reason, capsys):
+    """A plan that cannot run does not pass the dry run silently: it still prints its counts (exit 0)
+    and says, in one line, what the real run would stop on."""
+    assert tg.main(["--dry_run", "--attention=fa3", *flags]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: a real run")]
+    assert len(notes) == 1 and reason in notes[0]
+
+
+def test_the_dry_run_of_fa3_names_the_missing_kernels_package(monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kernels" else real_find_spec(name, *a))
+    assert tg.main(["--dry_run", "--attention=fa3", "--recipe=bulk", "--device=cuda"]) == 0
+    assert "needs the `kernels` package" in capsys.readouterr().out

@@ -61,7 +61,8 @@ def log_lines(tmp_path, prefix: str) -> list[str]:
 
 BAD_FLAGS = [
     ("--muon_lr=-1",), ("--embed_lr=-1",), ("--cooldown_frac=2",), ("--val_every=-1",), ("--warmup_steps=-1",),
-    ("--adam_beta1=1.5",), ("--mlp_ratio=-1",), ("--num_iterations=0",), ("--seed=-3",), ("--device=tpu",),
+    ("--adam_beta1=1.5",), ("--mlp_ratio=-1",), ("--num_iterations=0",), ("--seed=-3",), ("--seed=18446744073709551616",),
+    ("--device=tpu",),
     ("--lore_init=bad",), ("--head_lr=nan",), ("--value_embed_layout=0,x",),
     ("--attention=flex", "--device=cpu"),  # eager flex on a CPU computes the wrong mask: refused
 ]

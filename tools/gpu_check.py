@@ -20,6 +20,7 @@ logs) go to a temporary folder, deleted at the end; nothing is written into the 
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -282,6 +283,32 @@ def training_row(label: str, run: Run, log_dir: Path, source: str) -> dict:
                None if falling else f"{name}: validation losses {losses} are not finite and falling")
 
 
+# ---- the trainer's command lines
+
+
+def short_run_flags(config: tg.Hyperparameters) -> list[str]:
+    """The training check as a TRAIN_STEPS-step run of config's recipe: num_iterations and every
+    value that counts steps (the extension, the momentum warm-up and cool-down, the embedding split:
+    tg.with_num_iterations) scaled to its length, so that each phase of the recipe still happens."""
+    short = tg.with_num_iterations(config, TRAIN_STEPS)
+    scaled = [f.name for f in dataclasses.fields(config) if f.name == "num_iterations" or f.metadata.get("counts_steps")]
+    return [f"--{name}={tg.to_text(getattr(short, name))}" for name in scaled
+            if getattr(short, name) != getattr(config, name)]
+
+
+def check_commands(config: tg.Hyperparameters, argv: list[str], data_flags: list[str], log_dir: Path) -> dict:
+    """The trainer flags of each check; the user's flags (argv) may override the seed and the warm-up."""
+    base = ["--seed=0", f"--warmup_steps={WARMUP_STEPS}", *argv]
+    return {
+        "bench": [*base, f"--bench_steps={BENCH_STEPS}"],
+        "checkpointed bench": [*base, "--activation_checkpointing", f"--bench_steps={CHECKPOINTED_BENCH_STEPS}",
+                               "--bench_at_step=0"],
+        "training": [*base, *data_flags, *short_run_flags(config), f"--val_every={VAL_EVERY}", "--save_every=0",
+                     f"--val_tokens={config.batch_slices * config.val_seq_len}", "--synthetic_data=false",
+                     f"--log_dir={log_dir}"],
+    }
+
+
 # ---- main
 
 
@@ -305,11 +332,6 @@ def main(argv: list[str]) -> int:
     gpus = torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 0
     dtype = str(tg.weight_dtype(config, "cuda" if gpus else "cpu")).removeprefix("torch.")
     tolerance = LOSS_TOLERANCE[dtype]
-    base = ["--seed=0", f"--warmup_steps={WARMUP_STEPS}", *argv]  # the user's flags may override both
-    # a step grid's extension steps are beyond a 20-step run: its schedules then span all 20 steps
-    train_flags = [f"--num_iterations={TRAIN_STEPS}", f"--val_every={VAL_EVERY}", "--save_every=0",
-                   *(["--extension_steps=0"] if config.extension_steps else []),
-                   f"--val_tokens={config.batch_slices * config.val_seq_len}", "--synthetic_data=false"]
     rows, runs = [], {}
     where = f"{gpus} GPU(s)" if gpus else "the CPU"
     print(f"[gpu_check] {where}; trainer flags: {' '.join(argv) or '(the record)'}", flush=True)
@@ -319,18 +341,16 @@ def main(argv: list[str]) -> int:
         all_gpus = max([w for w in range(1, gpus + 1) if config.batch_slices % w == 0], default=1)
         for processes in [1] + ([all_gpus] if all_gpus > 1 else []):  # a world size must divide batch_slices
             label = f"{processes} GPU(s)" if gpus else "CPU"
-            bench = runs[processes] = run_trainer(f"bench, {label}", [*base, f"--bench_steps={BENCH_STEPS}"], processes)
+            log_dir = tmp / f"logs_{processes}"
+            flags = check_commands(config, argv, data_flags, log_dir)
+            bench = runs[processes] = run_trainer(f"bench, {label}", flags["bench"], processes)
             rows += bench_rows(label, bench, config)
             if processes == 1:
-                checkpointed = run_trainer("bench with activation checkpointing", [
-                    *base, "--activation_checkpointing", f"--bench_steps={CHECKPOINTED_BENCH_STEPS}",
-                    "--bench_at_step=0"], 1)
+                checkpointed = run_trainer("bench with activation checkpointing", flags["checkpointed bench"], 1)
                 rows.append(losses_row("activation checkpointing: first losses", checkpointed, bench, tolerance))
             else:
                 rows.append(losses_row(f"{label} vs 1: first bench losses", bench, runs[1], tolerance))
-            log_dir = tmp / f"logs_{processes}"
-            training = run_trainer(f"training, {label}", [*base, *data_flags, *train_flags, f"--log_dir={log_dir}"],
-                                   processes)
+            training = run_trainer(f"training, {label}", flags["training"], processes)
             rows.append(training_row(label, training, log_dir, source))
     print()
     print_table(rows)
