@@ -1,4 +1,4 @@
-"""GPT-2 Medium speedrun trainer: the record recipe in one file.
+"""GPT-2 Medium speedrun trainer: the current record (2025-12-31, 1041 s on 8xH100) in one file.
 
     torchrun --standalone --nproc_per_node=8 train_gpt_medium.py      # the record (or ./run.sh)
     python train_gpt_medium.py --preset tiny                          # CPU, about a minute
@@ -7,12 +7,13 @@
     python train_gpt_medium.py --bench_steps=10                       # time training steps (docs/gpu.md)
 
 Map of the file. The recipe, in the order data flows (what a record diff touches):
-  1. Hyperparameters   the record's values as a table, and the presets
-  2. Schedules         learning rate, Muon momentum, attention window
-  3. Muon              Newton-Schulz orthogonalization, the sharded optimizer; the bulk record's
-                       Polar Express, NorMuon and cautious bf16 Adam
-  4. Model             masks, rotary, attention, MLP, block, GPT; the seed ideas' modules in one
-                       section; initialization; optimizer groups
+  1. Hyperparameters   the record's values as a table (each of its ideas a switch), the presets
+  2. Schedules         the step grid: batch ramp, lr, Muon momentum, windows, YaRN, multi-token
+                       weights, the embedding split
+  3. Optimizers        Muon (NorMuon with Polar Express, sharded), the cautious Adam, and the
+                       arithmetic that rounds as CUDA does on any device (as_cuda)
+  4. Model             rotary, masks, attention, MLP, block, the pieces outside the blocks, the
+                       seed ideas' modules, GPT; initialization; optimizer groups
   5. Data              token shards and the loader
   6. Training          optimizers, one step, evaluation, warm-up, the timed loop and what it
                        calls every run (resume, the non-finite check, validation and log lines,
@@ -22,7 +23,9 @@ Below main, what a record diff does not touch: the command line and config check
 (called once before training: device, threads, seed, input and output checks, the log),
 checkpoints, accounting (parameters, FLOPs; the log's count lines), dry run, benchmark.
 
-Importing this module has no side effects; everything runs inside `main(argv)`.
+The earlier records (x01 .. smear, 2025-09 .. 2025-11) run from their frozen script,
+records/x01_lineage/train_gpt_medium.py. Importing this module has no side effects; everything
+runs inside `main(argv)`.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 # =============================================================================
-# 1. Hyperparameters: the defaults ARE the record recipe (docs/recipe.md)
+# 1. Hyperparameters: the defaults ARE the record recipe (docs/bulk.md)
 #
 # One line per flag: type, record default, meaning, allowed values. Each flag's group says what
 # changing it does, and so where `--help` lists it, what a resumed checkpoint must match and what
@@ -88,16 +91,22 @@ EXPERIMENT_GROUPS = ("recipe", "seed ideas", "execution")  # runs that agree on 
 
 @dataclass
 class Hyperparameters:
-    # ---- data and batch (docs/recipe.md, Data)
+    # ---- data and batch (docs/bulk-data.md). The step grid's batch ramp is below, with the schedules
     batch_slices: int = recipe(8, "slices of train_seq_len tokens per step; each rank takes batch_slices / world size",
                                at_least=1)
-    train_seq_len: int = recipe(64 * 1024, "tokens per training slice (a multiple of attn_block_size)", at_least=1)
+    train_seq_len: int = recipe(64 * 1024, "tokens per training slice at the full batch (a multiple of "
+                                "attn_block_size); the batch ramp's smaller steps take fewer", at_least=1)
     val_seq_len: int = recipe(256 * 1024, "tokens per validation slice (a multiple of attn_block_size)", at_least=1)
     val_tokens: int = recipe(10_485_760, "validation tokens, from the start of the validation shard", at_least=1)
-    vocab_size: int = recipe(50257, "vocabulary (GPT-2); the head is padded to a multiple of 128",
+    vocab_size: int = recipe(50257, "vocabulary (GPT-2); tables and head are padded to a multiple of 128",
                              at_least=2, at_most=65536)
     eot_token: int = recipe(50256, "end-of-text token: starts a new document in the masks", at_least=0)
-    # ---- model (docs/recipe.md, Model)
+    document_aligned_batches: bool = recipe(True, "each training slice is whole documents from their start, each "
+                                            "cut at document_cut_tokens, the slice's last one cut to fit (off: "
+                                            "contiguous slices)")
+    document_cut_tokens: int = recipe(4096, "with document_aligned_batches: a document longer than this keeps only "
+                                      "its first N tokens", at_least=1)
+    # ---- model (docs/bulk-model.md)
     model_dim: int = recipe(1024, "width of the residual stream", at_least=1)
     num_layers: int = recipe(16, "transformer blocks", at_least=1)
     num_heads: int = recipe(8, "attention heads", at_least=1)
@@ -107,60 +116,125 @@ class Hyperparameters:
         (0, 1, 2, 3, 4, None, None, None, None, None, None, 0, 1, 2, 3, 4),
         "value-embedding table of each layer, '-' for none (the record: 012..012)")
     skip_connections: tuple[tuple[int, int], ...] = recipe(
-        ((9, 6), (10, 4), (11, 2)), "(target, source): before block target add skip_w[source] * output of source")
-    attention_free_layers: tuple[int, ...] = recipe((7,), "blocks with an MLP only")
-    long_window_layers: tuple[int, ...] = recipe((0, 4, 11, 15), "blocks with the long window; the others use half")
-    attn_block_size: int = recipe(128, "mask block size in tokens (windows count blocks)", at_least=1)
-    max_window_tokens: int = recipe(3456, "long window at the end of the schedule, in tokens", at_least=1)
-    attn_scale: float = recipe(0.12, "attention softmax scale (not 1/sqrt(head_dim))", above=0)
-    logit_softcap: float = recipe(15.0, "logits become cap * z / sqrt(z^2 + cap^2)", above=0)
+        ((9, 6), (10, 4), (11, 2)), "(target, source): before block target add the skip's weight x output of source")
+    attention_free_layers: tuple[int, ...] = recipe((), "blocks with an MLP only (x01: 7)")
+    long_window_layers: tuple[int, ...] = recipe((0, 4, 11, 15), "blocks with the long window; the others use "
+                                                 "the short one")
+    attn_block_size: int = recipe(128, "mask block size in tokens (windows count blocks of it)", at_least=1)
+    max_window_tokens: int = recipe(3456, "the long window of the final validation, in tokens", at_least=1)
+    attn_scale: float = recipe(0.1, "attention softmax scale at step 0 (not 1/sqrt(head_dim)); YaRN raises it",
+                               above=0)
     rope_base: float = recipe(1024.0, "rotary base: frequencies (1/base)^linspace(0, 1, head_dim/4)", above=0)
     dtype: str = recipe("auto", "weights and activations: auto = bfloat16 on CUDA, float32 on CPU",
                         choices=("auto", "bfloat16", "float32"))
-    # ---- optimization (docs/recipe.md, Optimizers and schedules)
-    num_iterations: int = recipe(5690, "training steps", at_least=1)
-    cooldown_frac: float = recipe(0.7, "fraction of steps over which the lr decays linearly to 0", at_least=0, at_most=1)
-    head_lr: float = recipe(1 / 320, "Adam lr of the output head", at_least=0)
-    embed_lr: float = recipe(0.3, "Adam lr of the input and value embeddings", at_least=0)
-    scalar_lr: float = recipe(0.015, "Adam lr of the scalar vector (skip weights, lambdas)", at_least=0)
+    # the record's ideas (2025-12-31), each a switch: off removes that one idea from the record
+    yarn_window_limit: int = recipe(13, "YaRN: each time the long window changes to at most this many blocks, "
+                                    "stretch the rotary frequencies and raise the attention scale; 0: off", at_least=0)
+    rotary_bf16: bool = recipe(True, "rotary cos/sin tables stored in bfloat16 and the rotation done in the "
+                               "activations' dtype (off: fp32 tables and rotation)")
+    key_offset: bool = recipe(True, "long-window layers: each key's non-rotating dims are those of the previous "
+                              "position (one-layer induction)")
+    qkv_init_std: float = recipe(1.0, "q, k, v weights start uniform with std qkv_init_std/sqrt(model_dim) (x01: 0.5)",
+                                 above=0)
+    attn_output_gate: bool = recipe(True, "each head's output times sigmoid(G norm(x)[:16]), G zero at the start "
+                                    "(so halved)")
+    value_embed_gate: bool = recipe(True, "the value embedding enters v times 2 sigmoid(G norm(x)[:16]) per head "
+                                    "(1 at the start; off: added as it is)")
+    value_embed_zero_init: bool = recipe(True, "value-embedding tables start at zero (off: N(0, 1))")
+    residual_scale_init: float = recipe(1.05, "initial weight of the residual stream at each block's input")
+    gated_skips: bool = recipe(True, "U-net skips weighted sigmoid(k) x 2 sigmoid(g x00[:16]), k from -1.5, g from "
+                               "zero (off: one learned weight from 1)")
+    untie_embed_after_step: Optional[int] = recipe(
+        None, "s > 0: the head matrix (N(0, 0.005^2), model dtype) is also the input embedding until the update of "
+        "step s, which copies it and its optimizer state into the input embedding; auto: the odd step after a sixth "
+        "of the scheduled steps (785 for the record), following --num_iterations; 0: separate tables from the start",
+        at_least=0, counts_steps=True)
+    smear_embed: bool = recipe(True, "each input-embedding row adds lambda x sigmoid(g e[:16]) x the previous row "
+                               "(lambda from 0)")
+    backout: bool = recipe(True, "head input norm(h - lambda h_b) from the last block's output h and backout_layer's "
+                           "output h_b, lambda learned from 0.5 (off: norm(h))")
+    backout_layer: int = recipe(11, "the block whose output backout subtracts", at_least=0)
+    mlp_proj_transposed: bool = recipe(True, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
+                                       "multiplier 2")
+    logit_softcap_form: str = recipe("sigmoid", "sigmoid: 23 sigmoid((z+5)/7.5), in the model dtype when training, "
+                                     "fp32 when evaluating; rational: cap z/sqrt(z^2+cap^2) in fp32",
+                                     choices=("rational", "sigmoid"))
+    logit_softcap: float = recipe(15.0, "the rational cap's cap", above=0)
+    multi_token_prediction: bool = recipe(True, "training loss over the next 3, then 2, then 1 tokens per position, "
+                                          "weighted by the step grid's multi-token schedule (mtp_weights)")
+    train_loss_reduction: str = recipe("sum", "training loss over a slice's tokens (validation is a mean)",
+                                       choices=("mean", "sum"))
+    pad_vocab_tables: bool = recipe(True, "input and value-embedding tables padded to a multiple of 128 rows, as "
+                                    "the head is")
+    scalar_pad_multiple: int = recipe(8, "scalar vector padded with unused ones to a multiple of this (the "
+                                      "record's GPU count)", at_least=1)
+    fp32_block_weights: bool = recipe(True, "attention and MLP matrices stored in fp32 (the optimizer's master) and "
+                                      "rounded to the model dtype where used (off: stored in the model dtype, Muon "
+                                      "keeping the low 16 bits of a bf16 weight's fp32 master)")
+    table_multipliers: bool = recipe(True, "the record's lr and weight-decay multipliers of the tables, head and "
+                                     "scalars: second input table and value embeddings lr x75 wd x5, head and input "
+                                     "table wd x150, scalars lr x5 and no decay (off: 1)")
+    # ---- the step grid (docs/bulk-data.md). Its schedules span the scheduled steps S = num_iterations -
+    # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
+    num_iterations: int = recipe(4740, "training steps", at_least=1)
+    extension_steps: int = recipe(40, "steps at the end of num_iterations past the step grid's schedules (which span "
+                                  "S = num_iterations - N steps): lr at the floor, the last slot's batch and windows",
+                                  at_least=0, counts_steps=True)
+    batch_schedule: tuple[int, ...] = recipe(
+        (131072, 262144, 393216) + (524288,) * 9, "tokens per step in each slot of the step grid (n entries: slot = "
+        "floor(n * step / S)), multiples of batch_slices*attn_block_size; empty: batch_slices*train_seq_len every step")
+    lr_peaks: tuple[float, ...] = recipe((1.0, 1.52, 1.73) + (2.0,) * 9,
+                                         "lr multiplier of each slot of the step grid (slot k's once step/S > k/n), "
+                                         "falling linearly over the last cooldown_frac of S to the lr floor")
+    cooldown_frac: float = recipe(0.7, "fraction of S over which the lr falls linearly to lr_floor", at_least=0,
+                                  at_most=1)
+    lr_floor: float = recipe(0.1, "the lr multiplier at the end of the cooldown and in the extension", at_least=0,
+                             at_most=1)
+    window_schedule: tuple[int, ...] = recipe((3, 7, 11, 13, 15, 17, 19, 21, 23, 23, 23, 23),
+                                              "long window in blocks in each slot of the step grid, the short one "
+                                              "min(11, long // 2); the final validation's long window is "
+                                              "max_window_tokens")
+    # ---- optimizers (docs/bulk-optimizers.md): Adam for tables, head and scalars; NorMuon for matrices
+    head_lr: float = recipe(0.004, "Adam lr of the output head", at_least=0)
+    embed_lr: float = recipe(0.004, "Adam lr of the input and value embeddings", at_least=0)
+    scalar_lr: float = recipe(0.008, "Adam lr of the scalar vector (residual and attention weights, skip gains)",
+                              at_least=0)
+    x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer input-embedding weights", at_least=0)
+    gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates", at_least=0)
     adam_beta1: float = recipe(0.8, "Adam beta1", at_least=0, below=1)
     adam_beta2: float = recipe(0.95, "Adam beta2", at_least=0, below=1)
-    adam_eps: float = recipe(1e-10, "Adam epsilon", above=0)
-    muon_lr: float = recipe(0.025, "Muon lr (scaled by sqrt(max(1, rows/cols)))", at_least=0)
+    scalar_adam_beta1: Optional[float] = recipe(0.9, "Adam beta1 of the scalar group (auto: adam_beta1)",
+                                                at_least=0, below=1)
+    scalar_adam_beta2: Optional[float] = recipe(0.99, "Adam beta2 of the scalar group (auto: adam_beta2)",
+                                                at_least=0, below=1)
+    adam_eps: float = recipe(1e-8, "Adam epsilon, added to sqrt(v) before the bias correction", above=0)
+    adam_weight_decay: float = recipe(0.005, "Adam's cautious weight decay, adam_weight_decay * lr^2 (times each "
+                                      "weight's wd_mul) where update and weight agree in sign", at_least=0)
+    adam_odd_steps_only: bool = recipe(True, "Adam steps on odd steps only, on the summed gradients of the step "
+                                       "before and its own (Muon steps every step)")
+    muon_lr: float = recipe(0.015, "Muon lr (times the shape factor sqrt(max(1, rows/cols)))", at_least=0)
     muon_momentum: float = recipe(0.95, "Muon momentum after the warm-up", at_least=0, below=1)
     muon_momentum_start: float = recipe(0.85, "Muon momentum at step 0", at_least=0, below=1)
     muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0,
                                              counts_steps=True)
-    muon_weight_decay: float = recipe(0.01, "Muon decoupled weight decay (w *= 1 - lr*wd*mul)", at_least=0)
-    mlp_weight_decay_mul: float = recipe(2.0, "weight decay multiplier of the MLP matrices", at_least=0)
-    # ---- bulk record (2025-12-31): optimizers (docs/bulk-optimizers.md); each off = the record x01
-    orthogonalization: str = recipe("newton_schulz", "Muon's orthogonalization: newton_schulz (5 fixed quintic steps "
-                                    "on G/|G|) or polar_express (5 steps with their own coefficients on "
-                                    "G/(1.02|G| + 1e-6), always in bf16)", choices=("newton_schulz", "polar_express"))
-    muon_row_normalization: bool = recipe(False, "NorMuon: scale each row of the orthogonalized update by 1/sqrt of a "
+    muon_momentum_cooldown_steps: int = recipe(50, "the Muon momentum falls linearly from muon_momentum toward "
+                                               "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0,
+                                               counts_steps=True)
+    muon_weight_decay: float = recipe(1.2, "Muon weight decay (cautious: times lr * lr_eff; else w *= 1 - lr*wd*mul)",
+                                      at_least=0)
+    mlp_weight_decay_mul: float = recipe(1.0, "weight decay multiplier of the MLP matrices (x01: 2)", at_least=0)
+    orthogonalization: str = recipe("polar_express", "Muon's orthogonalization: polar_express (5 steps with their own "
+                                    "coefficients on G/(1.02|G| + 1e-6), always in bf16) or newton_schulz (5 fixed "
+                                    "quintic steps on G/|G|)", choices=("newton_schulz", "polar_express"))
+    muon_row_normalization: bool = recipe(True, "NorMuon: scale each row of the orthogonalized update by 1/sqrt of a "
                                           "running mean of its mean square, then restore the update's Frobenius norm")
     muon_row_beta2: float = recipe(0.95, "NorMuon: decay of the running row mean square", at_least=0, below=1)
-    muon_cautious_weight_decay: bool = recipe(False, "Muon decays only where update and weight agree in sign (or one is "
+    muon_cautious_weight_decay: bool = recipe(True, "Muon decays only where update and weight agree in sign (or one is "
                                               "0), by muon_weight_decay * lr * lr_eff: quadratic in the lr schedule "
                                               "(off: w *= 1 - lr*wd everywhere)")
-    muon_lr_shape: str = recipe("blocks", "Muon's lr factor sqrt(max(1, rows/cols)) from each orthogonalized block "
-                                "(attention 1, MLP in 2, MLP out 1) or from the matrix as stored, leading dims counted "
-                                "as rows (attention 2)", choices=("blocks", "stored"))
-    adam_variant: str = recipe("torch", "torch: PyTorch's Adam, moments in the weight's dtype, no decay; cautious_bf16: "
-                               "the bulk record's Adam (moments in the weight's dtype too: bf16 for its tables, head "
-                               "and gates), eps added to sqrt(v) before the bias correction, decay "
-                               "adam_weight_decay * lr^2 where update and weight agree in sign",
-                               choices=("torch", "cautious_bf16"))
-    adam_weight_decay: float = recipe(0.0, "cautious_bf16 Adam's weight decay (times each weight's wd_mul)", at_least=0)
-    adam_odd_steps_only: bool = recipe(False, "Adam steps on odd steps only, on the summed gradients of the step "
-                                       "before and its own (Muon steps every step)")
-    scalar_adam_beta1: Optional[float] = recipe(None, "Adam beta1 of the scalar group (auto: adam_beta1)",
-                                                at_least=0, below=1)
-    scalar_adam_beta2: Optional[float] = recipe(None, "Adam beta2 of the scalar group (auto: adam_beta2)",
-                                                at_least=0, below=1)
-    x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer x0 mixing weights, where the model has them",
-                                  at_least=0)
-    gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates, where the model has them", at_least=0)
+    muon_lr_shape: str = recipe("stored", "Muon's lr factor sqrt(max(1, rows/cols)) from the matrix as stored, leading "
+                                "dims counted as rows (attention 2), or from each orthogonalized block (attention 1, "
+                                "MLP in 2, MLP out 1)", choices=("blocks", "stored"))
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -175,126 +249,31 @@ class Hyperparameters:
     ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
     ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
                         choices=("direct", "materialized"))
-    # ---- later records (2025-09 .. 2025-11): docs/recipes.md; each off by default, --recipe sets them together
-    snoo_period: int = recipe(0, "Snoo outer step after the inner step of steps 0, N, 2N, ...: anchor <- weights "
-                              "moved by an outer Nesterov step on (anchor - weights); 0: off", at_least=0)
-    snoo_lr: float = recipe(0.68, "Snoo outer learning rate", at_least=0)
-    snoo_momentum: float = recipe(0.37, "Snoo outer Nesterov momentum", at_least=0, below=1)
-    snoo_low_bits: str = recipe("keep", "what an outer step does to the low 16 bits of Muon's fp32 master of a bf16 "
-                                "weight it rewrites: keep them (stale, as the records) or clear them",
-                                choices=("keep", "clear"))
-    muon_update_smoothing: str = recipe("off", "EMA S <- beta*S + (1-beta)*u of Muon's orthogonalized update u, "
-                                        "applying beta*S + (1-beta)*u (interpolated) or S (ema)",
-                                        choices=("off", "interpolated", "ema"))
-    smoothing_beta_start: float = recipe(0.2, "update smoothing beta at step 0", at_least=0, below=1)
-    smoothing_beta: float = recipe(0.2, "update smoothing beta from smoothing_ramp_steps on", at_least=0, below=1)
-    smoothing_ramp_steps: int = recipe(0, "steps (absolute, not a fraction of the run) of the linear beta ramp",
-                                       at_least=0, counts_steps=True)
-    lr_floor: float = recipe(0.0, "the lr multiplier's cooldown ends at this floor instead of 0", at_least=0, at_most=1)
-    backout: str = recipe("off", "head input from the last block's output h and backout_layer's output h_b: "
-                          "mix = a*norm(h) + b*norm(h_b), (a, b) learned from (1, 0), no norm after; "
-                          "subtract = norm(h - lambda*h_b), lambda learned from 0.5", choices=("off", "mix", "subtract"))
-    backout_layer: int = recipe(11, "the block whose output backout mixes in or subtracts", at_least=0)
-    head_smear: bool = recipe(False, "head input y_t = x_t + c*x_(t-1) (across document boundaries), c learned from 0")
-    # ---- bulk record (2025-12-31): step grid, batch ramp, windows per slot, document-aligned batches
-    # (docs/bulk-data.md). The grid's schedules span the scheduled steps S = num_iterations -
-    # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
-    extension_steps: int = recipe(0, "steps at the end of num_iterations past the step grid's schedules (which span "
-                                  "S = num_iterations - N steps): lr at the floor, the last slot's batch and windows",
-                                  at_least=0, counts_steps=True)
-    batch_schedule: tuple[int, ...] = recipe((), "tokens per step in each slot of the step grid (n entries: slot = "
-                                             "floor(n * step / S)), multiples of batch_slices*attn_block_size; "
-                                             "empty: batch_slices*train_seq_len every step")
-    lr_peaks: tuple[float, ...] = recipe((), "lr multiplier of each slot of the step grid (slot k's once step/S > k/n), "
-                                         "falling linearly over the last cooldown_frac of S to the lr floor; "
-                                         "empty: 1, falling to 0 over the last cooldown_frac of num_iterations")
-    window_schedule: tuple[int, ...] = recipe((), "long window in blocks in each slot of the step grid, the short one "
-                                              "min(11, long // 2); the final validation's long window is "
-                                              "max_window_tokens; empty: a cubic growth to max_window_tokens")
-    muon_momentum_cooldown_steps: int = recipe(0, "the Muon momentum falls linearly from muon_momentum toward "
-                                               "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0,
-                                               counts_steps=True)
-    document_aligned_batches: bool = recipe(False, "each training slice is whole documents from their start, each "
-                                            "cut at document_cut_tokens, the slice's last one cut to fit (off: "
-                                            "contiguous slices)")
-    document_cut_tokens: int = recipe(4096, "with document_aligned_batches: a document longer than this keeps only "
-                                      "its first N tokens", at_least=1)
-    # ---- bulk record (2025-12-31): model (docs/bulk-model.md). Every default is the record above
-    token_windows: bool = recipe(False, "sliding windows by tokens: a query sees keys at most window x attn_block_size "
-                                 "positions back (off: whole blocks, the own block plus window-1 earlier ones)")
-    yarn_window_limit: int = recipe(0, "YaRN: each time the long window changes to at most this many blocks, stretch "
-                                    "the rotary frequencies and raise the attention scale (bulk record: 13); 0: off",
-                                    at_least=0)
-    rotary_bf16: bool = recipe(False, "rotary cos/sin tables stored in bfloat16 and the rotation done in the "
-                               "activations' dtype (off: fp32 tables and rotation)")
-    key_offset: bool = recipe(False, "long-window layers: each key's non-rotating dims are those of the previous "
-                              "position (one-layer induction)")
-    prenorm_attention: bool = recipe(False, "attention reads norm(x), v is not normed, and the two attention lambdas "
-                                     "scale the qkv and output weights (init 0.5, 1) instead of weighting v and the "
-                                     "value embedding")
-    qkv_init_std: float = recipe(0.5, "q, k, v weights start uniform with std qkv_init_std/sqrt(model_dim) "
-                                 "(bulk record: 1)", above=0)
-    attn_output_gate: bool = recipe(False, "each head's output times sigmoid(G norm(x)[:16]), G zero at the start "
-                                    "(so halved)")
-    value_embed_gate: bool = recipe(False, "the value embedding enters v times 2 sigmoid(G norm(x)[:16]) per head "
-                                    "(1 at the start) instead of a learned lambda")
-    value_embed_zero_init: bool = recipe(False, "value-embedding tables start at zero (off: N(0, 1))")
-    residual_scale_init: float = recipe(1.0, "initial weight of the residual stream at each block's input "
-                                        "(bulk record: 1.05)")
-    separate_x0_lambdas: bool = recipe(False, "the input embeddings' weights at each block's input are a parameter "
-                                       "of their own (x0_lambdas, Adam), not part of the scalar vector")
-    gated_skips: bool = recipe(False, "U-net skips weighted sigmoid(k) x 2 sigmoid(g x00[:16]), k from -1.5, g from "
-                               "zero (off: one learned weight from 1)")
-    untie_embed_after_step: Optional[int] = recipe(
-        0, "s > 0: the head matrix (N(0, 0.005^2), model dtype) is also the input embedding until the update of step "
-        "s, which copies it and its optimizer state into the input embedding; auto: the odd step after a sixth of the "
-        "scheduled steps (bulk record: 785), following --num_iterations; 0: separate tables from the start",
-        at_least=0, counts_steps=True)
-    smear_embed: bool = recipe(False, "each input-embedding row adds lambda x sigmoid(g e[:16]) x the previous row "
-                               "(lambda from 0)")
-    mlp_proj_transposed: bool = recipe(False, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
-                                       "multiplier 2 for the bulk optimizers")
-    logit_softcap_form: str = recipe("rational", "rational: cap z/sqrt(z^2+cap^2) in fp32; sigmoid: "
-                                     "23 sigmoid((z+5)/7.5), in the model dtype when training, fp32 when evaluating",
-                                     choices=("rational", "sigmoid"))
-    train_loss_reduction: str = recipe("mean", "training loss over a slice's tokens (validation is a mean)",
-                                       choices=("mean", "sum"))
-    pad_vocab_tables: bool = recipe(False, "input and value-embedding tables padded to a multiple of 128 rows, as "
-                                    "the head is")
-    scalar_pad_multiple: int = recipe(1, "scalar vector padded with unused ones to a multiple of this (bulk record: "
-                                      "8, its GPU count)", at_least=1)
-    fp32_block_weights: bool = recipe(False, "attention and MLP matrices stored in fp32 (the optimizer's master) and "
-                                      "rounded to the model dtype where used (off: stored in the model dtype, Muon "
-                                      "keeping the low 16 bits of a bf16 weight's fp32 master)")
-    table_multipliers: bool = recipe(False, "the bulk record's lr and weight-decay multipliers of the tables, head "
-                                     "and scalars: second input table and value embeddings lr x75 wd x5, head and "
-                                     "input table wd x150, scalars lr x5 and no decay (read by every optimizer)")
-    multi_token_prediction: bool = recipe(False, "training loss over the next 3, then 2, then 1 tokens per position, "
-                                          "weighted by the step grid's multi-token schedule (mtp_weights)")
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
     device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
     compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
     attention: str = execution("auto", "auto: flex on CUDA, sdpa with a dense mask on CPU; fa3: FlashAttention-3 "
-                               "(Hopper GPUs, the `kernels` package; token windows only)",
+                               "(Hopper GPUs, the `kernels` package)",
                                choices=("auto", "flex", "sdpa", "fa3"))
     threads: int = execution(0, "CPU threads of a CPU run (0: OMP_NUM_THREADS if set, else 1)", at_least=0)
-    coordinate_descent_tuning: bool = execution(True, "CUDA: let the compiler search each kernel's launch settings "
-                                                "(slower compile; the 2025-12-31 record ran without)")
+    coordinate_descent_tuning: bool = execution(False, "CUDA: let the compiler search each kernel's launch settings "
+                                                "(slower compile; the record ran without)")
     activation_checkpointing: bool = execution(False, "recompute each block (and the loss in chunks) in backward")
-    warmup_steps: int = execution(10, "untimed compile warm-up steps, state restored afterwards", at_least=0)
+    warmup_steps: int = execution(2, "untimed compile warm-up steps (and, on the step grid, the steps around each of "
+                                  "its changes), state restored afterwards", at_least=0)
     train_files: str = execution("data/fineweb10B/fineweb_train_*.bin", "training shards (a glob)")
     val_files: str = execution("data/fineweb10B/fineweb_val_*.bin", "validation shards (a glob)")
     synthetic_data: bool = execution(False, "generate the tiny preset's shards into data/synthetic/ if missing "
                                      "(never elsewhere)")
     # ---- bookkeeping: names, seeds, outputs, checkpoints, tool modes
     preset: str = bookkeeping("medium", "starting point the other flags override", choices=("medium", "tiny"))
-    recipe: str = bookkeeping("x01", "a record's recipe on top of the preset (see the list at the end of --help): "
+    recipe: str = bookkeeping("bulk", "a record's recipe on top of the preset (see the list at the end of --help): "
                               "it sets the fields it names, your flags override them")
     run_id: str = bookkeeping("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
     seed: Optional[int] = bookkeeping(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
                                       at_least=0, at_most=2**64 - 1)  # torch's generators take 64 bits
     log_dir: str = bookkeeping("logs", "folder of the run logs")
-    val_every: int = bookkeeping(125, "validate every N steps (and at the end); 0: only at the end", at_least=0)
+    val_every: int = bookkeeping(250, "validate every N steps (and at the end); 0: only at the end", at_least=0)
     nonfinite_check_every: int = bookkeeping(25, "look for a nan/inf training loss every N steps (a host sync)",
                                              at_least=1)
     token_bytes_file: str = bookkeeping("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off; "
@@ -357,7 +336,11 @@ class Hyperparameters:
 
 
 # Presets are overrides of the record. `tiny` keeps the 16-layer structure (every layer pattern
-# is exercised) at toy width, on synthetic data whose entropies are known (data/synthetic.py).
+# is exercised) at toy width, on synthetic data whose entropies are known (data/synthetic.py),
+# and the record's step grid at 1/25 of its length: 4700 + 40 steps become 188 + 2, the
+# momentum warm-up and cool-down 12 and 2 steps; the batch ramp keeps its proportions (1/4 .. 4/4
+# of batch_slices x train_seq_len) and the windows their block counts, with 16-token blocks so
+# that every window is shorter than a 512-token slice. Every phase of the record happens in it.
 PRESETS: dict[str, dict] = {
     "medium": {},
     "tiny": dict(
@@ -365,42 +348,25 @@ PRESETS: dict[str, dict] = {
         val_files="data/synthetic/synthetic_val_*.bin",
         synthetic_data=True,
         token_bytes_file="data/synthetic/synthetic_token_bytes.npy",
-        vocab_size=500, eot_token=499,  # padded head: 512
+        vocab_size=500, eot_token=499,  # padded: 512
         model_dim=64, num_heads=2, head_dim=32,
         train_seq_len=512, val_seq_len=512, batch_slices=2, val_tokens=8192,
-        max_window_tokens=384,  # 3 blocks long, 1 short, of 4 per slice
+        attn_block_size=16, max_window_tokens=27 * 16,
+        document_cut_tokens=256,
         lore_rank=16,
-        num_iterations=200, val_every=50, warmup_steps=3,
-    ),
-}
-
-# The 2025-12-31 record's step grid, batch ramp, windows, momentum cool-down, document-aligned
-# batches and validation cadence as overrides (docs/bulk-data.md), for each preset. The tiny form
-# divides every step count by 25 (4700 + 40 steps -> 188 + 2; rounded), keeps the batches in
-# proportion to the longest slice (1/4, 2/4, 3/4, 4/4 of batch_slices x train_seq_len) and the
-# windows' block counts, with 16-token blocks so that every window is shorter than a 512-token slice.
-_BULK_WINDOWS = (3, 7, 11, 13, 15, 17, 19, 21, 23, 23, 23, 23)
-_BULK_LR_PEAKS = (1.0, 1.52, 1.73) + (2.0,) * 9
-BULK_RECORD_GRID: dict[str, dict] = {
-    "medium": dict(
-        num_iterations=4740, extension_steps=40, batch_schedule=(131072, 262144, 393216) + (524288,) * 9,
-        lr_peaks=_BULK_LR_PEAKS, lr_floor=0.1, window_schedule=_BULK_WINDOWS, muon_momentum_cooldown_steps=50,
-        document_aligned_batches=True, document_cut_tokens=4096, val_every=250, warmup_steps=2,
-    ),
-    "tiny": dict(
         num_iterations=190, extension_steps=2, batch_schedule=(256, 512, 768) + (1024,) * 9,
-        lr_peaks=_BULK_LR_PEAKS, lr_floor=0.1, window_schedule=_BULK_WINDOWS, attn_block_size=16,
-        max_window_tokens=27 * 16,
         muon_momentum_warmup_steps=12, muon_momentum_cooldown_steps=2,
-        document_aligned_batches=True, document_cut_tokens=256, val_every=38, warmup_steps=2,
+        val_every=38, warmup_steps=2,
     ),
 }
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """A medium-track record as values of the fields above (over the x01 defaults), with what its
-    record published upstream (records/track_2_medium/<folder>/ of KellerJordan/modded-nanogpt)."""
+    """A medium-track record as the values of the fields above it changes (over the defaults, which
+    are the current record), with what its record published upstream (records/track_2_medium/<folder>/
+    of KellerJordan/modded-nanogpt). The records before the current one run from their frozen
+    script (records/x01_lineage/)."""
     values: dict
     date: str
     folder: str
@@ -414,74 +380,26 @@ class Recipe:
     at_preset: dict = field(default_factory=dict)
 
 
-SNOO = dict(snoo_period=28, snoo_lr=0.68, snoo_momentum=0.37)
-SMOOTHED_SNOO = dict(SNOO, muon_update_smoothing="ema", smoothing_beta_start=0.2, smoothing_beta=0.2,
-                     smoothing_ramp_steps=0, lr_floor=0.01, muon_lr=0.03)
-
-# `--recipe NAME`: applied after the preset, before your flags. A preset keeps its scale (where it and
-# the recipe set the same field, as tiny's num_iterations, the preset wins) and the recipe its
-# switches; `at_preset` adapts constants that count steps. Under tiny: 200 steps for every recipe
-# (the records' cuts of 15-155 steps are what each idea buys at full length, 0.3-2.7%, which 200
-# steps cannot resolve; equal lengths keep the tiny recipes comparable step for step), Snoo's
-# period stays 28 inner steps (8 outer steps in 200), and the 3000-step smoothing ramp keeps its
-# share of the run: 3000 / 5610 x 200 = 107 steps.
+# `--recipe NAME`: applied after the preset, before your flags. A preset keeps its scale (where it
+# and the recipe set the same field, the preset wins) and the recipe its switches; `at_preset`
+# adapts constants that count steps.
+# the x01 lineage's records (2025-09-11 .. 2025-11-02) run from their own frozen script
+FROZEN_SCRIPT = "records/x01_lineage/train_gpt_medium.py"
+FROZEN_RECIPES = ("x01", "snoo", "update_smoothing", "smoothed_snoo", "backout", "smear")
 RECIPES: dict[str, Recipe] = {
-    "x01": Recipe({}, "2025-09-11", "2025-09-11_GPT2MediumX01", "the defaults: a second input embedding",
-                  1412.45, 19, 3.6e-4, 53_988),
-    "snoo": Recipe(dict(SNOO, muon_lr=0.027, num_iterations=5640), "2025-09-16", "2025-09-16_Snoo",
-                   "Snoo outer optimizer (period 28, lr 0.68, momentum 0.37)", 1404.03, 30, 0.0032, 56_505),
-    "update_smoothing": Recipe(
-        dict(muon_update_smoothing="interpolated", smoothing_beta_start=0.5, smoothing_beta=0.2,
-             smoothing_ramp_steps=3000, lr_floor=0.01, muon_lr=0.03, num_iterations=5610),
-        "2025-09-17", "2025-09-17_UpdateSmoothing",
-        "Muon update smoothing, applied beta*S + (1-beta)*u, beta 0.5 -> 0.2 over 3000 steps; lr floor 0.01 (no Snoo)",
-        1410.96, 160, 3.2e-5, 54_036, time_note="on the author's machine, where x01 took 1422.9 s",
-        at_preset=dict(tiny=dict(smoothing_ramp_steps=107))),
-    "smoothed_snoo": Recipe(dict(SMOOTHED_SNOO, num_iterations=5590), "2025-09-30", "2025-09-30_SmoothedSnooMedium",
-                            "Snoo + Muon update smoothing applying S, beta 0.2; lr floor 0.01",
-                            1405.70, 160, 1.2e-11, 56_556, time_note="on the author's machine"),
-    "backout": Recipe(dict(SMOOTHED_SNOO, backout="mix", backout_layer=11, num_iterations=5550), "2025-10-04",
-                      "2025-10-04_GPT2MediumLayerReuse", "smoothed_snoo + head input a*norm(h15) + b*norm(h11)",
-                      1384.62, 22, 1.26e-4, 56_812),
-    "smear": Recipe(dict(SMOOTHED_SNOO, backout="mix", backout_layer=11, head_smear=True, num_iterations=5535),
-                    "2025-11-02", "2025-11-02-Smear-MTP", "backout + head input smeared from the previous position",
-                    1374.69, 26, 1.13e-5, 56_810),
+    "bulk": Recipe({}, "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
+                   "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, "
+                   "tied->untied embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam "
+                   "on odd steps", 1041.28, 2, 0.0046, 57_397),
 }
-
-
-# The 2025-12-31 record ("bulk transfer of the short track's features", docs/bulk.md): its own
-# lineage, not built on the recipes above. Its model, its optimizers (with the base lrs of its
-# Adam groups), and its step grid (BULK_RECORD_GRID: batch ramp, windows, lr peaks and floor,
-# extension steps), whose embedding split lands on the grid's odd step.
-BULK_MODEL = dict(
-    attention_free_layers=(), attn_scale=0.1, token_windows=True, yarn_window_limit=13, rotary_bf16=True,
-    key_offset=True, prenorm_attention=True, qkv_init_std=1.0, attn_output_gate=True, value_embed_gate=True,
-    value_embed_zero_init=True, residual_scale_init=1.05, separate_x0_lambdas=True, gated_skips=True,
-    smear_embed=True, mlp_proj_transposed=True, logit_softcap_form="sigmoid", train_loss_reduction="sum",
-    pad_vocab_tables=True, scalar_pad_multiple=8, fp32_block_weights=True, table_multipliers=True,
-    multi_token_prediction=True, backout="subtract", backout_layer=11)
-BULK_OPTIMIZERS = dict(
-    orthogonalization="polar_express", muon_row_normalization=True, muon_cautious_weight_decay=True,
-    muon_lr_shape="stored", muon_lr=0.015, muon_weight_decay=1.2, mlp_weight_decay_mul=1.0,
-    adam_variant="cautious_bf16", adam_weight_decay=0.005, adam_odd_steps_only=True, adam_eps=1e-8,
-    head_lr=0.004, embed_lr=0.004, x0_lambdas_lr=0.004, gates_lr=0.004, scalar_lr=0.008,
-    scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)
-BULK_EXECUTION = dict(coordinate_descent_tuning=False)
-
-
-# the embedding split is `auto`: it follows the scheduled steps (785 for the record, 33 for tiny)
-RECIPES["bulk"] = Recipe(
-    dict(BULK_MODEL, **BULK_OPTIMIZERS, **BULK_EXECUTION, **BULK_RECORD_GRID["medium"],
-         untie_embed_after_step=None), "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
-    "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, tied->untied "
-    "embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam on odd steps",
-    1041.28, 2, 0.0046, 57_397,
-    at_preset=dict(tiny=BULK_RECORD_GRID["tiny"]))
 
 
 def recipe_values(preset: str, name: str) -> dict:
     """The fields recipe `name` sets under `preset`: its values, except those the preset sets itself
     (its scale), then its values for that preset."""
+    if name in FROZEN_RECIPES:
+        raise ConfigError(f"--recipe: {name} is an earlier record of the x01 lineage: run it from its frozen script, "
+                          f"python {FROZEN_SCRIPT} --recipe={name}")
     if name not in RECIPES:
         raise ConfigError(f"--recipe: unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
     entry = RECIPES[name]
@@ -490,44 +408,11 @@ def recipe_values(preset: str, name: str) -> dict:
 
 
 # =============================================================================
-# 2. Schedules: learning rate, Muon momentum, attention window
-
-def lr_multiplier(step: int, config: Hyperparameters) -> float:
-    """1.0, then a linear cooldown over the last cooldown_frac of the run, from 1 to lr_floor (0 in
-    the record): w * (1 - floor) + floor with w = (1 - x) / cooldown_frac going from 1 to 0."""
-    x = step / config.num_iterations
-    if x < 1 - config.cooldown_frac:
-        return 1.0
-    cooldown = max((1 - x) / config.cooldown_frac, 0.0)
-    return cooldown * (1 - config.lr_floor) + config.lr_floor  # floor 0: exactly `cooldown`
-
-
-def muon_momentum(step: int, config: Hyperparameters) -> float:
-    frac = min(step / config.muon_momentum_warmup_steps, 1.0) if config.muon_momentum_warmup_steps else 1.0
-    return (1 - frac) * config.muon_momentum_start + frac * config.muon_momentum
-
-
-def update_smoothing_beta(step: int, config: Hyperparameters) -> float:
-    """Muon update smoothing's beta: linear from smoothing_beta_start to smoothing_beta over the
-    first smoothing_ramp_steps steps (absolute steps, however long the run), then constant."""
-    frac = min(step / config.smoothing_ramp_steps, 1) if config.smoothing_ramp_steps else 1
-    return (1 - frac) * config.smoothing_beta_start + frac * config.smoothing_beta
-
-
-def window_blocks(step: int, config: Hyperparameters) -> int:
-    """Long sliding window in blocks: grows along 4x^3 - 6x^2 + 3x from 1 block to max_window_tokens."""
-    x = step / config.num_iterations
-    factor = 4 * x**3 - 6 * x**2 + 3 * x
-    bs = config.attn_block_size
-    tokens = max(math.ceil(config.max_window_tokens * factor / bs) * bs, bs)
-    return tokens // bs
-
-
-# ---- the step grid (docs/bulk-data.md): each schedule of the 2025-12-31 record as a pure function
-# of the step. S = num_iterations - extension_steps scheduled steps; a schedule tuple of n entries
-# cuts them into n slots (slot = floor(n * step / S)); steps S .. num_iterations - 1 are the
-# extension. The float expressions keep the record's order of operations (x = step / S first), so
-# every value, boundary steps included, is the record's to the last bit.
+# 2. Schedules on the step grid (docs/bulk-data.md): each a pure function of the step. S =
+# num_iterations - extension_steps scheduled steps; a schedule tuple of n entries cuts them into n
+# slots (slot = floor(n * step / S)); steps S .. num_iterations - 1 are the extension. The float
+# expressions keep the record's order of operations (x = step / S first), so every value, boundary
+# steps included, is the record's to the last bit.
 
 SHORT_WINDOW_CAP = 11  # blocks: in the scheduled steps the short window is min(11, long // 2)
 EMBEDDING_SPLIT_FRACTION = 2 / 3 / 4  # of S, rounded up to an odd step: where tied embeddings untie
@@ -541,12 +426,6 @@ def scheduled_steps(config: Hyperparameters) -> int:
 def grid_slot(step: int, config: Hyperparameters, slots: int) -> int:
     """The slot (0 .. slots-1) of a scheduled step on a grid of `slots` slots."""
     return int(slots * (step / scheduled_steps(config)))
-
-
-def uses_step_grid(config: Hyperparameters) -> bool:
-    """Whether any schedule runs on the step grid (then the warm-up and the benchmark visit its phases)."""
-    return bool(config.batch_schedule or config.window_schedule or config.lr_peaks or config.extension_steps
-                or config.multi_token_prediction or untie_step(config))
 
 
 def batch_tokens(step: int, config: Hyperparameters) -> int:
@@ -585,14 +464,13 @@ def grid_lr_multiplier(step: int, config: Hyperparameters, floor: float) -> floa
 
 def lr_schedule(step: int, config: Hyperparameters) -> float:
     """The lr multiplier every optimizer group applies at `step`."""
-    return grid_lr_multiplier(step, config, config.lr_floor) if config.lr_peaks else lr_multiplier(step, config)
+    return grid_lr_multiplier(step, config, config.lr_floor)
 
 
-def muon_momentum_with_cooldown(step: int, config: Hyperparameters) -> float:
-    """The warm-up from muon_momentum_start, then muon_momentum, and over the last
-    muon_momentum_cooldown_steps steps a straight line back down (the last step stops one step
-    short of muon_momentum_start). Written as start + frac * (end - start), which can differ from
-    muon_momentum's form in the last bit of a float64 (never in a float32)."""
+def momentum_schedule(step: int, config: Hyperparameters) -> float:
+    """The Muon momentum at `step`: the warm-up from muon_momentum_start, then muon_momentum, and
+    over the last muon_momentum_cooldown_steps steps a straight line back down (the last step stops
+    one step short of muon_momentum_start)."""
     start, end = config.muon_momentum_start, config.muon_momentum
     warmup, cooldown = config.muon_momentum_warmup_steps, config.muon_momentum_cooldown_steps
     cooldown_start = config.num_iterations - cooldown
@@ -603,22 +481,11 @@ def muon_momentum_with_cooldown(step: int, config: Hyperparameters) -> float:
     return end
 
 
-def momentum_schedule(step: int, config: Hyperparameters) -> float:
-    """The Muon momentum at `step`."""
-    if config.muon_momentum_cooldown_steps:
-        return muon_momentum_with_cooldown(step, config)
-    return muon_momentum(step, config)
-
-
 def attention_windows(step: int, config: Hyperparameters) -> tuple[int, int]:
     """(long, short) attention windows in blocks at `step`; step num_iterations is the final
-    validation. With a window_schedule: the slot's long window and min(11, long // 2); in the
-    extension the last slot's (short: its half); at the final validation max_window_tokens with
-    the extension's short window. Without: the cubic growth, short = long // 2."""
+    validation. The slot's long window and min(11, long // 2); in the extension the last slot's
+    (short: its half); at the final validation max_window_tokens with the extension's short window."""
     schedule = config.window_schedule
-    if not schedule:
-        long = window_blocks(step, config)
-        return long, long // 2
     if step >= config.num_iterations:
         return config.max_window_tokens // config.attn_block_size, schedule[-1] // 2
     if step >= scheduled_steps(config):
@@ -686,19 +553,17 @@ def grid_changes(config: Hyperparameters) -> list[int]:
         if (batch_tokens(step, config) != batch_tokens(step - 1, config)
                 or config.multi_token_prediction
                 and len(multi_token_weights(step, config)) != len(multi_token_weights(step - 1, config))
-                or config.window_schedule and attention_windows(step, config) != attention_windows(step - 1, config)):
+                or attention_windows(step, config) != attention_windows(step - 1, config)):
             changes.add(step)
     return sorted(changes)
 
 
 def warmup_schedule(config: Hyperparameters) -> list[int]:
-    """The steps the untimed compile warm-up runs: the first warmup_steps steps, and on a step grid
-    also the steps around each of its changes (so every batch shape and phase compiles before the
-    clock starts). warmup_steps=0: none."""
+    """The steps the untimed compile warm-up runs: the first warmup_steps steps and the steps around
+    each change of the step grid (so every batch shape and phase compiles before the clock starts).
+    warmup_steps=0: none."""
     if not config.warmup_steps:
         return []
-    if not uses_step_grid(config):
-        return list(range(config.warmup_steps))
     steps = set(range(config.warmup_steps))
     for change in grid_changes(config):
         steps |= {change - 1, change, change + 1}
@@ -706,8 +571,9 @@ def warmup_schedule(config: Hyperparameters) -> list[int]:
 
 
 # =============================================================================
-# 3. Muon: orthogonalized momentum for the matrices inside the blocks (and the bulk record's
-#    optimizers); Snoo, an outer step around all
+# 3. Optimizers (docs/bulk-optimizers.md): Muon (NorMuon with Polar Express) for the matrices inside
+#    the blocks, a cautious Adam for tables, head, scalars and small gates. Each part of Muon is
+#    switched by its own field (section 1).
 
 _compiled_functions: dict = {}
 
@@ -721,6 +587,39 @@ def compiled(fn, **options):
     if key not in _compiled_functions:
         _compiled_functions[key] = torch.compile(fn, dynamic=False, **options)
     return _compiled_functions[key]
+
+
+class as_cuda:
+    """In-place arithmetic rounded as CUDA's kernels round it, on any device: the optimizers' math
+    calls these where the record's bf16 arithmetic is sensitive to rounding, so the CPU computes
+    what the GPU does (and the tests can check the record's numbers on a CPU). On CUDA each is the
+    plain torch call. PyTorch's CPU kernels differ for a bf16 tensor t:
+    - add_: t += alpha * other. CUDA forms it in fp32 with alpha (and a number `other`) in fp32,
+      one fused multiply-add, rounded once; the CPU rounds alpha or the number to bf16 first
+      (0.2 becomes 0.2002, 8.1566 becomes 8.1875, 1e-8 becomes 1.0012e-8).
+    - addcmul_: t += value * (a * b). CUDA forms a*b in fp32, then one fused multiply-add with
+      value; the CPU forms (value*a)*b (any dtype).
+    - rsqrt_: t = 1/sqrt(t). CUDA computes in fp32 and rounds once; the CPU computes the elements
+      of a bf16 tensor that do not fill a vector register (a gate's statistic: one value per head)
+      in bf16 arithmetic, a quarter of them one bf16 step off."""
+
+    @staticmethod
+    def add_(t: torch.Tensor, other, alpha: float = 1.0) -> torch.Tensor:
+        if t.is_cuda or t.dtype != torch.bfloat16:
+            return t.add_(other, alpha=alpha)
+        return t.copy_(t.float().add_(other.float() if torch.is_tensor(other) else other, alpha=alpha))
+
+    @staticmethod
+    def addcmul_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float) -> torch.Tensor:
+        if t.is_cuda:
+            return t.addcmul_(a, b, value=value)
+        return t.copy_(t.float().add_(a.float() * b.float(), alpha=value))
+
+    @staticmethod
+    def rsqrt_(t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda or t.dtype != torch.bfloat16:
+            return t.rsqrt_()
+        return t.copy_(t.float().rsqrt_())
 
 
 # (a, b, c) of each Newton-Schulz iteration: quintic steps tuned to pull singular values into
@@ -761,45 +660,6 @@ def store_halves(master: torch.Tensor, weight: torch.Tensor, low_bits: torch.Ten
     low_bits.copy_(bits.to(torch.int16))  # int32 -> int16 keeps the low 16 bits
 
 
-def muon_update(weight: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,
-                low_bits: Optional[torch.Tensor], momentum: torch.Tensor, one_minus_momentum: torch.Tensor,
-                decay: torch.Tensor, step_size: torch.Tensor, smoothed_update: Optional[torch.Tensor] = None,
-                smoothing: Optional[torch.Tensor] = None, one_minus_smoothing: Optional[torch.Tensor] = None,
-                apply_smoothed: bool = False) -> None:
-    """One matrix's Muon step, in place: momentum, Nesterov, orthogonalization, (update smoothing),
-    decoupled weight decay and the update, on the fp32 master (the weight itself, or bf16 weight +
-    low bits).
-
-    The scalars are 0-d fp32 tensors on the matrix's device, refilled in place each step, so that
-    the compiled version of this function never recompiles for a new lr or momentum. `Muon.step`
-    computes them in Python floats: 1 - m, 1 - lr*wd*wd_mul, -lr*lr_mul*sqrt(max(1, rows/cols)), beta,
-    1 - beta.
-    """
-    grad = grad.float()  # the gradient itself for fp32 weights: only read, never written
-    momentum_buffer.lerp_(grad, one_minus_momentum)
-    update = orthogonalize(grad.lerp(momentum_buffer, momentum), weight.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
-    if smoothed_update is not None:
-        update = smooth_update(update, smoothed_update, smoothing, one_minus_smoothing, apply_smoothed)
-    master = fp32_from_halves(weight, low_bits) if low_bits is not None else weight
-    master.mul_(decay)
-    master.addcmul_(update.float(), step_size)  # eager: bit for bit what add_(update, alpha=step_size) gives
-    if low_bits is not None:
-        store_halves(master, weight, low_bits)
-
-
-def smooth_update(update: torch.Tensor, smoothed_update: torch.Tensor, smoothing: torch.Tensor,
-                  one_minus_smoothing: torch.Tensor, apply_smoothed: bool) -> torch.Tensor:
-    """Muon update smoothing (--muon_update_smoothing): S <- beta*S + (1-beta)*u, stored in S's dtype;
-    the update applied is S (ema) or beta*S + (1-beta)*u (interpolated). No bias correction: S
-    starts at 0. Both are formed in fp32 from the fp32 value of the new S, not its stored rounding:
-    what the compiled update computes (fused intermediates stay fp32) and what the records' compiled
-    update computed; eagerly, on fp32 weights, it is the same arithmetic. beta = 0 returns u."""
-    u = update.float()
-    new = smoothing * smoothed_update.float() + one_minus_smoothing * u
-    smoothed_update.copy_(new)
-    return new if apply_smoothed else smoothing * new + one_minus_smoothing * u
-
-
 def multiplier_key(p: nn.Parameter) -> tuple:
     """(shape, lr_mul, wd_mul): a parameter's lr and weight-decay multipliers are attributes set
     where it is created (absent: 1.0); Muon groups matrices that share all three."""
@@ -821,178 +681,6 @@ def block_view(p: torch.Tensor, group: dict):
     return lambda t: t if t.shape == shape else t.view(shape)
 
 
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz, for bf16 matrices with fp32-precise updates
-    (fp32 matrices, as on CPU, are simply updated in place and iterate in fp32).
-
-    Matrices are sorted by size and dealt round-robin to ranks within groups of one shape;
-    each rank updates its own (holding their momentum and low bits) and all-gathers the rest.
-    Gradients must already be averaged over ranks. With `compile_update` each matrix's update
-    is one compiled function (eagerly it is about 60 small kernels per matrix); it compiles once
-    per distinct matrix shape (3 in the record). `update_smoothing` (off, interpolated, ema) adds
-    the smoothed update S of each matrix, in the weight's dtype, held by its owner; each group's
-    "update_smoothing" is its beta, set per step like the lr.
-    """
-
-    SCALARS = ("momentum", "one_minus_momentum", "decay", "step_size")
-
-    def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
-                 rank: int = 0, world_size: int = 1, compile_update: bool = False, update_smoothing: str = "off"):
-        groups = []
-        for group in param_groups:  # split each group by shape (a gather moves one shape) and by multipliers
-            params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
-            for shape, lr_mul, wd_mul in dict.fromkeys(multiplier_key(p) for p in params):
-                groups.append({**group, "params": [p for p in params if multiplier_key(p) == (shape, lr_mul, wd_mul)],
-                               "lr_mul": lr_mul, "wd_mul": group.get("wd_mul", 1.0) * wd_mul})
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0)
-        if update_smoothing != "off":
-            defaults.update(update_smoothing=0.0)
-        super().__init__(groups, defaults)
-        self.rank, self.world_size, self.smoothing = rank, world_size, update_smoothing
-        self.update = compiled(muon_update, fullgraph=True) if compile_update else muon_update
-        # per group, the update's scalars: device tensors refilled in place (no recompile, no host sync)
-        names = self.SCALARS + (("smoothing", "one_minus_smoothing") if update_smoothing != "off" else ())
-        self.scalars = [{name: torch.zeros((), device=group["params"][0].device) for name in names}
-                        for group in self.param_groups]
-        for group in self.param_groups:
-            for p in self.owned(group):
-                self.state[p] = self.new_state(group, p)
-
-    def new_state(self, group: dict, p: nn.Parameter) -> dict:
-        state = dict(momentum_buffer=torch.zeros_like(p, dtype=torch.float32))
-        if p.dtype == torch.bfloat16:
-            state["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
-        if self.smoothing != "off":
-            state["smoothed_update"] = torch.zeros_like(p)
-        return state
-
-    def owned(self, group: dict) -> list[nn.Parameter]:
-        return group["params"][self.rank::self.world_size]
-
-    @torch.no_grad()
-    def step(self):
-        pending = []
-        for group, scalars in zip(self.param_groups, self.scalars):
-            self._fill_scalars(group, scalars)
-            params, W = group["params"], self.world_size
-            for base in range(0, len(params), W):
-                chunk = params[base:base + W]
-                mine = chunk[self.rank] if self.rank < len(chunk) else None
-                if mine is not None:
-                    self.update_matrix(group, scalars, mine)
-                if W > 1:  # everyone sends its updated matrix (or padding) and receives the rest
-                    send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
-                    outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
-                               for r in range(W)]
-                    pending.append(dist.all_gather(outputs, send, async_op=True))
-        for work in pending:
-            work.wait()
-
-    def update_matrix(self, group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
-        """This rank's step of one matrix it owns, on views split into the group's blocks."""
-        state, as_blocks = self.state[p], block_view(p, group)
-        low_bits = state.get("low_bits")
-        smoothing = {} if self.smoothing == "off" else dict(
-            smoothed_update=as_blocks(state["smoothed_update"]), apply_smoothed=self.smoothing == "ema")
-        self.update(as_blocks(p.data), as_blocks(p.grad), as_blocks(state["momentum_buffer"]),
-                    as_blocks(low_bits) if low_bits is not None else None, **scalars, **smoothing)
-
-    def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
-        """The group's lr, momentum and decay as the update's scalars, computed in Python floats
-        (float64) and rounded once to fp32, as the arithmetic on Python scalars always did."""
-        m, lr = group["momentum"], group["lr"]
-        rows, cols = orthogonalized_shape(group["params"][0], group)[-2:]
-        values = dict(momentum=m, one_minus_momentum=1 - m, decay=1 - lr * group["weight_decay"] * group["wd_mul"],
-                      step_size=-lr * group["lr_mul"] * max(1.0, rows / cols) ** 0.5)
-        if "smoothing" in scalars:
-            beta = group["update_smoothing"]
-            values.update(smoothing=beta, one_minus_smoothing=1 - beta)
-        for name, value in values.items():
-            scalars[name].fill_(value)  # a kernel launch on CUDA, not a host-to-device copy
-
-
-# ---- Snoo: a sparse Nesterov outer step around all the optimizers above (--snoo_period)
-
-# Elements per piece of an outer update: its float64 temporaries stay near 0.5 GB whatever the tensor.
-OUTER_CHUNK = 1 << 24
-
-
-@torch.no_grad()
-def snoo_outer_update(weight: torch.Tensor, anchor: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
-                      lr: float, momentum: float) -> torch.Tensor:
-    """One parameter's outer step, in place; returns the momentum buffer (a new one on the first step).
-
-    The displacement d = anchor - weight, in the weight's dtype, is the "gradient" of an SGD step with
-    Nesterov momentum from the anchor: b = d on the first step, else momentum*b + d;
-    weight = anchor - lr*(d + momentum*b); then anchor = weight. The arithmetic is that of torch's
-    fused CUDA SGD kernel, which the records ran: d, b and the weights are read as fp32, combined with
-    the float64 lr and momentum in float64, and rounded to fp32 where the kernel assigns an fp32
-    variable (the Nesterov direction, the new weight) and from there to the storage dtype on store
-    (b, the weight). The Nesterov term uses b before its store rounding. Each float64 product and sum
-    rounds on its own here; nvcc may fuse one into a multiply-add (one rounding fewer), which can move
-    an fp32 result by one ulp in about one element in 2^29.
-    """
-    first = momentum_buffer is None
-    if first:
-        momentum_buffer = torch.empty_like(weight)
-    pieces = zip(*(t.view(-1).split(OUTER_CHUNK) for t in (weight, anchor, momentum_buffer)))
-    for w, a, b in pieces:
-        displacement = a - w  # rounded to the storage dtype, like the record's p.grad = anchor - weight
-        d = displacement.double()
-        buf = d if first else b.double() * momentum + d
-        b.copy_(buf.float())  # float64 -> fp32 -> storage dtype, as the kernel's store
-        direction = (d + buf * momentum).float().double()
-        w.copy_((a.double() - direction * lr).float())
-        a.copy_(w)
-    return momentum_buffer
-
-
-class Snoo:
-    """The outer optimizer (--snoo_period k): every k-th call (the first included) moves every
-    parameter by `snoo_outer_update` from its anchor, then makes the result the new anchor.
-
-    Called once per training step after the inner optimizers, so the outer steps follow the inner
-    steps of steps 0, k, 2k, ... State, the same on every rank (every rank updates the replicated
-    weights identically): an anchor per parameter (a copy taken at construction), a momentum
-    buffer per parameter from the first outer step on, both in the parameter's dtype, and the call
-    counter. The final model is the inner iterate. A bf16 weight whose fp32 master Muon holds as
-    bf16 + low 16 bits gets only its bf16 half rewritten: the low bits stay those of the inner step
-    (the records' arithmetic) unless `low_bits_of(p)` gives them to clear (--snoo_low_bits=clear).
-    """
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], period: int, lr: float, momentum: float,
-                 low_bits_of=None):
-        self.params, self.period, self.lr, self.momentum = named_params, period, lr, momentum
-        self.low_bits_of = low_bits_of
-        self.anchors = {name: p.detach().clone() for name, p in named_params}
-        self.momentum_buffers: dict[str, torch.Tensor] = {}
-        self.counter = 0
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if self.counter % self.period == 0:
-            for name, p in self.params:
-                self.momentum_buffers[name] = snoo_outer_update(p.data, self.anchors[name],
-                                                                self.momentum_buffers.get(name), self.lr, self.momentum)
-                low_bits = self.low_bits_of(p) if self.low_bits_of else None
-                if low_bits is not None:
-                    low_bits.zero_()  # the master is now exactly the weight the outer step wrote
-        self.counter += 1
-
-    def state_dict(self, device=None) -> dict:
-        """Copies of the state (on `device` if given): counter, anchors, momentum buffers by name."""
-        return dict(counter=self.counter, anchors={k: _copy(v, device) for k, v in self.anchors.items()},
-                    momentum_buffers={k: _copy(v, device) for k, v in self.momentum_buffers.items()})
-
-    def load_state_dict(self, state: dict) -> None:
-        self.counter = state["counter"]
-        for name, anchor in self.anchors.items():
-            anchor.copy_(state["anchors"][name])
-        self.momentum_buffers = {name: _copy(v, self.anchors[name].device)
-                                 for name, v in state["momentum_buffers"].items()}
-# ---- the bulk record's optimizers (docs/bulk-optimizers.md): Polar Express, NorMuon and its Adam.
-# Each part is switched by its own field (section 1); a part that is off is never built or called.
-
 # (a, b, c) of the five Polar Express steps. Each step's coefficients are tuned for where that step
 # finds the singular values (the first lifts tiny ones hard, the last settle near 1), so five steps
 # land closer to the polar factor than five repetitions of one polynomial.
@@ -1008,35 +696,6 @@ POLAR_EXPRESS_COEFFS = (
 POLAR_EXPRESS_NORM_SCALE, POLAR_EXPRESS_EPS = 1.02, 1e-6
 
 
-def add_as_cuda_(t: torch.Tensor, other, alpha: float = 1.0) -> torch.Tensor:
-    """t += alpha * other in place (`other` a tensor or a number), as CUDA's kernels compute it:
-    in fp32, alpha and numbers in fp32, one fused multiply-add, rounded once to t's dtype. On
-    CUDA that is t.add_. PyTorch's CPU kernels round alpha, or a number added, to bf16 first
-    when t is bf16 (0.2 becomes 0.2002, 8.1566 becomes 8.1875, 1e-8 becomes 1.0012e-8), so on
-    the CPU a bf16 t gets the fp32 sum formed explicitly."""
-    if t.is_cuda or t.dtype != torch.bfloat16:
-        return t.add_(other, alpha=alpha)
-    return t.copy_(t.float().add_(other.float() if torch.is_tensor(other) else other, alpha=alpha))
-
-
-def addcmul_as_cuda_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float) -> torch.Tensor:
-    """t += value * (a * b) in place, as CUDA's kernel computes it: a*b in fp32, then one fused
-    multiply-add with value, rounded once to t's dtype (PyTorch's CPU kernel forms (value*a)*b)."""
-    if t.is_cuda:
-        return t.addcmul_(a, b, value=value)
-    return t.copy_(t.float().add_(a.float() * b.float(), alpha=value))
-
-
-def rsqrt_as_cuda_(t: torch.Tensor) -> torch.Tensor:
-    """t = 1/sqrt(t) in place, as CUDA's kernel computes it: in fp32, rounded once to t's dtype. On
-    CUDA that is t.rsqrt_. PyTorch's CPU kernel computes the elements of a bf16 tensor that do not
-    fill a vector register (all of a gate's statistic, one value per head) in bf16 arithmetic: a
-    quarter of those results are one bf16 step off. So on the CPU a bf16 t goes through fp32."""
-    if t.is_cuda or t.dtype != torch.bfloat16:
-        return t.rsqrt_()
-    return t.copy_(t.float().rsqrt_())
-
-
 def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: float = POLAR_EXPRESS_NORM_SCALE,
                   eps: float = POLAR_EXPRESS_EPS, dtype=torch.bfloat16, split_last_product: bool = False) -> torch.Tensor:
     """Approximate U V^T of G = U S V^T for each matrix in the last two dims, every operation in
@@ -1050,12 +709,12 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: floa
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
-    X = (X / add_as_cuda_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
+    X = (X / as_cuda.add_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
     plus_product = torch.baddbmm if X.ndim > 2 else torch.addmm  # beta*input + alpha*(m1 @ m2), rounded once
     for a, b, c in coeffs:
         A = X @ X.mT
         B = plus_product(A, A, A.mT, beta=b, alpha=c)
-        X = add_as_cuda_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
+        X = as_cuda.add_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
     return X.mT if transposed else X
 
 
@@ -1080,12 +739,12 @@ def normuon_row_normalize(update: torch.Tensor, row_mean_square: torch.Tensor, b
     dtype, no bias correction), then each row is scaled by 1/sqrt(max(row_mean_square, 1e-10)) and
     the whole matrix by |update|_F / |scaled|_F (its Frobenius norm is kept). The order and dtype
     of every operation are the record's; the norms are computed from r, not from the update; the
-    reciprocal square root is CUDA's (rsqrt_as_cuda_)."""
+    reciprocal square root is CUDA's (as_cuda)."""
     r = update.float().square().mean(dim=reduce_dim, keepdim=True)
     n = update.size(reduce_dim)
     norm = r.sum(dim=(-2, -1), keepdim=True).mul_(n).sqrt_()
     row_mean_square.lerp_(r.to(row_mean_square.dtype), 1 - beta2)
-    row_scale = rsqrt_as_cuda_(row_mean_square.clamp_min(1e-10))
+    row_scale = as_cuda.rsqrt_(row_mean_square.clamp_min(1e-10))
     scaled_norm = ((r * n) * row_scale.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
     scale = row_scale * (norm / scaled_norm.clamp_min_(1e-10))
     return update.mul_(scale.type_as(update))
@@ -1116,38 +775,55 @@ def decoupled_step(master: torch.Tensor, update: torch.Tensor, decay: torch.Tens
     master.addcmul_(update.float(), step_size)
 
 
-class NorMuon(Muon):
-    """Muon as the bulk record runs it, each part switched on its own: Polar Express instead of
-    Newton-Schulz, the row normalization, cautious weight decay quadratic in the lr (decay factor
-    weight_decay * wd_mul * lr * lr_eff with lr_eff = lr * lr_mul * shape factor), and the lr
-    shape factor sqrt(max(1, rows/cols)) of the stored matrix or of each block. With every part at
-    Muon's setting it is Muon.
+class Muon(torch.optim.Optimizer):
+    """Muon as the record runs it (NorMuon), for the matrices inside the blocks and the heads'
+    gates. Per matrix: Nesterov momentum (EMA form), orthogonalization (Polar Express, or
+    Newton-Schulz), the row normalization, then the step with cautious weight decay, quadratic in
+    the lr (decay factor weight_decay * wd_mul * lr * lr_eff with lr_eff = lr * lr_mul * shape
+    factor), where the shape factor is sqrt(max(1, rows/cols)) of the stored matrix or of each
+    block. Each part is a switch; with all four at their x01 setting (newton_schulz, no row
+    normalization, decoupled decay w *= 1 - lr*wd*wd_mul, block shape) it is plain Muon.
 
-    Dtypes: a group with "gate": True (the record's attention and value-embedding gates) keeps
-    its momentum and row statistic in the gates' dtype and updates them in place in it (bf16 on a
-    GPU, as the record: no fp32 master). Other matrices have fp32 state; bf16 ones keep Muon's
-    16 low bits (the bulk model stores its matrices in fp32, so it has none). The round-robin
-    sharding, the gathers and checkpoints are Muon's.
+    Matrices are sorted by size and dealt round-robin to ranks within groups of one shape and one
+    pair of multipliers; each rank updates its own (holding their state) and all-gathers the rest.
+    Gradients must already be averaged over ranks. Dtypes: a group with "gate": True keeps its
+    momentum and row statistic in the gates' dtype and updates them in place in it (bf16 on a GPU,
+    as the record: no fp32 master). Other matrices have fp32 state; a bf16 matrix keeps the 16 low
+    bits of its fp32 master (the record stores its matrices in fp32, so it has none).
 
     With compile_update the three steps the record compiles (orthogonalization, row
-    normalization, cautious step) are compiled separately, each with fullgraph, so the compiler
-    fuses the same operations as the record's; the momentum runs eagerly, as there.
+    normalization, the step) are compiled separately, each with fullgraph, so the compiler fuses
+    the same operations as the record's; the momentum runs eagerly, as there. Each step's
+    scalars are 0-d fp32 tensors refilled in place, so a new lr or momentum never recompiles.
     """
 
-    SCALARS = Muon.SCALARS + ("lr_factor", "wd_factor")
+    SCALARS = ("momentum", "one_minus_momentum", "decay", "step_size", "lr_factor", "wd_factor")
 
     def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
                  rank: int = 0, world_size: int = 1, compile_update: bool = False, *,
                  orthogonalization: str = "polar_express", row_normalization: bool = True, row_beta2: float = 0.95,
                  cautious_weight_decay: bool = True, lr_shape: str = "stored"):
+        groups = []
+        for group in param_groups:  # split each group by shape (a gather moves one shape) and by multipliers
+            params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
+            for shape, lr_mul, wd_mul in dict.fromkeys(multiplier_key(p) for p in params):
+                groups.append({**group, "params": [p for p in params if multiplier_key(p) == (shape, lr_mul, wd_mul)],
+                               "lr_mul": lr_mul, "wd_mul": group.get("wd_mul", 1.0) * wd_mul})
+        super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0))
+        self.rank, self.world_size = rank, world_size
         self.orthogonalization, self.lr_shape = orthogonalization, lr_shape
         self.row_normalization, self.row_beta2 = row_normalization, row_beta2
         self.cautious_weight_decay = cautious_weight_decay
-        super().__init__(param_groups, lr, momentum, weight_decay, rank, world_size, compile_update)
         part = (lambda fn: compiled(fn, fullgraph=True)) if compile_update else (lambda fn: fn)
         self.orthogonalize = part(polar_express if orthogonalization == "polar_express" else orthogonalize)
         self.row_normalize, self.cautious_step, self.decoupled_step = (
             part(normuon_row_normalize), part(cautious_step), part(decoupled_step))
+        # per group, the update's scalars: device tensors refilled in place (no recompile, no host sync)
+        self.scalars = [{name: torch.zeros((), device=group["params"][0].device) for name in self.SCALARS}
+                        for group in self.param_groups]
+        for group in self.param_groups:
+            for p in self.owned(group):
+                self.state[p] = self.new_state(group, p)
 
     def new_state(self, group: dict, p: nn.Parameter) -> dict:
         gate = group.get("gate", False)
@@ -1161,7 +837,30 @@ class NorMuon(Muon):
             state["row_mean_square"] = torch.zeros(shape, dtype=dtype, device=p.device)
         return state
 
+    def owned(self, group: dict) -> list[nn.Parameter]:
+        return group["params"][self.rank::self.world_size]
+
+    @torch.no_grad()
+    def step(self):
+        pending = []
+        for group, scalars in zip(self.param_groups, self.scalars):
+            self._fill_scalars(group, scalars)
+            params, W = group["params"], self.world_size
+            for base in range(0, len(params), W):
+                chunk = params[base:base + W]
+                mine = chunk[self.rank] if self.rank < len(chunk) else None
+                if mine is not None:
+                    self.update_matrix(group, scalars, mine)
+                if W > 1:  # everyone sends its updated matrix (or padding) and receives the rest
+                    send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
+                    outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
+                               for r in range(W)]
+                    pending.append(dist.all_gather(outputs, send, async_op=True))
+        for work in pending:
+            work.wait()
+
     def update_matrix(self, group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
+        """This rank's step of one matrix it owns, on views split into the group's blocks."""
         state, as_blocks = self.state[p], block_view(p, group)
         weight, low_bits = as_blocks(p.data), state.get("low_bits")
         g = nesterov_momentum(as_blocks(p.grad), as_blocks(state["momentum_buffer"]), scalars["momentum"],
@@ -1181,9 +880,10 @@ class NorMuon(Muon):
             store_halves(master, weight, as_blocks(low_bits))
 
     def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
-        """Momentum, and the step's factors. Cautious: lr_factor = lr * lr_mul * shape factor and
-        wd_factor = wd_mul * weight_decay * lr, each product rounded to fp32 as the record's fp32
-        multiplier vectors round it. Otherwise Muon's decay and step size."""
+        """Momentum, and the step's factors, computed in Python floats and rounded once to fp32.
+        Cautious: lr_factor = lr * lr_mul * shape factor and wd_factor = wd_mul * weight_decay * lr,
+        each product rounded to fp32 as the record's fp32 multiplier vectors round it. Otherwise
+        the decay 1 - lr*wd*wd_mul and the step size -lr * lr_mul * shape factor."""
         m, lr, p = group["momentum"], group["lr"], group["params"][0]
         rows, cols = ((p.numel() // p.shape[-1], p.shape[-1]) if self.lr_shape == "stored"
                       else orthogonalized_shape(p, group)[-2:])
@@ -1197,27 +897,27 @@ class NorMuon(Muon):
             values.update(decay=1 - lr * group["weight_decay"] * group["wd_mul"],
                           step_size=-lr * group["lr_mul"] * shape_factor)
         for name, value in values.items():
-            scalars[name].fill_(float(value))
+            scalars[name].fill_(float(value))  # a kernel launch on CUDA, not a host-to-device copy
 
 
 def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
                        eps: float, weight_decay: float, wd_mul: float) -> None:
-    """One parameter's step of the bulk record's Adam, in place, operation by operation in the
+    """One parameter's step of the record's Adam, in place, operation by operation in the
     record's order and dtypes (its step runs uncompiled): moments m, v in the weight's dtype;
     u = lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), so eps sits
     where torch's would be eps / sqrt(1 - beta2^t); then where u*p > 0 (strictly) u += lr^2 * wd *
     wd_mul * p; p -= u. Bias corrections and factors are Python floats, as there. Each operation
-    rounds as its CUDA kernel does (add_as_cuda_, addcmul_as_cuda_)."""
+    rounds as its CUDA kernel does (as_cuda)."""
     m, v = state["exp_avg"], state["exp_avg_sq"]
     state["step"] += 1
     t = state["step"]
-    add_as_cuda_(m.mul_(beta1), grad, alpha=1 - beta1)
-    addcmul_as_cuda_(v.mul_(beta2), grad, grad, value=1 - beta2)
+    as_cuda.add_(m.mul_(beta1), grad, alpha=1 - beta1)
+    as_cuda.addcmul_(v.mul_(beta2), grad, grad, value=1 - beta2)
     bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
-    denom = add_as_cuda_(v.sqrt(), eps)
+    denom = as_cuda.add_(v.sqrt(), eps)
     update = m.div(denom).mul_(lr * (bias2 ** 0.5 / bias1))
     same_sign = (update * p) > 0
-    addcmul_as_cuda_(update, p, same_sign, value=lr * weight_decay * wd_mul * lr)
+    as_cuda.addcmul_(update, p, same_sign, value=lr * weight_decay * wd_mul * lr)
     p.add_(update, alpha=-1.0)
 
 
@@ -1259,15 +959,6 @@ LOSS_CHUNK_TOKENS = 8192
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),))
-
-
-def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Half-truncated rotary: head_dim/4 frequencies then head_dim/4 zeros (those dims don't rotate)."""
-    quarter = head_dim // 4
-    freqs = (1 / base) ** torch.linspace(0, 1, quarter, dtype=torch.float32, device=device)
-    freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
-    theta = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), freqs)  # (T, D/2)
-    return theta.cos(), theta.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -1367,58 +1058,7 @@ def most_recent_first(blocks: torch.Tensor) -> torch.Tensor:
     return key.argsort(dim=-1, descending=True).to(torch.int32)
 
 
-def windowed_counts(full: torch.Tensor, partial: torch.Tensor, window: torch.Tensor):
-    """How many full and partial blocks each query block keeps under a window of `window` blocks."""
-    n_full, n_partial = full.sum(-1, dtype=torch.int32), partial.sum(-1, dtype=torch.int32)
-    keep_full = torch.minimum(n_full, window - 1).clamp_min(0)
-    keep_partial = torch.minimum(n_partial, (window - n_full).clamp_min(1))
-    return keep_full.to(torch.int32), keep_partial.to(torch.int32)
-
-
-def selected_blocks(counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Dense (nb, nb) bool of the first `counts[i]` blocks of `order[i]`."""
-    nb = order.size(-1)
-    keep = torch.arange(nb, device=order.device)[None, :] < counts[:, None]
-    return torch.zeros_like(keep).scatter(1, order.long(), keep)
-
-
-def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparameters, backend: str):
-    """(long, short) masks for one packed sequence: FlexAttention BlockMasks, or dense (T, T) bools.
-    `window`: the long window in blocks (0-d; the short one is half of it) or [long, short].
-
-    Both describe the same thing: the selected full blocks entirely, and inside the selected
-    partial blocks the token rule (key_pos <= query_pos, same document).
-    """
-    bs = config.attn_block_size
-    docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
-    full_order, partial_order = most_recent_first(full), most_recent_first(partial)
-    long_window, short_window = long_and_short(window)
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
-
-    def build(w):
-        keep_full, keep_partial = windowed_counts(full, partial, w)
-        if backend == "flex":
-            return BlockMask.from_kv_blocks(keep_partial[None, None], partial_order[None, None],
-                                            keep_full[None, None], full_order[None, None],
-                                            BLOCK_SIZE=bs, mask_mod=document_causal)
-        pos = torch.arange(ids.numel(), device=ids.device)
-        token_rule = (pos[:, None] >= pos[None, :]) & (docs[:, None] == docs[None, :])
-        expand = lambda m: m.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
-        return expand(selected_blocks(keep_full, full_order)) | (
-            expand(selected_blocks(keep_partial, partial_order)) & token_rule)
-
-    return build(long_window), build(short_window)
-
-
-def long_and_short(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward's window argument: a 0-d long window (the short one is half of it), or the pair
-    [long, short] (the bulk record's schedule caps the short one), in blocks."""
-    return (window, window // 2) if window.dim() == 0 else (window[0], window[1])
-
-
-# --token_windows: a query at position q sees the keys k of its own document with q - W <= k <= q,
+# Token windows: a query at position q sees the keys k of its own document with q - W <= k <= q,
 # W = window x block size tokens. For query block i and w = window blocks, key blocks i-w+1 .. i-1
 # lie entirely within reach (q - k <= w*bs - 1); block i-w only partly ("the window's edge"),
 # the diagonal block only causally; blocks before i-w not at all.
@@ -1435,7 +1075,7 @@ def token_windowed_blocks(full: torch.Tensor, partial: torch.Tensor, window: tor
 
 def token_window_masks(ids: torch.Tensor, long_window: torch.Tensor, short_window: torch.Tensor,
                        config: Hyperparameters, backend: str):
-    """(long, short) masks of --token_windows for one packed sequence: FlexAttention BlockMasks, or
+    """(long, short) token-window masks for one packed sequence: FlexAttention BlockMasks, or
     dense (T, T) bools for SDPA. Both keep the selected full blocks entirely and, inside the
     selected partial blocks, the token rule: causal, same document, at most W positions back.
     The windows are device tensors (blocks): a new window rebuilds the masks without recompiling."""
@@ -1483,7 +1123,7 @@ def attention_backend(config: Hyperparameters, device_type: str) -> str:
 
 
 # ---- --attention=fa3: FlashAttention-3's variable-length kernel, fetched from the `kernels` hub at
-# run time (the bulk record's attention). It takes documents as cumulative lengths and a window of W
+# run time (the record's attention). It takes documents as cumulative lengths and a window of W
 # tokens back, the token-window mask above; a window is a number, so each one is its own graph.
 
 FA3_KERNEL = "varunneal/flash-attention-3"
@@ -1512,7 +1152,7 @@ class VarlenWindow:
 def varlen_windows(ids: torch.Tensor, windows: tuple[int, int], config: Hyperparameters, training: bool):
     """(long, short) VarlenWindows of one packed sequence; windows (long, short) in blocks. A
     document starts at each end-of-text token, as in the masks (doc id = cumsum(ids == eot)). Room
-    for ceil128(T / 300) documents, as the bulk record (its median document is about 400 tokens);
+    for ceil128(T / 300) documents, as the record (its median document is about 400 tokens);
     any beyond that share the last one's slot. Training sequences of whole documents cut at
     document_cut_tokens are at most that long; anything else at most T."""
     T = ids.numel()
@@ -1567,7 +1207,7 @@ def shift_stationary_keys(k: torch.Tensor) -> torch.Tensor:
     return torch.where(stationary, previous, k)
 
 
-# the bulk record's gates read the first GATE_INPUTS features of a normed residual stream
+# the record's gates read the first GATE_INPUTS features of a normed residual stream
 GATE_INPUTS = 16
 
 
@@ -1589,21 +1229,20 @@ class Gate(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention over the packed sequence. x01: q, k, v all RMS-normed, v mixed with the
-    value embedding by the two attention lambdas. --prenorm_attention (the bulk record): the block
-    hands in norm(x); lambda0 scales the qkv weights (so, after the q/k norms, only v) and lambda1
-    the output weights; the value embedding is added to v. The gates, key offset and YaRN scale
-    are further switches."""
+    """Multi-head attention over the packed sequence, reading norm(x): q, k, v from one merged
+    weight, lambda0 scaling the qkv weights (after the q/k norms, only v) and lambda1 the output
+    weights; q and k RMS-normed and rotated; the value embedding added to v (gated per head with
+    --value_embed_gate); each head's output gated with --attn_output_gate; the key offset on the
+    long-window layers and the YaRN scale are further switches."""
 
     def __init__(self, config: Hyperparameters, dtype: torch.dtype, layer: int):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = config.num_heads, config.head_dim, config.attn_scale
-        self.qkv_init_std, self.prenorm = config.qkv_init_std, config.prenorm_attention
+        self.qkv_init_std = config.qkv_init_std
         self.key_offset = config.key_offset and layer in config.long_layers
         self.rotate = apply_rotary_in_dtype if config.rotary_bf16 else apply_rotary
-        # q, k, v, o merged; Muon orthogonalizes the four (attn_dim, model_dim) matrices separately.
-        # o is used as y @ o (x01) or, with --prenorm_attention, as the bulk record stores it: rows
-        # are output features, y @ o^T
+        # q, k, v, o merged, (4, attn_dim, model_dim); o is stored as the record stores it (rows are
+        # output features: y @ o^T). Muon orthogonalizes the four matrices separately
         self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
                                                dtype=torch.float32 if config.fp32_block_weights else dtype))
         # gates: group muon_gates, lr multiplier 0.1, zero init
@@ -1617,34 +1256,26 @@ class Attention(nn.Module):
         return value
 
     def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None):
-        """scale: a float (default: --attn_scale), or None with scale_tensor (0-d, rewritten by YaRN)."""
+        """x = norm of the residual stream (B, T, d); ve (T, d) or None; lambdas (2,). scale: a float
+        (default: --attn_scale), or None with scale_tensor (0-d, rewritten by YaRN)."""
         B, T = x.shape[:2]
         H, D = self.num_heads, self.head_dim
-        if self.prenorm:
-            w_qkv = lambdas[0] * self.qkvo_w[:3].flatten(0, 1).type_as(x)
-            q, k, v = F.linear(x, w_qkv).view(B, T, 3 * H, D).chunk(3, dim=-2)
-            q, k = rms_norm(q), rms_norm(k)
-        else:
-            q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)
-            q, k, v = rms_norm(q), rms_norm(k), rms_norm(v)
+        w_qkv = lambdas[0] * self.qkvo_w[:3].flatten(0, 1).type_as(x)
+        q, k, v = F.linear(x, w_qkv).view(B, T, 3 * H, D).chunk(3, dim=-2)  # each (B, T, H, D)
+        q, k = rms_norm(q), rms_norm(k)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.key_offset:
             k = shift_stationary_keys(k)
-        gate_input = x if self.prenorm or (self.value_gate is None and self.output_gate is None) else rms_norm(x)
-        if self.value_gate is not None and ve is not None:
-            weight = 2 * torch.sigmoid(self.value_gate(gate_input)).view(B, T, H, 1)
-            v = v + weight * ve.view_as(v) if self.prenorm else lambdas[0] * v + weight * ve.view_as(v)
-        elif self.prenorm:
-            v = v + ve.view_as(v) if ve is not None else v
-        else:
-            v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        if ve is not None:
+            ve = ve.view_as(v)
+            if self.value_gate is not None:
+                ve = 2 * torch.sigmoid(self.value_gate(x)).view(B, T, H, 1) * ve
+            v = v + ve
         y = attend(q, k, v, mask, self.scale if scale is None and scale_tensor is None else scale, scale_tensor)
         if self.output_gate is not None:
-            y = y * torch.sigmoid(self.output_gate(gate_input)).view(B, T, H, 1)
+            y = y * torch.sigmoid(self.output_gate(x)).view(B, T, H, 1)
         y = y.reshape(B, T, -1)
-        if self.prenorm:
-            return F.linear(y, lambdas[1] * self.qkvo_w[3].type_as(y))
-        return F.linear(y, self.qkvo_w[3].mT.type_as(y))
+        return F.linear(y, lambdas[1] * self.qkvo_w[3].type_as(y))
 
 
 class MLP(nn.Module):
@@ -1653,8 +1284,8 @@ class MLP(nn.Module):
         hidden = config.mlp_ratio * config.model_dim
         dtype = torch.float32 if config.fp32_block_weights else dtype  # --fp32_block_weights: the master itself
         self.fc_w = nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype))
-        # --mlp_proj_transposed stores the output weight as the bulk record does, (hidden, model_dim)
-        # like fc_w, which is the shape its optimizer sees; lr multiplier 2 for the bulk optimizers
+        # --mlp_proj_transposed stores the output weight as the record does, (hidden, model_dim)
+        # like fc_w, which is the shape its optimizer sees; lr multiplier 2
         self.transposed = config.mlp_proj_transposed
         proj_shape = (hidden, config.model_dim) if self.transposed else (config.model_dim, hidden)
         self.proj_w = nn.Parameter(torch.empty(*proj_shape, dtype=dtype))
@@ -1679,14 +1310,12 @@ class Block(nn.Module):
         super().__init__()
         self.attn = Attention(config, dtype, layer) if layer in config.attention_layers else None
         self.mlp = MLP(config, dtype)
-        self.prenorm = config.prenorm_attention
-        # --separate_x0_lambdas: the bulk record's first block weights its input (which is x00) once
-        self.fold_first_input = config.separate_x0_lambdas and layer == 0
+        self.first = layer == 0  # the first block's input x is x00 itself: its weights fold into one
 
     def forward(self, x, x0s, resid_weight, x0_weights, ve, attn_lambdas, cos, sin, mask, scale=None,
                 scale_tensor=None):
-        # mix the residual stream with every input embedding: x = l0*x + l1*x00 + l2*x01 + ...
-        if self.fold_first_input:  # here x is x00 itself: (l0 + l1)*x + l2*x01 + ...
+        # mix the residual stream with every input embedding: x = rho*x + a0*x00 + a1*x01 + ...
+        if self.first:  # (rho + a0)*x00 + a1*x01 + ...
             x = (resid_weight + x0_weights[0]) * x
             for lam, x0 in zip(x0_weights[1:], x0s[1:]):
                 x = x + lam * x0
@@ -1695,8 +1324,7 @@ class Block(nn.Module):
             for lam, x0 in zip(x0_weights, x0s):
                 x = x + lam * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x) if self.prenorm else x, ve, attn_lambdas, cos, sin, mask, scale,
-                              scale_tensor)
+            x = x + self.attn(rms_norm(x), ve, attn_lambdas, cos, sin, mask, scale, scale_tensor)
         return x + self.mlp(rms_norm(x))
 
 
@@ -1811,47 +1439,25 @@ class ValueEmbeddings(nn.Module):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
-# ---- the later records' head-input ideas (docs/recipes.md), each switched by its Hyperparameters field
+# ---- the record's pieces outside the blocks (docs/bulk-model.md), each switched by its field
 
 class Backout(nn.Module):
-    """The head's input from the last block's output h and block `layer`'s output h_b (--backout).
-    mix (2025-10-04): a*norm(h) + b*norm(h_b), with no norm after; (a, b) = `weights`, from (1, 0).
-    subtract (2025-12-31): norm(h - lambda*h_b); lambda = `weights[0]`, from 0.5, with the bulk
-    record's multipliers for its scalars (lr_mul 5, wd_mul 0; torch Adam ignores them).
-    `weights` is fp32, in the Adam "scalar" group; each coefficient is a 0-d tensor in the product,
-    so the activations keep their dtype."""
+    """--backout: the head's input norm(h - lambda*h_b) from the last block's output h and block
+    `layer`'s output h_b; lambda = `weight`, fp32, from 0.5, in the Adam "scalar" group with the
+    record's multipliers for its scalars (lr_mul 5, wd_mul 0)."""
 
-    def __init__(self, mode: str, layer: int):
+    def __init__(self, layer: int):
         super().__init__()
-        self.mode, self.layer = mode, layer
-        self.weights = nn.Parameter(torch.empty(2 if mode == "mix" else 1, dtype=torch.float32))
-        if mode == "subtract":
-            self.weights.lr_mul, self.weights.wd_mul = 5.0, 0.0
+        self.layer = layer
+        self.weight = nn.Parameter(torch.empty(1, dtype=torch.float32))
+        self.weight.lr_mul, self.weight.wd_mul = 5.0, 0.0
 
     def initial_value(self, name, shape, gen):
-        return torch.tensor([1.0, 0.0] if self.mode == "mix" else [0.5])
+        return torch.tensor([0.5])
 
     def forward(self, h: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:  # (T, d) each
-        if self.mode == "mix":
-            return rms_norm(h) * self.weights[0] + rms_norm(h_b) * self.weights[1]
-        return rms_norm(h - self.weights[0] * h_b)
+        return rms_norm(h - self.weight[0] * h_b)
 
-
-class HeadSmear(nn.Module):
-    """Smear of the head's input (--head_smear, 2025-11-02): y_t = x_t + c*x_(t-1) for t >= 1 and
-    y_0 = x_0, from the unsmeared x, over the whole packed sequence: a document's first position
-    receives the previous document's last state. c = `weight` (fp32, Adam "scalar" group), from 0."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, dtype=torch.float32))
-
-    def initial_value(self, name, shape, gen):
-        return torch.zeros(shape)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, d)
-        return torch.cat([x[:1], x[1:] + self.weight[0] * x[:-1]])
-# ---- the bulk record's pieces outside the blocks (docs/bulk-model.md), each switched by its field
 
 def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.Tensor:
     """--smear_embed: e (T, d) with row t >= 1 plus weight * sigmoid(gate(e_t)) * e_(t-1), from the
@@ -1861,7 +1467,7 @@ def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.
     return torch.cat([e[:1], e[1:] + amount * e[:-1]])
 
 
-# the bulk record's logit cap: 23 sigmoid((z + 5) / 7.5), values in (0, 23)
+# the record's logit cap: 23 sigmoid((z + 5) / 7.5), values in (0, 23)
 SIGMOID_CAP, SIGMOID_SHIFT, SIGMOID_TEMPERATURE = 23.0, 5.0, 7.5
 
 
@@ -1883,32 +1489,25 @@ def multi_token_loss(logits: torch.Tensor, targets: torch.Tensor, inside: torch.
                      weights: torch.Tensor) -> torch.Tensor:
     """sum_t sum_k w_k (logsumexp(z_t) - z_t[y_(t+k)]): every k from the same logits z_t (n, V),
     targets and inside (n, K) from multi_token_targets, weights (K,). Terms past the sequence are
-    zero; no document mask, no normalization by the weights' sum (as the bulk record)."""
+    zero; no document mask, no normalization by the weights' sum (as the record)."""
     losses = torch.logsumexp(logits, dim=-1, keepdim=True) - logits.gather(1, targets)
     return (torch.where(inside, losses, 0) * weights).sum()
 
 
 def scalar_layout(config: Hyperparameters) -> list[tuple[str, list[float]]]:
-    """The scalar vector's slots in order, (name, initial values). x01: skip weights (by source
-    layer), block lambdas (per layer: residual, then each input embedding), attention lambdas.
-    With every bulk switch on it is the bulk record's vector: residual weights, attention
-    lambdas, smear weight, [backout weight], skip gains, padding."""
-    L, n_embeds, rho = config.num_layers, 1 + config.num_extra_embeds, config.residual_scale_init
-    slots = []
-    if not config.gated_skips:
-        slots.append(("skip_w", [1.0] * L))
-    if config.separate_x0_lambdas:
-        slots.append(("resid", [rho] * L))
-    else:
-        slots.append(("block_lambdas", ([rho] + [0.0] * n_embeds) * L))
-    slots.append(("attn_lambdas", ([0.5, 1.0] if config.prenorm_attention else [0.5, 0.5]) * L))
+    """The scalar vector's slots in order, (name, initial values): the record's residual weights,
+    attention lambdas, smear weight, skip gains, padding. (Its backout weight, which the record
+    also keeps there, is the Backout module's own parameter.) Without --gated_skips a learned
+    weight per layer (from 1, used at the skips' sources) comes first."""
+    L = config.num_layers
+    slots = [] if config.gated_skips else [("skip_w", [1.0] * L)]
+    slots += [("resid", [config.residual_scale_init] * L), ("attn_lambdas", [0.5, 1.0] * L)]
     if config.smear_embed:
         slots.append(("smear", [0.0]))
     if config.gated_skips:
         slots.append(("skip_gain", [-1.5] * len(config.skip_connections)))
-    # the bulk record pads its vector, which holds the subtractive backout's weight too (here that
-    # weight is the Backout module's own parameter), to a multiple of its GPU count
-    backout_weights = 1 if config.backout == "subtract" else 0
+    # padded, with the backout's weight counted as the record counts it, to a multiple of its GPU count
+    backout_weights = 1 if config.backout else 0
     pad = -(sum(len(values) for _, values in slots) + backout_weights) % config.scalar_pad_multiple
     if pad:
         slots.append(("pad", [1.0] * pad))  # unused
@@ -1920,7 +1519,7 @@ def scalar_layout(config: Hyperparameters) -> list[tuple[str, list[float]]]:
 class GPT(nn.Module):
     """The record model. All structure comes from `config`; parameters are created empty and
     filled by `init_parameters` (or left unfilled on the meta device). `dtype` (bf16 in the
-    record) is the storage of embeddings and block matrices and so of the activations."""
+    record) is the storage of embeddings and the activations' dtype."""
 
     def __init__(self, config: Hyperparameters, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -1933,38 +1532,33 @@ class GPT(nn.Module):
         self.value_embeds = ValueEmbeddings(config, dtype)
         self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
         self.blocks = nn.ModuleList(Block(config, i, dtype) for i in range(L))
-        # only the head is padded (to a multiple of 128), unless --pad_vocab_tables
+        # --untie_embed_after_step: the head is also the input table until the split, so it is
+        # stored in the model dtype and starts N(0, 0.005^2); untied from the start, fp32 and zero
         tied = untie_step(config) > 0
         self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init) if config.lore_output
                      else Head(d, config.padded_vocab_size, dtype, init_std=0.005) if tied
                      else Head(d, config.padded_vocab_size))
-        # one fp32 vector of named slots (scalar_layout); x01: skip weights (L), block lambdas
-        # (L x (2 + extra)), attention lambdas (L x 2)
-        self.num_mix = 2 + config.num_extra_embeds
+        # one fp32 vector of named slots (scalar_layout): residual weights, attention lambdas, ...
         self.scalar_layout = scalar_layout(config)
         self.scalars = nn.Parameter(torch.empty(sum(len(v) for _, v in self.scalar_layout), dtype=torch.float32))
+        # per layer the weights of x00, x01, ... at the block's input (L x (1 + extra)); Adam group
+        # x0_lambdas, lr multiplier 5, no weight decay, zero at the start
+        self.x0_lambdas = nn.Parameter(torch.empty(L * (1 + config.num_extra_embeds), dtype=torch.float32))
+        self.param_multipliers = dict(x0_lambdas=(5.0, 0.0))
         # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream)
         self.output_mix = nn.Parameter(torch.empty(2, dtype=torch.float32)) if config.x00_at_output else None
-        self.backout = Backout(config.backout, config.backout_layer) if config.backout != "off" else None
-        self.head_smear = HeadSmear() if config.head_smear else None
-        # ---- the bulk record's switches (docs/bulk-model.md)
-        # --separate_x0_lambdas: per layer the weights of x00, x01, ...; Adam group x0_lambdas,
-        # lr multiplier 5, no weight decay, zero at the start
-        self.x0_lambdas = None
-        if config.separate_x0_lambdas:
-            self.x0_lambdas = nn.Parameter(torch.empty(L * (self.num_mix - 1), dtype=torch.float32))
-        self.param_multipliers = dict(x0_lambdas=(5.0, 0.0)) if config.separate_x0_lambdas else {}
+        self.backout = Backout(config.backout_layer) if config.backout else None
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
         self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) if config.smear_embed else None
         self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) for _ in config.skip_connections)
                            if config.gated_skips else None)
         self.skip_index = {target: j for j, (target, _) in enumerate(config.skip_connections)}
-        # --yarn_window_limit / --rotary_bf16: rotary tables as buffers (x01 computes them each forward)
-        self.rotary = RotaryTables(config) if config.yarn_window_limit or config.rotary_bf16 else None
-        # --untie_embed_after_step: the input embedding is the head matrix until the split (a Python
-        # flag: embeds[0] gets no gradient at all until then; a compiled model compiles each state once)
+        # rotary tables and the attention scale as buffers, rewritten in place by YaRN
+        self.rotary = RotaryTables(config)
+        # a Python flag: embeds[0] gets no gradient at all until the split; a compiled model
+        # compiles each state once
         self.embed_tied = tied
-        if config.table_multipliers:  # --table_multipliers: the bulk record's (lr_mul, wd_mul) per table
+        if config.table_multipliers:  # the record's (lr_mul, wd_mul) per table
             self.head.param_multipliers = dict(weight=(1.0, 150.0))
             for i, embed in enumerate(self.embeds):  # x00's table as the head (it becomes its copy), the rest x75
                 embed.param_multipliers = dict(weight=(1.0, 150.0) if i == 0 else (75.0, 5.0))
@@ -1985,46 +1579,30 @@ class GPT(nn.Module):
         names, sizes = zip(*((name, len(values)) for name, values in self.scalar_layout))
         return dict(zip(names, self.scalars.split(list(sizes))))
 
-    def scalar_views(self):
-        """x01's slots: skip weights (L,), block lambdas (L, 2 + extra), attention lambdas (L, 2)."""
-        L, slots = self.config.num_layers, self.scalar_slots()
-        return slots["skip_w"], slots["block_lambdas"].view(L, self.num_mix), slots["attn_lambdas"].view(L, 2)
-
     def mixing_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per layer, the block input's weight on the residual stream (L,) and on each input
-        embedding (L, 1 + extra), whichever parameter holds them."""
-        L, slots = self.config.num_layers, self.scalar_slots()
-        if self.x0_lambdas is not None:
-            return slots["resid"], self.x0_lambdas.view(L, -1)
-        lambdas = slots["block_lambdas"].view(L, self.num_mix)
-        return lambdas[:, 0], lambdas[:, 1:]
+        embedding (L, 1 + extra)."""
+        return self.scalar_slots()["resid"], self.x0_lambdas.view(self.config.num_layers, -1)
 
-    def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window: torch.Tensor,
+    def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window,
                 reduction: Optional[str] = None, mtp_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Cross-entropy of one packed sequence. input_seq (T,) int32, target_seq (T,) int64; window:
-        the long window in blocks as a 0-d int tensor (the short one is half), or [long, short]
-        (tensors, so a new value needs no recompile). reduction: "mean", "sum" or "none" (per token,
-        (T,)); default: --train_loss_reduction in training mode, the mean in evaluation.
-        mtp_weights (K,) (training only): the multi-token prediction loss with these weights;
-        None: the next-token loss."""
+        the [long, short] windows in blocks (a device tensor, so a new value needs no recompile; two
+        numbers for fa3). reduction: "mean", "sum" or "none" (per token, (T,)); default:
+        --train_loss_reduction in training mode, the mean in evaluation. mtp_weights (K,) (training
+        only): the multi-token prediction loss with these weights; None: the next-token loss."""
         cfg = self.config
         T = input_seq.numel()
         reduction = reduction or (cfg.train_loss_reduction if self.training else "mean")
         backend = attention_backend(cfg, input_seq.device.type)
         if backend == "fa3":  # the windows as numbers (Runner.window)
             long_mask, short_mask = varlen_windows(input_seq, window, cfg, self.training)
-        elif cfg.token_windows:
-            long_mask, short_mask = token_window_masks(input_seq, *long_and_short(window), cfg, backend)
         else:
-            long_mask, short_mask = attention_masks(input_seq, window, cfg, backend)
+            long_mask, short_mask = token_window_masks(input_seq, window[0], window[1], cfg, backend)
+        cos, sin = self.rotary.cos[:T], self.rotary.sin[:T]
         scale, scale_tensor = cfg.attn_scale, None
-        if self.rotary is None:
-            cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
-        else:
-            cos, sin = self.rotary.cos[:T], self.rotary.sin[:T]
-            if cfg.yarn_window_limit:  # a scale that changes: the tensor for flex, its float for SDPA
-                flex = backend == "flex"
-                scale, scale_tensor = (None, self.rotary.scale) if flex else (self.rotary.scale_value, None)
+        if cfg.yarn_window_limit:  # a scale that changes: the tensor for flex, its float for SDPA and FA3
+            scale, scale_tensor = (None, self.rotary.scale) if backend == "flex" else (self.rotary.scale_value, None)
         x0s = self.input_embeddings(input_seq)  # each (1, T, d)
         ves = self.value_embeds(input_seq)  # per layer (T, d) or None
         slots = self.scalar_slots()
@@ -2048,9 +1626,7 @@ class GPT(nn.Module):
             x = rms_norm(x[0])  # (T, d)
         if self.output_mix is not None:
             x = self.output_mix[0] * x + self.output_mix[1] * x0s[0][0]
-        if self.head_smear is not None:
-            x = self.head_smear(x)
-        # with recomputation the fp32 (T, V) logits would dominate memory: one recomputed chunk at a time
+        # with recomputation the (T, V) logits would dominate memory: one recomputed chunk at a time
         num_chunks = max(T // LOSS_CHUNK_TOKENS, 1) if recompute else (1 if self.training else 4)
         return self.loss(x, target_seq, num_chunks, reduction, recompute,
                          mtp_weights if self.training else None)
@@ -2066,7 +1642,7 @@ class GPT(nn.Module):
         return [rms_norm(first)[None]] + [rms_norm(embed(ids))[None] for embed in self.embeds[1:]]
 
     def skip_weight(self, target: int, x00: torch.Tensor, slots: dict) -> torch.Tensor:
-        """The U-net skip into block `target`: x01's learned weight (of the source layer), or with
+        """The U-net skip into block `target`: a learned weight (of the source layer), or with
         --gated_skips sigmoid(gain) * 2 sigmoid(gate(x00)), (1, T, 1)."""
         if self.skip_gates is None:
             return slots["skip_w"][self.skips[target]]
@@ -2111,7 +1687,7 @@ class GPT(nn.Module):
         return F.cross_entropy(self.logits(x), targets, reduction="none" if per_token else "sum")
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Soft-capped logits (n, V_pad) of final-normed rows x. x01: 15 z / sqrt(z^2 + 225) in fp32.
+        """Soft-capped logits (n, V_pad) of final-normed rows x. rational: 15 z / sqrt(z^2 + 225) in fp32.
         --logit_softcap_form=sigmoid: in the model dtype in training, fp32 in evaluation."""
         if self.config.logit_softcap_form == "sigmoid":
             z = self.head(x)
@@ -2138,7 +1714,7 @@ def _param_generator(seed: int, name: str) -> torch.Generator:
 
 
 def set_multipliers(model: nn.Module) -> None:
-    """The lr_mul / wd_mul attributes the bulk record's optimizers read on each parameter (absent:
+    """The lr_mul / wd_mul attributes the record's optimizers read on each parameter (absent:
     1), from its module's `param_multipliers` {name: (lr_mul, wd_mul)}; set again whenever the
     parameters are made anew (to_empty)."""
     for module in model.modules():
@@ -2161,9 +1737,8 @@ def init_parameters(model: GPT, seed: int) -> None:
                 p.copy_(module.initial_value(name, p.shape, gen))
     if model.value_embeds.coeffs is not None:
         model.value_embeds.coeffs.copy_(model.value_embeds.initial_value())  # a buffer when frozen
-    if model.rotary is not None:
-        model.rotary.changes = None
-        model.rotary.set_changes(())  # the base tables
+    model.rotary.changes = None
+    model.rotary.set_changes(())  # the base tables
 
 
 def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
@@ -2199,15 +1774,14 @@ def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
         "value_embed": list(model.value_embeds.tables.parameters()),
         "ve_coeff": [p for p in [model.value_embeds.coeffs] if isinstance(p, nn.Parameter)],
         "scalar": [p for p in (model.scalars, model.output_mix) if p is not None]
-                  + [m.weight if isinstance(m, HeadSmear) else m.weights for m in (model.backout, model.head_smear)
-                     if m is not None],
+                  + ([model.backout.weight] if model.backout is not None else []),
         "muon_attn": [b.attn.qkvo_w for b in model.blocks if b.attn is not None],
         "muon_mlp": [p for b in model.blocks for p in b.mlp.parameters()],
         "muon_lore": [e.proj for e in model.embeds if isinstance(e, LowRankEmbedding)]
                      + ([head.down] if isinstance(head, LowRankHead) else []),
-        # the bulk record's (docs/bulk-model.md): the input embeddings' weights at each block, the
-        # (1, 16) gates of the smear and the skips (Adam), the heads' (H, 16) gates (Muon)
-        "x0_lambdas": [p for p in [model.x0_lambdas] if p is not None],
+        # the input embeddings' weights at each block, the (1, 16) gates of the smear and the skips
+        # (Adam), the heads' (H, 16) gates (Muon)
+        "x0_lambdas": [model.x0_lambdas],
         "gates": ([model.smear_gate.weight] if model.smear_gate is not None else [])
                  + ([g.weight for g in model.skip_gates] if model.skip_gates is not None else []),
         "muon_gates": [g.weight for b in model.blocks if b.attn is not None
@@ -2490,17 +2064,16 @@ def load_data(config: Hyperparameters) -> RunData:
 # 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
 
 # Muon group options: the attention weight is orthogonalized as its 4 row blocks (q, k, v, o);
-# NorMuon splits the MLP's last Polar Express product (as the record does) and keeps the gates'
-# state in their own dtype.
+# the MLP's last Polar Express product is split (as the record does); the gates keep their state
+# in their own dtype.
 MUON_GROUP_OPTIONS = dict(muon_attn=dict(blocks=4), muon_mlp=dict(split_last_product=True), muon_gates=dict(gate=True))
 
 
 def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int,
                      compile_muon: bool = False) -> list[torch.optim.Optimizer]:
-    """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks
-    (its per-matrix update compiled with `compile_muon`). A parameter's `lr_mul` / `wd_mul`
-    attributes multiply its group's lr / decay in every optimizer. The bulk record's parts:
-    adam_variant, the NorMuon fields (NorMuon is built when any of them differs from Muon)."""
+    """Adam for the head, the embeddings, the scalars and the small gates; Muon for the matrices
+    inside the blocks and the heads' gates (its per-matrix update compiled with `compile_muon`). A
+    parameter's `lr_mul` / `wd_mul` attributes multiply its group's lr / decay in both."""
     cfg, groups = config, parameter_groups(model)
     adam_lrs = dict(head=cfg.head_lr, embed=cfg.embed_lr, value_embed=cfg.embed_lr, ve_coeff=cfg.ve_coeff_lr,
                     x0_lambdas=cfg.x0_lambdas_lr, gates=cfg.gates_lr, scalar=cfg.scalar_lr)
@@ -2509,25 +2082,15 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
         cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
     adam_groups = [dict(params=groups[name], lr=lr, name=name, betas=scalar_betas if name == "scalar" else betas)
                    for name, lr in adam_lrs.items() if name in groups]
-    if cfg.adam_variant == "cautious_bf16":
-        adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps,
-                            weight_decay=cfg.adam_weight_decay)
-    else:  # PyTorch's Adam takes the lr multipliers as groups of their own
-        by_lr_mul = [{**g, "params": [p for p in g["params"] if getattr(p, "lr_mul", 1.0) == mul], "lr": g["lr"] * mul}
-                     for g in adam_groups for mul in dict.fromkeys(getattr(p, "lr_mul", 1.0) for p in g["params"])]
-        adam = torch.optim.Adam(by_lr_mul, betas=betas, eps=cfg.adam_eps, weight_decay=0.0,
-                                fused=next(model.parameters()).is_cuda)
+    adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay)
     wd_muls = dict(muon_mlp=cfg.mlp_weight_decay_mul)
     muon_groups = [dict(params=groups[name], name=name, wd_mul=wd_muls.get(name, 1.0), **MUON_GROUP_OPTIONS.get(name, {}))
                    for name in ("muon_attn", "muon_mlp", "muon_lore", "muon_gates") if name in groups]
     muon_args = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                      rank=rank, world_size=world_size, compile_update=compile_muon)
-    if normuon_enabled(cfg):
-        muon = NorMuon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
-                       row_normalization=cfg.muon_row_normalization, row_beta2=cfg.muon_row_beta2,
-                       cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape)
-    else:
-        muon = Muon(muon_groups, **muon_args, update_smoothing=cfg.muon_update_smoothing)
+    muon = Muon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
+                row_normalization=cfg.muon_row_normalization, row_beta2=cfg.muon_row_beta2,
+                cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -2535,36 +2098,14 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     return optimizers
 
 
-def build_outer_optimizer(model: GPT, optimizers: list[torch.optim.Optimizer], config: Hyperparameters
-                          ) -> Optional[Snoo]:
-    """Snoo over every parameter, anchored at their current values (after the rank-0 broadcast), or
-    None with --snoo_period=0. With --snoo_low_bits=clear it clears the low bits Muon keeps for a
-    bf16 matrix this rank owns."""
-    if not config.snoo_period:
-        return None
-    low_bits_of = None
-    if config.snoo_low_bits == "clear":
-        muon_states = [opt.state for opt in optimizers if isinstance(opt, Muon)]
-        low_bits_of = lambda p: next((st[p]["low_bits"] for st in muon_states if "low_bits" in st.get(p, {})), None)
-    return Snoo(list(model.named_parameters()), config.snoo_period, config.snoo_lr, config.snoo_momentum, low_bits_of)
-
-
-def normuon_enabled(config: Hyperparameters) -> bool:
-    """Any NorMuon part on (with all of them at Muon's setting, NorMuon is Muon)."""
-    return (config.orthogonalization != "newton_schulz" or config.muon_row_normalization
-            or config.muon_cautious_weight_decay or config.muon_lr_shape != "blocks")
-
-
 def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
-    """Each group's lr for `step`; Muon's momentum (and update smoothing's beta)."""
+    """Each group's lr for `step`; Muon's momentum."""
     mult, momentum = lr_schedule(step, config), momentum_schedule(step, config)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * mult
             if isinstance(opt, Muon):
                 group["momentum"] = momentum
-                if opt.smoothing != "off":
-                    group["update_smoothing"] = update_smoothing_beta(step, config)
 
 
 class GradientAverager:
@@ -2611,7 +2152,6 @@ class Runner:
         if self.backend == "fa3":
             flash_attention_3()  # fetched before anything is compiled
         self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
-        self.outer = build_outer_optimizer(self.model, self.optimizers, config)  # None without Snoo
         if use_compile:
             fail_instead_of_eager_fallback()
         # --adam_odd_steps_only: on even steps Adam's gradients stay on each rank, unreduced, and the
@@ -2621,9 +2161,8 @@ class Runner:
         self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
         self.averager = GradientAverager(self.model, world_size)
-        # the long window in blocks (the short one is its half), or [long, short] where a
-        # window_schedule caps the short one
-        self.window_blocks = torch.ones((2,) if config.window_schedule else (), dtype=torch.int32, device=device)
+        # the [long, short] windows in blocks, one device tensor refilled in place
+        self.window_blocks = torch.ones(2, dtype=torch.int32, device=device)
         self.yarn_steps = yarn_changes(config)  # --yarn_window_limit: where the rotary tables are rescaled
         # multi-token prediction weights: one small device buffer, refilled in place (mtp_input)
         self.mtp_buffer = torch.zeros(0, device=device)
@@ -2633,15 +2172,13 @@ class Runner:
 
     def window(self, step: int) -> torch.Tensor:
         """The forward's window tensor for `step`; with YaRN, also the rotary tables of that step."""
-        if self.model.rotary is not None and self.yarn_steps:
+        if self.yarn_steps:
             self.model.rotary.set_changes(tuple((old, new) for s, old, new in self.yarn_steps if s <= step))
         # one device tensor refilled in place: torch.tensor(..., device="cuda") each step would be
         # a blocking host-to-device copy; fill_ is an ordinary kernel launch
         long, short = attention_windows(step, self.config)
         if self.backend == "fa3":  # FA3 takes its window as numbers: each pair is its own compiled graph
             return long, short
-        if self.window_blocks.dim() == 0:
-            return self.window_blocks.fill_(long)
         self.window_blocks[0].fill_(long)
         self.window_blocks[1].fill_(short)
         return self.window_blocks
@@ -2688,8 +2225,6 @@ class Runner:
         for opt in self.optimizers:
             if not (adam_waits and opt is self.optimizers[0]):
                 opt.step()
-        if self.outer is not None:
-            self.outer.step()
         if adam_waits:  # Adam's local gradients stay for the next (odd) step's backward to add to
             for p in self.stepped_every_step:
                 p.grad = None
@@ -2751,15 +2286,12 @@ class Runner:
         must not include."""
         cfg = self.config
         saved = capture_state(self.model, self.optimizers)
-        saved_outer = self.outer.state_dict() if self.outer is not None else None
         gen = torch.Generator().manual_seed(cfg.init_seed)
-        # a step grid's phases are visited to compile their graphs; run eagerly, the first steps do
+        # the grid's phases are visited to compile their graphs; run eagerly, the first steps do
         steps = warmup_schedule(cfg) if self.compiled else range(cfg.warmup_steps)
         for step in steps:
             self.train_step(step, self.random_batches(gen, slice_tokens(step, cfg)))
         restore_state(self.model, self.optimizers, saved)
-        if self.outer is not None:
-            self.outer.load_state_dict(saved_outer)  # anchors, no momentum yet, the counter back to 0
         self.set_embedding_tie(0)  # the warm-up may have passed the split
         self.model.zero_grad(set_to_none=True)  # gradients an odd-step Adam was still holding
         self.first_nonfinite.fill_(NO_STEP)
@@ -3134,7 +2666,7 @@ def _as_field_value(f: dataclasses.Field, value):
     return value
 
 
-def make_config(preset: str = "medium", recipe: str = "x01", **overrides) -> Hyperparameters:
+def make_config(preset: str = "medium", recipe: str = "bulk", **overrides) -> Hyperparameters:
     """The preset's hyperparameters, then the recipe's (RECIPES), then keyword overrides, checked."""
     if preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -3213,7 +2745,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     for layer, table in enumerate(tables):
         need(table is None or layer in cfg.attention_layers, "value_embed_layout",
              f"layer {layer} has a value embedding but no attention")
-    if cfg.backout != "off":
+    if cfg.backout:
         need(cfg.backout_layer < cfg.num_layers - 1, "backout_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): backout combines it with the "
              "last block's output")
@@ -3224,26 +2756,23 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(0 < tokens <= largest and tokens % unit == 0, "batch_schedule",
              f"{tokens} must be a positive multiple of batch_slices*attn_block_size = {unit} and at most "
              f"batch_slices*train_seq_len = {largest} (train_seq_len is the longest slice)")
-    need(all(w >= 1 for w in cfg.window_schedule), "window_schedule", "windows must be at least 1 block")
-    need(all(m >= 0 for m in cfg.lr_peaks), "lr_peaks", "multipliers must be >= 0")
+    need(cfg.window_schedule and all(w >= 1 for w in cfg.window_schedule), "window_schedule",
+         "needs at least one window, each at least 1 block")
+    need(cfg.lr_peaks and all(m >= 0 for m in cfg.lr_peaks), "lr_peaks", "needs at least one multiplier, each >= 0")
     need(cfg.muon_momentum_cooldown_steps <= cfg.num_iterations, "muon_momentum_cooldown_steps",
          f"must be at most num_iterations={cfg.num_iterations}")
-    if cfg.prenorm_attention:
-        need(cfg.attn_dim == cfg.model_dim, "prenorm_attention",
-             "needs num_heads*head_dim == model_dim (the output weight is stored as the bulk record stores it)")
+    if cfg.attention_layers:
+        need(cfg.attn_dim == cfg.model_dim, "head_dim",
+             "needs num_heads*head_dim == model_dim (the output weight is stored as the record stores it)")
     for flag in ("attn_output_gate", "value_embed_gate", "smear_embed", "gated_skips"):
         need(not getattr(cfg, flag) or cfg.model_dim >= GATE_INPUTS, flag,
              f"its gates read the first {GATE_INPUTS} features: model_dim must be at least {GATE_INPUTS}")
     if untie_step(cfg):
-        need(not (cfg.lore_input or cfg.lore_output), "untie_embed_after_step",
-             "the head doubles as the input table: not with --lore_input or --lore_output")
+        need(not (cfg.lore_input or cfg.lore_output), "lore_input" if cfg.lore_input else "lore_output",
+             f"the record's head doubles as the input table until step {untie_step(cfg)}, and a low-rank table "
+             "cannot be both: add --untie_embed_after_step=0 (separate tables from the start) to use LoRE")
         need(cfg.pad_vocab_tables, "untie_embed_after_step",
              "the input table becomes a copy of the head: pass --pad_vocab_tables so both have the head's rows")
-    need(cfg.muon_update_smoothing == "off" or not normuon_enabled(cfg), "muon_update_smoothing",
-         "smooths Muon's update; the bulk record's NorMuon parts (orthogonalization, muon_row_normalization, "
-         "muon_cautious_weight_decay, muon_lr_shape) have no smoothing: turn one of the two off")
-    need(cfg.adam_weight_decay == 0 or cfg.adam_variant == "cautious_bf16", "adam_weight_decay",
-         "only --adam_variant=cautious_bf16 decays weights; set it, or leave the decay at 0")
     need(not cfg.adam_odd_steps_only or cfg.save_every % 2 == 0, "save_every",
          f"{cfg.save_every} is odd; with --adam_odd_steps_only checkpoints must fall after odd steps, when no "
          "gradients wait for Adam: choose an even number")
@@ -3271,7 +2800,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.fill("GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium, "
-                                  "--recipe x01). Flags take --flag=value or --flag value; booleans may be bare "
+                                  "--recipe bulk). Flags take --flag=value or --flag value; booleans may be bare "
                                   "(--flag means true).", HELP_WIDTH),
         epilog=help_epilog())
     section, current = None, None
@@ -3333,10 +2862,8 @@ def help_epilog() -> str:
         body = f"published {recipe_facts(name)}; sets {recipe_flags(name)}"
         lines += textwrap.wrap(body, HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False)
     lines += [""] + textwrap.wrap(
-        "With --preset tiny a recipe keeps its switches and the preset its scale: 200 steps for every recipe (the "
-        "records' step cuts are too small to mean anything at 200 steps), Snoo's period stays 28 steps, "
-        "update_smoothing's 3000-step beta ramp becomes 107 steps (the same share of the run). docs/recipes.md "
-        "says what each recipe computes.", HELP_WIDTH)
+        "With --preset tiny a recipe keeps its switches and the preset its scale. The earlier records "
+        f"({', '.join(FROZEN_RECIPES)}) run from their frozen script, {FROZEN_SCRIPT}.", HELP_WIDTH)
     return "\n".join(lines)
 
 
@@ -3354,7 +2881,7 @@ def parse_args(argv: list[str]) -> Hyperparameters:
         hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
         raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
     overrides = vars(namespace)
-    return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "x01"), **overrides)
+    return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "bulk"), **overrides)
 
 
 # ---- run setup
@@ -3394,15 +2921,11 @@ def check_run_request(config: Hyperparameters, device: torch.device) -> None:
 
 
 def check_fa3_request(config: Hyperparameters, device: torch.device) -> None:
-    """--attention=fa3 needs a CUDA device, token windows (FA3's window counts tokens back from the
-    query; x01's block windows have no FA3 form) and the `kernels` package; the GPU must be a
-    Hopper (checked once CUDA is up: check_fa3_device)."""
+    """--attention=fa3 needs a CUDA device and the `kernels` package; the GPU must be a Hopper
+    (checked once CUDA is up: check_fa3_device)."""
     if device.type != "cuda":
         raise ConfigError(f"--attention: fa3 runs on Hopper GPUs only, not on the {device.type.upper()}; use "
                           "--attention=flex on a GPU, or sdpa on the CPU")
-    if not config.token_windows:
-        raise ConfigError("--attention: fa3 counts its window in tokens; x01's block windows have no FA3 form: pass "
-                          "--token_windows (as --recipe bulk does) or use --attention=flex")
     import importlib.util
     if importlib.util.find_spec("kernels") is None:
         raise ConfigError("--attention: fa3 needs the `kernels` package (pip install kernels), which fetches the "
@@ -3844,13 +3367,12 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     own_file = f"rank_{rank:03d}.pt"
     records = {own_file: save.attempt(partial / own_file, lambda: _write_durably(
         partial / own_file, dict(muon=muon, rng=rng_states(runner.device))))}
-    if rank == 0:  # the model and the replicated optimizers (Adam, Snoo) are the same on every rank
+    if rank == 0:  # the model and the replicated optimizer (Adam) are the same on every rank
         saved = capture_state(runner.model, [opt for opt in runner.optimizers if opt not in sharded], "cpu")
-        outer = {} if runner.outer is None else dict(snoo=runner.outer.state_dict("cpu"))
         records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(
             format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
             model=saved["model"], optimizers=[o["state"] for o in saved["optimizers"]],
-            config=config_record(cfg, runner.model.dtype), **outer)))
+            config=config_record(cfg, runner.model.dtype))))
     save.all_ranks_ok()
     mine = (records, {name: own_file for name in muon})
     gathered = [mine]
@@ -4012,29 +3534,10 @@ def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) 
     states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=next(replicated))
               for opt in runner.optimizers]
     restore_state(runner.model, runner.optimizers, dict(model=main_file["model"], optimizers=states))
-    restore_outer_state(runner, main_file, path)
     loader.load_state(main_file["loader"])
     rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
     set_rng_states(_load(path / rng_file)["rng"], runner.device)
     return main_file["step"], main_file["train_time_ms"]
-
-
-def restore_outer_state(runner: Runner, main_file: dict, path: Path) -> None:
-    """Snoo's state from main.pt. A checkpoint saved without Snoo (resumed with --force_resume and
-    --snoo_period) anchors Snoo at the restored weights, with its counter at the checkpoint's step so
-    that outer steps keep following steps 0, k, 2k, ...; Snoo state in a checkpoint resumed without
-    Snoo is not used."""
-    if runner.outer is None:
-        return
-    saved = main_file.get("snoo")
-    if saved is None:
-        runner.outer.load_state_dict(dict(counter=main_file["step"], anchors=dict(runner.model.named_parameters()),
-                                          momentum_buffers={}))
-        return
-    missing = sorted(set(runner.outer.anchors) - set(saved["anchors"]))
-    if missing:
-        raise CheckpointError(f"{path / 'main.pt'}: no Snoo anchor for {', '.join(missing[:4])}")
-    runner.outer.load_state_dict(saved)
 
 
 def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
@@ -4068,19 +3571,16 @@ def parameter_counts(model: GPT) -> dict[str, int]:
     return counts
 
 
-def keys_per_query(window: int, block_size: int, token_level: bool = False) -> float:
-    """Keys a query attends under a causal window of `window` blocks, away from the sequence start
-    (documents ignored): the window's earlier blocks whole, plus its own block up to itself; with
-    token-level windows, itself and the window x block_size keys before it."""
-    if token_level:
-        return window * block_size + 1
-    return max(window - 1, 0) * block_size + (block_size + 1) / 2
+def keys_per_query(window: int, block_size: int) -> float:
+    """Keys a query attends under a token window of `window` blocks, away from the sequence start
+    (documents ignored): itself and the window x block_size keys before it."""
+    return window * block_size + 1
 
 
 def attention_flops_per_token(config: Hyperparameters, long_window: int, short_window: int) -> float:
     """Attention scores and values, 12 x attn_dim x keys per query, summed over the attention layers."""
-    per_layer = [keys_per_query(long_window if i in config.long_layers else short_window, config.attn_block_size,
-                                config.token_windows) for i in config.attention_layers]
+    per_layer = [keys_per_query(long_window if i in config.long_layers else short_window, config.attn_block_size)
+                 for i in config.attention_layers]
     return 12 * config.attn_dim * sum(per_layer)
 
 
@@ -4115,37 +3615,30 @@ def flops_by_window(config: Hyperparameters, model: GPT) -> dict[str, float]:
 
 
 def optimizer_state_parts(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> dict[str, int]:
-    """Bytes of one parameter's optimizer state by kind. Adam (either variant): two moments in the
-    parameter's dtype. Muon: an fp32 momentum, plus the 16 low bits of the fp32
-    master for bf16 weights; NorMuon's gates keep momentum and statistic in their own dtype and
-    have no low bits; with row normalization one statistic per row. Each counted once: Muon's
-    is held by the rank that owns the matrix, Adam's is the same on every rank."""
+    """Bytes of one parameter's optimizer state by kind. Adam: two moments in the parameter's dtype.
+    Muon: an fp32 momentum, plus the 16 low bits of the fp32 master for bf16 weights; the gates keep
+    momentum and statistic in their own dtype and have no low bits; with row normalization one
+    statistic per row. Each counted once: Muon's is held by the rank that owns the matrix, Adam's is
+    the same on every rank."""
     cfg = config or Hyperparameters()
     dtype_name = lambda dt: str(dt).removeprefix("torch.")
     if not group.startswith("muon"):
         return {f"adam moments {dtype_name(p.dtype)}": 2 * p.numel() * p.element_size()}
     options = MUON_GROUP_OPTIONS.get(group, {})
-    own_dtype = normuon_enabled(cfg) and options.get("gate", False)
+    own_dtype = options.get("gate", False)
     state = p.dtype if own_dtype else torch.float32
     size = torch.finfo(state).bits // 8
     parts = {f"muon momentum {dtype_name(state)}": p.numel() * size}
     if p.dtype == torch.bfloat16 and not own_dtype:
         parts["muon low bits int16"] = p.numel() * 2
-    if normuon_enabled(cfg) and cfg.muon_row_normalization:
+    if cfg.muon_row_normalization:
         shape = orthogonalized_shape(p, options)
         parts[f"normuon row statistics {dtype_name(state)}"] = p.numel() // shape[normuon_reduce_dim(p, options)] * size
-    if cfg.muon_update_smoothing != "off":
-        parts[f"muon smoothed update {dtype_name(p.dtype)}"] = p.numel() * p.element_size()
     return parts
 
 
 def optimizer_state_bytes(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> int:
     return sum(optimizer_state_parts(group, p, config).values())
-
-
-def snoo_state_bytes(model: GPT, config: Hyperparameters) -> int:
-    """Snoo's anchors and momentum buffers: two copies of every parameter, on every process."""
-    return 2 * sum(p.numel() * p.element_size() for p in model.parameters()) if config.snoo_period else 0
 
 
 def muon_owned_bytes(model: GPT, config: Hyperparameters, world_size: int) -> list[int]:
@@ -4164,54 +3657,42 @@ def muon_owned_bytes(model: GPT, config: Hyperparameters, world_size: int) -> li
 
 def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> dict[str, int]:
     """What one process holds besides activations: parameters, their gradients, Adam's moments
-    (replicated), the Muon state of the busiest rank, Snoo's state (replicated)."""
+    (replicated), the Muon state of the busiest rank."""
     groups = parameter_groups(model)
     params = sum(p.numel() * p.element_size() for ps in groups.values() for p in ps)
     adam = sum(optimizer_state_bytes(n, p, config) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
-    return dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)),
-                snoo=snoo_state_bytes(model, config))
+    return dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)))
 
 
-# The peak memory a record logged with this model and batch on 8xH100 (x01: 53,988 MiB allocated) is the
-# base of the predicted peak of other configurations of the same shapes: it moves by what they hold
-# more per GPU (state_bytes_per_gpu) and by the activations the head-input ideas keep for the backward
-# pass, in (T, d) bf16 tensors of a rank's sequence: the mix keeps both norms besides its output (2:
-# 256 MiB at 65,536 tokens; the 2025-10-04 log shows +256 MiB over its predecessor), the subtract
-# form the difference it normalizes (1), and the smear nothing the compiler cannot recompute from
-# those (the 2025-11-02 log: -2 MiB).
-KEPT_ACTIVATIONS = dict(mix=2, subtract=1, off=0)
+# The peak memory the record logged on 8xH100 (57,397 MiB allocated) is the base of the predicted
+# peak of other configurations of the same shapes: it moves by what they hold more per GPU
+# (state_bytes_per_gpu) and by the activation the backout keeps for the backward pass, a (T, d)
+# bf16 tensor of a rank's sequence (the difference it normalizes).
+BACKOUT_KEPT_ACTIVATIONS = 1
 # Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
 # accounted above: a configuration that differs from the record only in these gets a prediction.
 PEAK_NEUTRAL_FIELDS = {
     "num_iterations", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
     "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
     "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
-    "snoo_period", "snoo_lr", "snoo_momentum", "snoo_low_bits", "muon_update_smoothing", "smoothing_beta_start",
-    "smoothing_beta", "smoothing_ramp_steps", "lr_floor", "backout", "backout_layer", "head_smear"}
+    "lr_floor", "backout", "backout_layer"}
 PEAK_WORLD_SIZE = 8
 
 
-def peak_base_recipe(config: Hyperparameters) -> str:
-    """The logged record a configuration's peak is predicted from: the bulk record for its own
-    lineage, x01 for the others."""
-    return "bulk" if config.recipe == "bulk" else "x01"
-
-
 def record_adam_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> int:
-    """Adam's state per GPU as the bulk record held it: sharded over the GPUs for tensors of 1024
+    """Adam's state per GPU as the record held it: sharded over the GPUs for tensors of 1024
     elements or more, whole below (here every process holds all of it)."""
     return sum(optimizer_state_bytes(n, p, config) // (world_size if p.numel() >= 1024 else 1)
                for n, ps in parameter_groups(model).items() if not n.startswith("muon") for p in ps)
 
 
 def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
-    """Peak allocated MiB per GPU of an 8-GPU run of this trainer, from the logged peak of the
-    record the configuration descends from (peak_base_recipe), or None for a configuration whose
-    shapes or execution differ from that record's in other ways. The prediction moves the logged
-    peak by what this configuration holds more per GPU (state_bytes_per_gpu; the bulk record
-    sharded its Adam state over the GPUs, which this trainer replicates) and by the activations the
-    head-input ideas keep (KEPT_ACTIVATIONS)."""
-    base_name = peak_base_recipe(config)
+    """Peak allocated MiB per GPU of an 8-GPU run of this trainer, from the record's logged peak, or
+    None for a configuration whose shapes or execution differ from the record's in other ways. The
+    prediction moves the logged peak by what this configuration holds more per GPU
+    (state_bytes_per_gpu; the record sharded its Adam state over the GPUs, which this trainer
+    replicates) and by the activation the backout keeps."""
+    base_name = "bulk"
     base = make_config(recipe=base_name)
     differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
                and f.name not in PEAK_NEUTRAL_FIELDS and getattr(config, f.name) != getattr(base, f.name)]
@@ -4227,12 +3708,11 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
         return sum(state_bytes_per_gpu(model, cfg, PEAK_WORLD_SIZE).values())
 
     model, base_model = meta(config), meta(base)
-    base_state = per_gpu(base, base_model)
-    if base_name == "bulk":  # what the record itself held: its Adam state sharded
-        base_state += (record_adam_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)
-                       - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
+    # what the record itself held: its Adam state sharded
+    base_state = per_gpu(base, base_model) + (record_adam_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)
+                                              - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
     tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
-    activations = (KEPT_ACTIVATIONS[config.backout] - KEPT_ACTIVATIONS[base.backout]) * tokens * config.model_dim * 2
+    activations = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS * tokens * config.model_dim * 2
     extra = per_gpu(config, model) - base_state + activations
     return RECIPES[base_name].peak_mib + round(extra / 2**20)
 
@@ -4243,17 +3723,15 @@ def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
     mib = lambda b: f"{b / 2**20:,.1f} MiB"
     held = state_bytes_per_gpu(model, config, PEAK_WORLD_SIZE)
     lines = ["per GPU of 8: " + ", ".join(f"{k} {mib(v)}" for k, v in held.items())
-             + " (muon: the rank owning the most; snoo: anchors and momentum, two copies of every parameter)"]
+             + " (muon: the rank owning the most)"]
     predicted, logged = predicted_peak_mib(config), RECIPES[config.recipe].peak_mib
     if predicted is None:
         lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
                      f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
     else:
-        base = peak_base_recipe(config)
         lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
-                     f"record logged {logged:,} MiB ({base}'s logged {RECIPES[base].peak_mib:,} MiB plus the state and "
-                     "kept activations this configuration adds" + (": this trainer holds Adam's state whole on every "
-                     "GPU, the record sharded it" if base == "bulk" else "") + ")")
+                     f"record logged {logged:,} MiB (plus the state and kept activations this configuration adds: this "
+                     "trainer holds Adam's state whole on every GPU, the record sharded it)")
     return lines
 
 
@@ -4274,9 +3752,6 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
         dtypes = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
         lines.append(f"params {name}: {counts[name]:,} ({dtypes}) {mib(param_b):.1f} MiB, optimizer state {mib(state_b):.1f} MiB")
     lines.append(f"params total: {counts['total']:,} {mib(total_param_b):.1f} MiB, optimizer state {mib(total_state_b):.1f} MiB")
-    if config.snoo_period:
-        lines.append(f"snoo state: {mib(snoo_state_bytes(model, config)):.1f} MiB on every process (an anchor and a "
-                     "momentum buffer per parameter)")
     if "in_use_before_split" in counts:
         lines.append(f"params in use before the split (step {untie_step(config)}; the input table is "
                      f"unread until then): {counts['in_use_before_split']:,}")
@@ -4286,21 +3761,20 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
                      f"{model.config.scalar_pad_multiple}, unused)")
     lines.append("optimizer state by kind: " + ", ".join(f"{k} {mib(b):.1f} MiB" for k, b in kinds.items()))
     lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
-    if config.token_windows:
-        lines.append("flops_per_token by window (long/short blocks): "
-                     + ", ".join(f"{w} {f:.4e}" for w, f in flops_by_window(config, model).items()))
+    lines.append("flops_per_token by window (long/short blocks): "
+                 + ", ".join(f"{w} {f:.4e}" for w, f in flops_by_window(config, model).items()))
     return lines
 
 
 def learned_scalars_lines(model: GPT) -> list[str]:
     """The learned mixing weights per layer (which layers use which embedding), the attention
-    lambdas and the skip weights (x01: per source layer; --gated_skips: the gain into each target)."""
+    lambdas and the skip weights (--gated_skips: the gain into each target; off: per source layer)."""
     L, cfg = model.config.num_layers, model.config
     slots = {name: t.detach().float().cpu() for name, t in model.scalar_slots().items()}
     resid, x0_weights = (t.detach().float().cpu() for t in model.mixing_weights())
     attn_lambdas = slots["attn_lambdas"].view(L, 2)
     names = ["x"] + [f"x0{e}" for e in range(x0_weights.size(1))]
-    attn_names = ("attn_qkv", "attn_out") if cfg.prenorm_attention else ("attn_v", "attn_ve")
+    attn_names = ("attn_qkv", "attn_out")
     gains = {target: slots["skip_gain"][j].item() for target, j in model.skip_index.items()} if cfg.gated_skips else {}
     lines = []
     for i in range(L):
@@ -4314,11 +3788,7 @@ def learned_scalars_lines(model: GPT) -> list[str]:
     if model.output_mix is not None:
         lines.append("lambdas output: x:{:.4f} x00:{:.4f}".format(*model.output_mix.detach().float().tolist()))
     if model.backout is not None:
-        values = model.backout.weights.detach().float().tolist()
-        lines.append(f"backout from layer {model.backout.layer}: " + (
-            "a:{:.4f} b:{:.4f}".format(*values) if model.backout.mode == "mix" else "lambda:{:.4f}".format(*values)))
-    if model.head_smear is not None:
-        lines.append(f"head smear: c:{model.head_smear.weight.item():.4f}")
+        lines.append(f"backout from layer {model.backout.layer}: lambda:{model.backout.weight.item():.4f}")
     return lines
 
 
@@ -4366,8 +3836,7 @@ def dry_run(config: Hyperparameters) -> int:
     extra = {}
     if untie_step(config):
         extra["params_in_use_before_split"] = counts.pop("in_use_before_split")
-    if config.token_windows:
-        extra["flops_per_token_by_window"] = flops_by_window(config, model)
+    extra["flops_per_token_by_window"] = flops_by_window(config, model)
     print(json.dumps(dict(total_params=counts["total"], params_by_group={k: v for k, v in counts.items() if k != "total"},
                           flops_per_token=flops["total"], flops_per_token_weights=flops["weights"],
                           flops_per_token_attention=flops["attention"], **extra)))

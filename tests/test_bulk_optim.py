@@ -263,12 +263,12 @@ def test_row_normalization_of_a_bf16_gate_update_keeps_a_bf16_statistic():
 def test_a_gates_row_factors_are_the_fp32_reciprocal_square_root_rounded_once():
     """A gate's statistic has one value per head, too few to fill a vector register: PyTorch's CPU
     kernel computes such a bf16 tensor's rsqrt in bf16 arithmetic (a quarter of its results one
-    step off), CUDA's in fp32. rsqrt_as_cuda_, which the row normalization uses, computes in fp32
+    step off), CUDA's in fp32. as_cuda.rsqrt_, which the row normalization uses, computes in fp32
     and rounds once: against 1/sqrt in float64 rounded to fp32 and then to bf16, as CUDA stores it
     (allowed: one result one step off, where fp32's own rounding of 1/sqrt sits on a bf16 tie)."""
     x = (torch.rand(4096, generator=torch.Generator().manual_seed(12)) * 0.05 + 1e-6).bfloat16()
     want = (1 / x.double().sqrt()).float().bfloat16()
-    got = torch.cat([tg.rsqrt_as_cuda_(x[i:i + 2].clone()) for i in range(0, x.numel(), 2)])  # (H, 1), H = 2
+    got = torch.cat([tg.as_cuda.rsqrt_(x[i:i + 2].clone()) for i in range(0, x.numel(), 2)])  # (H, 1), H = 2
     off = (got != want).nonzero().flatten()
     assert off.numel() <= 1
     assert ((got[off].double() - want[off].double()).abs() <= want[off].double().abs() * 2**-7).all()

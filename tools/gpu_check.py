@@ -50,11 +50,8 @@ MEMORY_LIMIT = 0.95  # of the device's memory: above it a longer run or another 
 # the CPU with the tiny preset); bf16: compiled graphs round differently, guessed, not yet measured.
 LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
 COMPARED_LOSSES = 3
-# The records' figures on 8xH100 (--recipe picks the record; its peak memory is in tg.RECIPES): ms
-# per step from each record's published mean time and step count; x01 (docs/recipe.md, "The task
-# and the claim") ran at about 45% MFU. The bulk record's log times each batch size of its ramp:
-# 72, 129, 189 and 249 ms per step at 131,072, 262,144, 393,216 and 524,288 tokens.
-RECORD_MFU = 0.45
+# The record's figures on 8xH100 (its peak memory is in tg.RECIPES): its log times each batch size
+# of its ramp: 72, 129, 189 and 249 ms per step at 131,072, 262,144, 393,216 and 524,288 tokens.
 BULK_MS_PER_STEP_BY_BATCH = {131_072: 72, 262_144: 129, 393_216: 189, 524_288: 249}
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -159,13 +156,6 @@ def failed_run(name: str, run: Run) -> list[dict]:
     return [row(name, "did not finish", "exit code 0", run.failure)]
 
 
-def muon_shapes(config: tg.Hyperparameters) -> int:
-    """Distinct matrix shapes Muon updates: its compiled update compiles once for each."""
-    model = tg.build_model(config, "meta")
-    return len({tuple(p.shape) for name, ps in tg.parameter_groups(model).items() if name.startswith("muon")
-                for p in ps})
-
-
 def is_record_shape(config: tg.Hyperparameters) -> bool:
     """The shapes of the record of config's recipe (its figures then apply)."""
     record = tg.make_config(recipe=config.recipe)
@@ -177,12 +167,11 @@ def is_record_shape(config: tg.Hyperparameters) -> bool:
 def record_ms_per_step(config: tg.Hyperparameters, step: int, world_size: int) -> str:
     """What the record of config's recipe took per step at `step`, scaled from its 8 GPUs to `world_size`."""
     recipe = tg.RECIPES[config.recipe]
-    if config.recipe == "bulk":
+    if config.recipe == "bulk":  # its log times each batch size of the ramp
         ms = BULK_MS_PER_STEP_BY_BATCH[tg.batch_tokens(step, config)]
-    else:
+    else:  # the mean over the run
         ms = recipe.mean_time_s * 1000 / tg.make_config(recipe=config.recipe).num_iterations
-    mfu = f" at ~{100 * RECORD_MFU:.0f}% MFU" if config.recipe == "x01" else ""
-    return f"record ({config.recipe}): ~{ms * 8 / world_size:,.0f} ms{mfu}"
+    return f"record ({config.recipe}): ~{ms * 8 / world_size:,.0f} ms"
 
 
 def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
@@ -223,26 +212,16 @@ def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
 
 
 def graph_rows(label: str, report: dict, config: tg.Hyperparameters) -> list[dict]:
-    """Compiled graphs: after the warm-up one training graph and one Muon update graph per matrix
-    shape (on a step grid, one per phase: batch shape, multi-token weights, tied or not; not
-    counted); none added at a later point (a window change, another phase of the grid); one
-    evaluation graph (a recompile of the forward)."""
+    """Compiled graphs: after the warm-up one set per phase of the step grid (batch shape,
+    multi-token weights, tied or not; not counted); none added at a later point (another phase of
+    the grid); one evaluation graph (a recompile of the forward)."""
     compiled = report["compile"]
     warmup = report["warmup"]["graphs"]
-    if tg.uses_step_grid(config):
-        rows = [row(f"compiled graphs after warm-up, {label}", str(warmup), "one set per phase of the step grid", None)]
-    else:
-        shapes = muon_shapes(config)
-        want = 1 + shapes if compiled else 0
-        rows = [row(f"compiled graphs after warm-up, {label}", str(warmup),
-                    f"{want}" + (f" (1 training + {shapes} Muon update shapes)" if compiled else " (compile off)"),
-                    None if warmup == want else f"{label}: {warmup} graphs after the warm-up, expected {want} "
-                    "(graph breaks? TORCH_LOGS=graph_breaks shows them)")]
+    rows = [row(f"compiled graphs after warm-up, {label}", str(warmup), "one set per phase of the step grid", None)]
     first = report["points"][0]
     for later in report["points"][1:]:
         added = (later["graphs_added"], later["recompiles_added"])
-        what = (f"step {later['step']} after step {first['step']}" if tg.uses_step_grid(config) else
-                f"window change ({first['window_blocks']} -> {later['window_blocks']} blocks)")
+        what = f"step {later['step']} after step {first['step']}"
         rows.append(row(f"{what}, {label}", f"+{added[0]} graphs, +{added[1]} recompiles", "+0 graphs, +0 recompiles",
                         None if added in ((0, 0), (0, None)) else f"{label}: {what} compiled again"))
     e, want = report["evaluation"], 1 if compiled else 0
