@@ -4,6 +4,7 @@
 #   ./run.sh --preset tiny        # CPU-sized run on synthetic data
 #   ./run.sh --num_extra_embeds=2 # any --field=value of the Hyperparameters dataclass
 #   NPROC_PER_NODE=4 ./run.sh     # choose the number of processes (GPUs) on this machine
+#   TRAINER=records/x01_lineage/train_gpt_medium.py ./run.sh --recipe snoo  # another script (path from the repository root)
 #   RUNS=10 ./run.sh              # 10 runs one after another, each with its own fresh seed and log, into
 #                                 # logs/<run_id or preset>-<date>-<time>/ (or --log_dir); stops at the first
 #                                 # failing run (with its exit status); ends with a summary and the next command
@@ -13,6 +14,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
+TRAINER=${TRAINER:-train_gpt_medium.py}
+if [ ! -f "$TRAINER" ]; then
+  echo "error: TRAINER=$TRAINER: no such script; give its path from the repository root, e.g. TRAINER=records/x01_lineage/train_gpt_medium.py" >&2
+  exit 2
+fi
 runs=${RUNS:-1}
 if ! [[ "$runs" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: RUNS=$runs: give the number of runs as a positive integer, e.g. RUNS=10" >&2
@@ -36,11 +42,11 @@ if [ -n "${NNODES:-}" ] && [ "${NNODES}" -gt 1 ]; then
   fi
   cmd=("${torchrun[@]}" --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK on every node}"
        --nproc_per_node="$nproc" --master_addr="${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
-       --master_port="${MASTER_PORT:-29500}" train_gpt_medium.py "$@")
+       --master_port="${MASTER_PORT:-29500}" "$TRAINER" "$@")
 elif [ "$nproc" -eq 0 ]; then
-  cmd=("$PYTHON" train_gpt_medium.py "$@")
+  cmd=("$PYTHON" "$TRAINER" "$@")
 else
-  cmd=("${torchrun[@]}" --standalone --nproc_per_node="$nproc" train_gpt_medium.py "$@")
+  cmd=("${torchrun[@]}" --standalone --nproc_per_node="$nproc" "$TRAINER" "$@")
 fi
 
 # ---- repeated runs: a record is a claim over several runs, each with a seed the trainer draws afresh.

@@ -85,7 +85,7 @@ def reference_loss(model, ids: torch.Tensor, targets: torch.Tensor, window: int)
         hidden = torch.relu(norm(x) @ P[f"blocks.{i}.mlp.fc_w"].T) ** 2
         x = x + hidden @ P[f"blocks.{i}.mlp.proj_w"].T
         outs.append(x)
-    # the later records' head input (docs/recipes.md): backout of block backout_layer, then the smear
+    # the later records' head input (records/x01_lineage/recipes.md): backout of block backout_layer, then the smear
     if cfg.backout == "mix":
         a, b = P["backout.weights"]
         x = a * norm(x) + b * norm(outs[cfg.backout_layer])

@@ -182,7 +182,7 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(one_process, two_nodes, sy
                          checkpoint_tensors(one_process / "ck/tiny/step_000008"))
 
 
-# ---- the recipes' state (docs/recipes.md): Snoo replicated, smoothing buffers sharded like Muon's
+# ---- the recipes' state (records/x01_lineage/recipes.md): Snoo replicated, smoothing buffers sharded like Muon's
 
 # Every switch of the recipes and both forms of each, in two configurations, with outer steps after
 # steps 0, 3 and 6: the smear recipe (Snoo keeping the low bits, ema smoothing, backout mix, head

@@ -1,4 +1,4 @@
-"""The later records as recipes (docs/recipes.md): `--recipe NAME` sets each record's values; Snoo's
+"""The later records as recipes (records/x01_lineage/recipes.md): `--recipe NAME` sets each record's values; Snoo's
 outer step against a hand computation and against the CUDA kernel's arithmetic written element by
 element; Muon update smoothing in both forms against a hand computation and at beta = 0; the lr
 floor and the beta ramp against the records' formulas; backout and smear against the float64

@@ -4,6 +4,11 @@ from one kind of machine to another. Run from the repository root:
     python tests/golden/make_golden.py                     # add (or renew) this machine kind's entry
     python tests/golden/make_golden.py --only_this_machine # a change meant to change training: drop the others
     python tests/golden/make_golden.py --spread --jobs=2   # measure the spread; writes nothing
+    python tests/golden/make_golden.py --trainer records/x01_lineage/train_gpt_medium.py  # a frozen script's golden
+
+Each trainer has its golden files (GOLDEN_SETS): the live script's here, a frozen lineage's in its
+record folder's golden/ (records/x01_lineage/golden/). A frozen script's files never change: rerun
+it there only for a new machine kind (a plain run, which keeps the other entries).
 
 What is pinned:
 - tests/golden/tiny_seed0.json: the tiny preset's validation history at --seed=0 (every loss and
@@ -54,6 +59,8 @@ sys.path.insert(0, str(ROOT))
 from tools.cli import OneLineParser  # noqa: E402
 
 TINY_FILE, DRY_RUN_FILE = HERE / "tiny_seed0.json", HERE / "dry_run.json"
+LIVE_TRAINER = ROOT / "train_gpt_medium.py"
+X01_LINEAGE = ROOT / "records" / "x01_lineage"
 
 # argv of the dry runs whose JSON is pinned: the record, and one switch of each idea
 DRY_RUNS = {
@@ -66,6 +73,51 @@ DRY_RUNS = {
     "ve_grouped": ["--ve_mode=grouped", "--value_embed_layout=0,1,2,2,2,-,-,-,-,-,-,0,1,2,2,2"],
 }
 TINY_ARGV = ["--preset=tiny", "--seed=0"]
+
+# The frozen x01-lineage script's dry runs: the live set as it stood when the lineage was frozen (a
+# copy, so that the live set can change), and each of the lineage's six records at full size.
+X01_LINEAGE_RECIPES = ("x01", "snoo", "update_smoothing", "smoothed_snoo", "backout", "smear")
+X01_LINEAGE_DRY_RUNS = {
+    "medium": [],
+    "tiny": ["--preset=tiny"],
+    "no_extra_embeds": ["--num_extra_embeds=0"],
+    "four_extra_embeds_x00_at_output": ["--num_extra_embeds=4", "--x00_at_output"],
+    "lore_both_sides": ["--lore_input", "--lore_output", "--lore_init=original"],
+    "ve_learned_3_tables": ["--ve_mode=learned", "--ve_tables=3"],
+    "ve_grouped": ["--ve_mode=grouped", "--value_embed_layout=0,1,2,2,2,-,-,-,-,-,-,0,1,2,2,2"],
+    **{f"recipe_{name}": [f"--recipe={name}"] for name in X01_LINEAGE_RECIPES},
+}
+
+# trainer script -> (its tiny golden file, its dry-run golden file, the dry runs pinned there)
+GOLDEN_SETS = {
+    LIVE_TRAINER: (TINY_FILE, DRY_RUN_FILE, DRY_RUNS),
+    X01_LINEAGE / "train_gpt_medium.py": (X01_LINEAGE / "golden" / "tiny_seed0.json",
+                                          X01_LINEAGE / "golden" / "dry_run.json", X01_LINEAGE_DRY_RUNS),
+}
+
+
+def load_trainer(path=None):
+    """The trainer module at `path` (default: the live script, imported as train_gpt_medium). Any other
+    script is loaded once under its own name, <its folder>_trainer (x01_lineage_trainer), so that a
+    frozen copy and the live script never stand in for each other."""
+    path = Path(path).resolve() if path is not None else LIVE_TRAINER
+    if path == LIVE_TRAINER:
+        import train_gpt_medium
+        return train_gpt_medium
+    import importlib.util
+    name = f"{path.parent.name}_trainer"
+    module = sys.modules.get(name)
+    if module is not None and Path(module.__file__).resolve() == path:
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses and pickle look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 # ---- machine kinds
 
@@ -113,10 +165,11 @@ def same_kind(recorded: dict, here: dict) -> bool:
 # ---- the tiny run and its golden record
 
 
-def tiny_run(log_dir, threads: int = 1) -> tuple[dict, Path]:
-    """The tiny preset at --seed=0 on `threads` threads, in-process: (what train() returned, the log)."""
+def tiny_run(log_dir, threads: int = 1, trainer=None) -> tuple[dict, Path]:
+    """The tiny preset at --seed=0 on `threads` threads, in-process: (what train() returned, the log).
+    `trainer`: the script's path (default: the live script; see load_trainer)."""
     import torch
-    import train_gpt_medium as tg
+    tg = load_trainer(trainer)
 
     captured = {}
     real_train = tg.train
@@ -205,10 +258,11 @@ def compare(record: dict, golden_file: dict, here: dict) -> tuple[str, list[str]
 # ---- the dry runs
 
 
-def dry_run_json(argv) -> dict:
+def dry_run_json(argv, trainer=None) -> dict:
+    """The JSON line of `--dry_run` + argv, from the trainer at path `trainer` (default: the live script)."""
     import contextlib
     import io
-    import train_gpt_medium as tg
+    tg = load_trainer(trainer)
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -233,11 +287,11 @@ SPREAD_SETTINGS = {
 }
 
 
-def one_record(threads: int) -> dict:
+def one_record(threads: int, trainer=None) -> dict:
     """One tiny run in this process: its machine kind and record."""
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        return dict(machine_kind=machine_kind(), **history_record(*tiny_run(tmp, threads)))
+        return dict(machine_kind=machine_kind(), **history_record(*tiny_run(tmp, threads, trainer)))
 
 
 def spread_run(name: str) -> dict:
@@ -294,19 +348,21 @@ def provenance() -> str:
             + (" with uncommitted changes" if dirty else "") + f", {os.cpu_count()} cores")
 
 
-def write_tiny_golden(only_this_machine: bool) -> None:
-    record = one_record(threads=1)
+def write_tiny_golden(only_this_machine: bool, trainer: Path = LIVE_TRAINER) -> None:
+    tiny_file = GOLDEN_SETS[trainer][0]
+    record = one_record(threads=1, trainer=trainer)
     here = record["machine_kind"]
     record["note"] = provenance()
-    old = json.loads(TINY_FILE.read_text()) if TINY_FILE.exists() and not only_this_machine else None
+    old = json.loads(tiny_file.read_text()) if tiny_file.exists() and not only_this_machine else None
     steps = [h["step"] for h in record["val_history"]]
     if old is not None and old.get("steps") != steps:
-        raise SystemExit(f"error: {TINY_FILE} was made at validation steps {old.get('steps')}, this run validates at "
+        raise SystemExit(f"error: {tiny_file} was made at validation steps {old.get('steps')}, this run validates at "
                          f"{steps}: training changed, so rerun with --only_this_machine")
     entries = [e for e in (old or {}).get("entries", []) if e["machine_kind"] != here]
     golden = dict(argv=TINY_ARGV, threads=1, steps=steps, entries=entries + [record])
-    TINY_FILE.write_text(json.dumps(golden, indent=1) + "\n")
-    print(f"{TINY_FILE}: {len(golden['entries'])} machine kind(s); this one: {describe_kind(here)}")
+    tiny_file.parent.mkdir(parents=True, exist_ok=True)
+    tiny_file.write_text(json.dumps(golden, indent=1) + "\n")
+    print(f"{tiny_file}: {len(golden['entries'])} machine kind(s); this one: {describe_kind(here)}")
 
 
 def main(argv=None) -> int:
@@ -317,8 +373,17 @@ def main(argv=None) -> int:
                         help=f"measure the spread over kernel choices and write nothing (default: all of "
                              f"{','.join(SPREAD_SETTINGS)})")
     parser.add_argument("--jobs", type=int, default=1, help="--spread: runs at the same time (one thread each)")
+    parser.add_argument("--trainer", default=str(LIVE_TRAINER.relative_to(ROOT)), metavar="PATH",
+                        help="the script whose golden files to write, from the repository root (default: the live "
+                             f"one); one of {', '.join(str(p.relative_to(ROOT)) for p in GOLDEN_SETS)}")
     parser.add_argument("--one_run", type=int, metavar="THREADS", help=argparse.SUPPRESS)  # used by --spread
     args = parser.parse_args(argv)
+    trainer = (ROOT / args.trainer).resolve()
+    if trainer not in GOLDEN_SETS:
+        parser.error(f"--trainer: {args.trainer} has no golden set; choose one of "
+                     f"{', '.join(str(p.relative_to(ROOT)) for p in GOLDEN_SETS)} (or add it to GOLDEN_SETS)")
+    if args.spread and trainer != LIVE_TRAINER:
+        parser.error("--spread measures the live script's spread; leave out --trainer")
     if args.spread and not set(args.spread.split(",")) <= set(SPREAD_SETTINGS):
         parser.error(f"--spread: choose among {','.join(SPREAD_SETTINGS)}")
     if args.jobs < 1:
@@ -329,10 +394,12 @@ def main(argv=None) -> int:
     elif args.spread:
         spread(args.spread.split(","), args.jobs)
     else:
-        write_tiny_golden(args.only_this_machine)
-        dry = {name: dict(argv=argv, json=dry_run_json(argv)) for name, argv in DRY_RUNS.items()}
-        DRY_RUN_FILE.write_text(json.dumps(dry, indent=1) + "\n")
-        print("golden files written to", HERE)
+        _, dry_run_file, dry_runs = GOLDEN_SETS[trainer]
+        write_tiny_golden(args.only_this_machine, trainer)
+        dry = {name: dict(argv=argv, json=dry_run_json(argv, trainer)) for name, argv in dry_runs.items()}
+        dry_run_file.parent.mkdir(parents=True, exist_ok=True)
+        dry_run_file.write_text(json.dumps(dry, indent=1) + "\n")
+        print("golden files written to", dry_run_file.parent)
     return 0
 
 

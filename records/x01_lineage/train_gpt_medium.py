@@ -1,0 +1,4524 @@
+"""FROZEN: the x01-lineage script, the trainer of the medium-track records 2025-09-11 .. 2025-11-02
+(x01, snoo, update_smoothing, smoothed_snoo, backout, smear; `--recipe NAME`), kept as it stood when
+they were the live recipes. Fixes go to the live script at the repository root, not here
+(records/x01_lineage/README.md). Run it from the repository root (its default data paths are
+relative to it):
+
+    torchrun --standalone --nproc_per_node=8 records/x01_lineage/train_gpt_medium.py --recipe smear
+    TRAINER=records/x01_lineage/train_gpt_medium.py ./run.sh --recipe snoo    # the same through run.sh
+    python records/x01_lineage/train_gpt_medium.py --preset tiny              # CPU, about a minute
+    python records/x01_lineage/train_gpt_medium.py --help                     # every flag, grouped
+    python records/x01_lineage/train_gpt_medium.py --dry_run                  # counts and FLOPs, no data, no GPU
+    python records/x01_lineage/train_gpt_medium.py --bench_steps=10           # time training steps (docs/gpu.md)
+
+What follows is the script's own description, unchanged ("this file", "the record" = x01).
+
+GPT-2 Medium speedrun trainer: the record recipe in one file.
+
+Map of the file. The recipe, in the order data flows (what a record diff touches):
+  1. Hyperparameters   the record's values as a table, and the presets
+  2. Schedules         learning rate, Muon momentum, attention window
+  3. Muon              Newton-Schulz orthogonalization, the sharded optimizer; the bulk record's
+                       Polar Express, NorMuon and cautious bf16 Adam
+  4. Model             masks, rotary, attention, MLP, block, GPT; the seed ideas' modules in one
+                       section; initialization; optimizer groups
+  5. Data              token shards and the loader
+  6. Training          optimizers, one step, evaluation, warm-up, the timed loop and what it
+                       calls every run (resume, the non-finite check, validation and log lines,
+                       copies of the training state)
+  7. main
+Below main, what a record diff does not touch: the command line and config checks, run setup
+(called once before training: device, threads, seed, input and output checks, the log),
+checkpoints, accounting (parameters, FLOPs; the log's count lines), dry run, benchmark.
+
+Importing this module has no side effects; everything runs inside `main(argv)`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import dataclasses
+import difflib
+import glob
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
+
+# =============================================================================
+# 1. Hyperparameters: the defaults ARE the record recipe (docs/recipe.md)
+#
+# One line per flag: type, record default, meaning, allowed values. Each flag's group says what
+# changing it does, and so where `--help` lists it, what a resumed checkpoint must match and what
+# makes two runs the same experiment (the log writes every field's group; records/ reads it).
+
+
+def _flag(group: str):
+    def make(default, meaning: str, *, choices=None, at_least=None, above=None, at_most=None, below=None):
+        return field(default=default, metadata=dict(group=group, meaning=meaning, choices=choices, at_least=at_least,
+                                                     above=above, at_most=at_most, below=below))
+    return make
+
+
+# recipe and seed ideas change what a run computes; execution changes how (device, kernels,
+# memory) or on which data, and so its time; bookkeeping changes neither (names, seeds, outputs).
+recipe, idea = _flag("recipe"), _flag("seed ideas")
+execution, bookkeeping = _flag("execution"), _flag("bookkeeping")
+TRAINING_GROUPS = ("recipe", "seed ideas")  # a resumed checkpoint must match these
+EXPERIMENT_GROUPS = ("recipe", "seed ideas", "execution")  # runs that agree on these are one experiment
+
+
+@dataclass
+class Hyperparameters:
+    # ---- data and batch (docs/recipe.md, Data)
+    batch_slices: int = recipe(8, "slices of train_seq_len tokens per step; each rank takes batch_slices / world size",
+                               at_least=1)
+    train_seq_len: int = recipe(64 * 1024, "tokens per training slice (a multiple of attn_block_size)", at_least=1)
+    val_seq_len: int = recipe(256 * 1024, "tokens per validation slice (a multiple of attn_block_size)", at_least=1)
+    val_tokens: int = recipe(10_485_760, "validation tokens, from the start of the validation shard", at_least=1)
+    vocab_size: int = recipe(50257, "vocabulary (GPT-2); the head is padded to a multiple of 128",
+                             at_least=2, at_most=65536)
+    eot_token: int = recipe(50256, "end-of-text token: starts a new document in the masks", at_least=0)
+    # ---- model (docs/recipe.md, Model)
+    model_dim: int = recipe(1024, "width of the residual stream", at_least=1)
+    num_layers: int = recipe(16, "transformer blocks", at_least=1)
+    num_heads: int = recipe(8, "attention heads", at_least=1)
+    head_dim: int = recipe(128, "width of one head (a multiple of 4: half-truncated rotary)", at_least=4)
+    mlp_ratio: int = recipe(4, "MLP hidden width / model_dim", at_least=1)
+    value_embed_layout: tuple[Optional[int], ...] = recipe(
+        (0, 1, 2, 3, 4, None, None, None, None, None, None, 0, 1, 2, 3, 4),
+        "value-embedding table of each layer, '-' for none (the record: 012..012)")
+    skip_connections: tuple[tuple[int, int], ...] = recipe(
+        ((9, 6), (10, 4), (11, 2)), "(target, source): before block target add skip_w[source] * output of source")
+    attention_free_layers: tuple[int, ...] = recipe((7,), "blocks with an MLP only")
+    long_window_layers: tuple[int, ...] = recipe((0, 4, 11, 15), "blocks with the long window; the others use half")
+    attn_block_size: int = recipe(128, "mask block size in tokens (windows count blocks)", at_least=1)
+    max_window_tokens: int = recipe(3456, "long window at the end of the schedule, in tokens", at_least=1)
+    attn_scale: float = recipe(0.12, "attention softmax scale (not 1/sqrt(head_dim))", above=0)
+    logit_softcap: float = recipe(15.0, "logits become cap * z / sqrt(z^2 + cap^2)", above=0)
+    rope_base: float = recipe(1024.0, "rotary base: frequencies (1/base)^linspace(0, 1, head_dim/4)", above=0)
+    dtype: str = recipe("auto", "weights and activations: auto = bfloat16 on CUDA, float32 on CPU",
+                        choices=("auto", "bfloat16", "float32"))
+    # ---- optimization (docs/recipe.md, Optimizers and schedules)
+    num_iterations: int = recipe(5690, "training steps", at_least=1)
+    cooldown_frac: float = recipe(0.7, "fraction of steps over which the lr decays linearly to 0", at_least=0, at_most=1)
+    head_lr: float = recipe(1 / 320, "Adam lr of the output head", at_least=0)
+    embed_lr: float = recipe(0.3, "Adam lr of the input and value embeddings", at_least=0)
+    scalar_lr: float = recipe(0.015, "Adam lr of the scalar vector (skip weights, lambdas)", at_least=0)
+    adam_beta1: float = recipe(0.8, "Adam beta1", at_least=0, below=1)
+    adam_beta2: float = recipe(0.95, "Adam beta2", at_least=0, below=1)
+    adam_eps: float = recipe(1e-10, "Adam epsilon", above=0)
+    muon_lr: float = recipe(0.025, "Muon lr (scaled by sqrt(max(1, rows/cols)))", at_least=0)
+    muon_momentum: float = recipe(0.95, "Muon momentum after the warm-up", at_least=0, below=1)
+    muon_momentum_start: float = recipe(0.85, "Muon momentum at step 0", at_least=0, below=1)
+    muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0)
+    muon_weight_decay: float = recipe(0.01, "Muon decoupled weight decay (w *= 1 - lr*wd*mul)", at_least=0)
+    mlp_weight_decay_mul: float = recipe(2.0, "weight decay multiplier of the MLP matrices", at_least=0)
+    # ---- bulk record (2025-12-31): optimizers (docs/bulk-optimizers.md); each off = the record x01
+    orthogonalization: str = recipe("newton_schulz", "Muon's orthogonalization: newton_schulz (5 fixed quintic steps "
+                                    "on G/|G|) or polar_express (5 steps with their own coefficients on "
+                                    "G/(1.02|G| + 1e-6), always in bf16)", choices=("newton_schulz", "polar_express"))
+    muon_row_normalization: bool = recipe(False, "NorMuon: scale each row of the orthogonalized update by 1/sqrt of a "
+                                          "running mean of its mean square, then restore the update's Frobenius norm")
+    muon_row_beta2: float = recipe(0.95, "NorMuon: decay of the running row mean square", at_least=0, below=1)
+    muon_cautious_weight_decay: bool = recipe(False, "Muon decays only where update and weight agree in sign (or one is "
+                                              "0), by muon_weight_decay * lr * lr_eff: quadratic in the lr schedule "
+                                              "(off: w *= 1 - lr*wd everywhere)")
+    muon_lr_shape: str = recipe("blocks", "Muon's lr factor sqrt(max(1, rows/cols)) from each orthogonalized block "
+                                "(attention 1, MLP in 2, MLP out 1) or from the matrix as stored, leading dims counted "
+                                "as rows (attention 2)", choices=("blocks", "stored"))
+    adam_variant: str = recipe("torch", "torch: PyTorch's Adam, moments in the weight's dtype, no decay; cautious_bf16: "
+                               "the bulk record's Adam (moments in the weight's dtype too: bf16 for its tables, head "
+                               "and gates), eps added to sqrt(v) before the bias correction, decay "
+                               "adam_weight_decay * lr^2 where update and weight agree in sign",
+                               choices=("torch", "cautious_bf16"))
+    adam_weight_decay: float = recipe(0.0, "cautious_bf16 Adam's weight decay (times each weight's wd_mul)", at_least=0)
+    adam_odd_steps_only: bool = recipe(False, "Adam steps on odd steps only, on the summed gradients of the step "
+                                       "before and its own (Muon steps every step)")
+    scalar_adam_beta1: Optional[float] = recipe(None, "Adam beta1 of the scalar group (auto: adam_beta1)",
+                                                at_least=0, below=1)
+    scalar_adam_beta2: Optional[float] = recipe(None, "Adam beta2 of the scalar group (auto: adam_beta2)",
+                                                at_least=0, below=1)
+    x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer x0 mixing weights, where the model has them",
+                                  at_least=0)
+    gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates, where the model has them", at_least=0)
+    # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
+    num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
+    x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
+    lore_input: bool = idea(False, "LoRE: input embeddings as a V x r table and an r -> d projection")
+    lore_output: bool = idea(False, "LoRE: head as d -> r -> V")
+    lore_rank: int = idea(128, "LoRE rank r", at_least=1)
+    lore_init: str = idea("corrected", "LoRE factor init", choices=("none", "original", "corrected"))
+    ve_mode: str = idea("native", "value embeddings: one table per layout index (native, grouped) or a basis of K "
+                        "tables mixed by coefficients (learned, frozen)", choices=("native", "grouped", "learned", "frozen"))
+    ve_tables: int = idea(0, "K basis tables for learned/frozen (0: as many as value_embed_layout names)", at_least=0)
+    ve_coeff_init: str = idea("canonical", "learned/frozen coefficient init", choices=("canonical", "assignment"))
+    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
+    ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
+                        choices=("direct", "materialized"))
+    # ---- later records (2025-09 .. 2025-11): records/x01_lineage/recipes.md; each off by default, --recipe sets them together
+    snoo_period: int = recipe(0, "Snoo outer step after the inner step of steps 0, N, 2N, ...: anchor <- weights "
+                              "moved by an outer Nesterov step on (anchor - weights); 0: off", at_least=0)
+    snoo_lr: float = recipe(0.68, "Snoo outer learning rate", at_least=0)
+    snoo_momentum: float = recipe(0.37, "Snoo outer Nesterov momentum", at_least=0, below=1)
+    snoo_low_bits: str = recipe("keep", "what an outer step does to the low 16 bits of Muon's fp32 master of a bf16 "
+                                "weight it rewrites: keep them (stale, as the records) or clear them",
+                                choices=("keep", "clear"))
+    muon_update_smoothing: str = recipe("off", "EMA S <- beta*S + (1-beta)*u of Muon's orthogonalized update u, "
+                                        "applying beta*S + (1-beta)*u (interpolated) or S (ema)",
+                                        choices=("off", "interpolated", "ema"))
+    smoothing_beta_start: float = recipe(0.2, "update smoothing beta at step 0", at_least=0, below=1)
+    smoothing_beta: float = recipe(0.2, "update smoothing beta from smoothing_ramp_steps on", at_least=0, below=1)
+    smoothing_ramp_steps: int = recipe(0, "steps (absolute, not a fraction of the run) of the linear beta ramp",
+                                       at_least=0)
+    lr_floor: float = recipe(0.0, "the lr multiplier's cooldown ends at this floor instead of 0", at_least=0, at_most=1)
+    backout: str = recipe("off", "head input from the last block's output h and backout_layer's output h_b: "
+                          "mix = a*norm(h) + b*norm(h_b), (a, b) learned from (1, 0), no norm after; "
+                          "subtract = norm(h - lambda*h_b), lambda learned from 0.5", choices=("off", "mix", "subtract"))
+    backout_layer: int = recipe(11, "the block whose output backout mixes in or subtracts", at_least=0)
+    head_smear: bool = recipe(False, "head input y_t = x_t + c*x_(t-1) (across document boundaries), c learned from 0")
+    # ---- bulk record (2025-12-31): step grid, batch ramp, windows per slot, document-aligned batches
+    # (docs/bulk-data.md). The grid's schedules span the scheduled steps S = num_iterations -
+    # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
+    extension_steps: int = recipe(0, "steps at the end of num_iterations past the step grid's schedules (which span "
+                                  "S = num_iterations - N steps): lr at the floor, the last slot's batch and windows",
+                                  at_least=0)
+    batch_schedule: tuple[int, ...] = recipe((), "tokens per step in each slot of the step grid (n entries: slot = "
+                                             "floor(n * step / S)), multiples of batch_slices*attn_block_size; "
+                                             "empty: batch_slices*train_seq_len every step")
+    lr_peaks: tuple[float, ...] = recipe((), "lr multiplier of each slot of the step grid (slot k's once step/S > k/n), "
+                                         "falling linearly over the last cooldown_frac of S to the lr floor; "
+                                         "empty: 1, falling to 0 over the last cooldown_frac of num_iterations")
+    window_schedule: tuple[int, ...] = recipe((), "long window in blocks in each slot of the step grid, the short one "
+                                              "min(11, long // 2); the final validation's long window is "
+                                              "max_window_tokens; empty: a cubic growth to max_window_tokens")
+    muon_momentum_cooldown_steps: int = recipe(0, "the Muon momentum falls linearly from muon_momentum toward "
+                                               "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0)
+    document_aligned_batches: bool = recipe(False, "each training slice is whole documents from their start, each "
+                                            "cut at document_cut_tokens, the slice's last one cut to fit (off: "
+                                            "contiguous slices)")
+    document_cut_tokens: int = recipe(4096, "with document_aligned_batches: a document longer than this keeps only "
+                                      "its first N tokens", at_least=1)
+    # ---- bulk record (2025-12-31): model (docs/bulk-model.md). Every default is the record above
+    token_windows: bool = recipe(False, "sliding windows by tokens: a query sees keys at most window x attn_block_size "
+                                 "positions back (off: whole blocks, the own block plus window-1 earlier ones)")
+    yarn_window_limit: int = recipe(0, "YaRN: each time the long window changes to at most this many blocks, stretch "
+                                    "the rotary frequencies and raise the attention scale (bulk record: 13); 0: off",
+                                    at_least=0)
+    rotary_bf16: bool = recipe(False, "rotary cos/sin tables stored in bfloat16 and the rotation done in the "
+                               "activations' dtype (off: fp32 tables and rotation)")
+    key_offset: bool = recipe(False, "long-window layers: each key's non-rotating dims are those of the previous "
+                              "position (one-layer induction)")
+    prenorm_attention: bool = recipe(False, "attention reads norm(x), v is not normed, and the two attention lambdas "
+                                     "scale the qkv and output weights (init 0.5, 1) instead of weighting v and the "
+                                     "value embedding")
+    qkv_init_std: float = recipe(0.5, "q, k, v weights start uniform with std qkv_init_std/sqrt(model_dim) "
+                                 "(bulk record: 1)", above=0)
+    attn_output_gate: bool = recipe(False, "each head's output times sigmoid(G norm(x)[:16]), G zero at the start "
+                                    "(so halved)")
+    value_embed_gate: bool = recipe(False, "the value embedding enters v times 2 sigmoid(G norm(x)[:16]) per head "
+                                    "(1 at the start) instead of a learned lambda")
+    value_embed_zero_init: bool = recipe(False, "value-embedding tables start at zero (off: N(0, 1))")
+    residual_scale_init: float = recipe(1.0, "initial weight of the residual stream at each block's input "
+                                        "(bulk record: 1.05)")
+    separate_x0_lambdas: bool = recipe(False, "the input embeddings' weights at each block's input are a parameter "
+                                       "of their own (x0_lambdas, Adam), not part of the scalar vector")
+    gated_skips: bool = recipe(False, "U-net skips weighted sigmoid(k) x 2 sigmoid(g x00[:16]), k from -1.5, g from "
+                               "zero (off: one learned weight from 1)")
+    untie_embed_after_step: int = recipe(0, "s > 0: the head matrix (N(0, 0.005^2), model dtype) is also the input "
+                                         "embedding until the update of step s, which copies it and its optimizer "
+                                         "state into the input embedding; 0: separate tables from the start",
+                                         at_least=0)
+    smear_embed: bool = recipe(False, "each input-embedding row adds lambda x sigmoid(g e[:16]) x the previous row "
+                               "(lambda from 0)")
+    mlp_proj_transposed: bool = recipe(False, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
+                                       "multiplier 2 for the bulk optimizers")
+    logit_softcap_form: str = recipe("rational", "rational: cap z/sqrt(z^2+cap^2) in fp32; sigmoid: "
+                                     "23 sigmoid((z+5)/7.5), in the model dtype when training, fp32 when evaluating",
+                                     choices=("rational", "sigmoid"))
+    train_loss_reduction: str = recipe("mean", "training loss over a slice's tokens (validation is a mean)",
+                                       choices=("mean", "sum"))
+    pad_vocab_tables: bool = recipe(False, "input and value-embedding tables padded to a multiple of 128 rows, as "
+                                    "the head is")
+    scalar_pad_multiple: int = recipe(1, "scalar vector padded with unused ones to a multiple of this (bulk record: "
+                                      "8, its GPU count)", at_least=1)
+    fp32_block_weights: bool = recipe(False, "attention and MLP matrices stored in fp32 (the optimizer's master) and "
+                                      "rounded to the model dtype where used (off: stored in the model dtype, Muon "
+                                      "keeping the low 16 bits of a bf16 weight's fp32 master)")
+    table_multipliers: bool = recipe(False, "the bulk record's lr and weight-decay multipliers of the tables, head "
+                                     "and scalars: second input table and value embeddings lr x75 wd x5, head and "
+                                     "input table wd x150, scalars lr x5 and no decay (read by every optimizer)")
+    multi_token_prediction: bool = recipe(False, "training loss over the next 3, then 2, then 1 tokens per position, "
+                                          "weighted by the step grid's multi-token schedule (mtp_weights)")
+    # ---- execution: the same computation, on other hardware or data, at another speed or memory
+    device: str = execution("auto", "where to run", choices=("auto", "cuda", "cpu"))
+    compile: Optional[bool] = execution(None, "torch.compile the model (auto: on for CUDA, off for CPU)")
+    attention: str = execution("auto", "auto: flex on CUDA, sdpa with a dense mask on CPU; fa3: FlashAttention-3 "
+                               "(Hopper GPUs, the `kernels` package; token windows only)",
+                               choices=("auto", "flex", "sdpa", "fa3"))
+    threads: int = execution(0, "CPU threads of a CPU run (0: OMP_NUM_THREADS if set, else 1)", at_least=0)
+    coordinate_descent_tuning: bool = execution(True, "CUDA: let the compiler search each kernel's launch settings "
+                                                "(slower compile; the 2025-12-31 record ran without)")
+    activation_checkpointing: bool = execution(False, "recompute each block (and the loss in chunks) in backward")
+    warmup_steps: int = execution(10, "untimed compile warm-up steps, state restored afterwards", at_least=0)
+    train_files: str = execution("data/fineweb10B/fineweb_train_*.bin", "training shards (a glob)")
+    val_files: str = execution("data/fineweb10B/fineweb_val_*.bin", "validation shards (a glob)")
+    synthetic_data: bool = execution(False, "generate the tiny preset's shards into data/synthetic/ if missing "
+                                     "(never elsewhere)")
+    # ---- bookkeeping: names, seeds, outputs, checkpoints, tool modes
+    preset: str = bookkeeping("medium", "starting point the other flags override", choices=("medium", "tiny"))
+    recipe: str = bookkeeping("x01", "a record's recipe on top of the preset (see the list at the end of --help): "
+                              "it sets the fields it names, your flags override them")
+    run_id: str = bookkeeping("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
+    seed: Optional[int] = bookkeeping(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
+                                      at_least=0)
+    log_dir: str = bookkeeping("logs", "folder of the run logs")
+    val_every: int = bookkeeping(125, "validate every N steps (and at the end); 0: only at the end", at_least=0)
+    nonfinite_check_every: int = bookkeeping(25, "look for a nan/inf training loss every N steps (a host sync)",
+                                             at_least=1)
+    token_bytes_file: str = bookkeeping("data/gpt2_token_bytes.npy", "bytes per token id, for val_bpb ('' = off; "
+                                        "a path you give must be such a table)")
+    save_every: int = bookkeeping(0, "checkpoint every N steps and at the end; 0: never", at_least=0)
+    checkpoint_dir: str = bookkeeping("checkpoints", "checkpoints go to <checkpoint_dir>/<run_id or preset>/step_<N>/")
+    resume: str = bookkeeping("", "a checkpoint folder, or 'latest' (the newest valid one of this run name)")
+    force_resume: bool = bookkeeping(False, "resume even if the config differs in fields that change training")
+    dry_run: bool = bookkeeping(False, "build on the meta device, print counts and FLOPs, exit")
+    bench_steps: int = bookkeeping(0, "benchmark: build and compile as a run, then time N training steps on random "
+                                   "tokens (no data, no log) and print ms/step, tokens/s, TFLOP/s, MFU, memory; "
+                                   "0: train", at_least=0)
+    bench_at_step: Optional[int] = bookkeeping(None, "with --bench_steps: time at this step of the schedule only; "
+                                               "unset: at the first and the last step", at_least=0)
+
+    # ---- derived quantities (no state of their own)
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // 128) * 128
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the input and value-embedding tables."""
+        return self.padded_vocab_size if self.pad_vocab_tables else self.vocab_size
+
+    @property
+    def attn_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def init_seed(self) -> int:
+        """The seed of the initial values and warm-up tokens: --seed, or 0 where no run drew one
+        (a library call; `main` draws a fresh seed for every run)."""
+        return 0 if self.seed is None else self.seed
+
+    @property
+    def value_embed_tables(self) -> list[Optional[int]]:
+        return list(self.value_embed_layout)
+
+    @property
+    def num_value_embeds(self) -> int:
+        """K, the number of value-embedding tables."""
+        if self.ve_mode in ("learned", "frozen") and self.ve_tables > 0:
+            return self.ve_tables
+        used = [t for t in self.value_embed_layout if t is not None]
+        return max(used) + 1 if used else 0
+
+    @property
+    def skips(self) -> dict[int, int]:
+        """{target layer: source layer}."""
+        return dict(self.skip_connections)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in self.attention_free_layers]
+
+    @property
+    def long_layers(self) -> set[int]:
+        return set(self.long_window_layers)
+
+
+# Presets are overrides of the record. `tiny` keeps the 16-layer structure (every layer pattern
+# is exercised) at toy width, on synthetic data whose entropies are known (data/synthetic.py).
+PRESETS: dict[str, dict] = {
+    "medium": {},
+    "tiny": dict(
+        train_files="data/synthetic/synthetic_train_*.bin",
+        val_files="data/synthetic/synthetic_val_*.bin",
+        synthetic_data=True,
+        token_bytes_file="data/synthetic/synthetic_token_bytes.npy",
+        vocab_size=500, eot_token=499,  # padded head: 512
+        model_dim=64, num_heads=2, head_dim=32,
+        train_seq_len=512, val_seq_len=512, batch_slices=2, val_tokens=8192,
+        max_window_tokens=384,  # 3 blocks long, 1 short, of 4 per slice
+        lore_rank=16,
+        num_iterations=200, val_every=50, warmup_steps=3,
+    ),
+}
+
+# The 2025-12-31 record's step grid, batch ramp, windows, momentum cool-down, document-aligned
+# batches and validation cadence as overrides (docs/bulk-data.md), for each preset. The tiny form
+# divides every step count by 25 (4700 + 40 steps -> 188 + 2; rounded), keeps the batches in
+# proportion to the longest slice (1/4, 2/4, 3/4, 4/4 of batch_slices x train_seq_len) and the
+# windows' block counts, with 16-token blocks so that every window is shorter than a 512-token slice.
+_BULK_WINDOWS = (3, 7, 11, 13, 15, 17, 19, 21, 23, 23, 23, 23)
+_BULK_LR_PEAKS = (1.0, 1.52, 1.73) + (2.0,) * 9
+BULK_RECORD_GRID: dict[str, dict] = {
+    "medium": dict(
+        num_iterations=4740, extension_steps=40, batch_schedule=(131072, 262144, 393216) + (524288,) * 9,
+        lr_peaks=_BULK_LR_PEAKS, lr_floor=0.1, window_schedule=_BULK_WINDOWS, muon_momentum_cooldown_steps=50,
+        document_aligned_batches=True, document_cut_tokens=4096, val_every=250, warmup_steps=2,
+    ),
+    "tiny": dict(
+        num_iterations=190, extension_steps=2, batch_schedule=(256, 512, 768) + (1024,) * 9,
+        lr_peaks=_BULK_LR_PEAKS, lr_floor=0.1, window_schedule=_BULK_WINDOWS, attn_block_size=16,
+        max_window_tokens=27 * 16,
+        muon_momentum_warmup_steps=12, muon_momentum_cooldown_steps=2,
+        document_aligned_batches=True, document_cut_tokens=256, val_every=38, warmup_steps=2,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A medium-track record as values of the fields above (over the x01 defaults), with what its
+    record published upstream (records/track_2_medium/<folder>/ of KellerJordan/modded-nanogpt)."""
+    values: dict
+    date: str
+    folder: str
+    change: str  # what it changes, one line
+    mean_time_s: float  # the record's published mean training time
+    runs: int
+    p_value: float  # one-sided test of mean val loss < 2.92
+    peak_mib: int  # "peak memory allocated" in its log (8xH100)
+    time_note: str = ""
+    # under another preset, the recipe's values for fields the preset does not set; these replace them
+    at_preset: dict = field(default_factory=dict)
+
+
+SNOO = dict(snoo_period=28, snoo_lr=0.68, snoo_momentum=0.37)
+SMOOTHED_SNOO = dict(SNOO, muon_update_smoothing="ema", smoothing_beta_start=0.2, smoothing_beta=0.2,
+                     smoothing_ramp_steps=0, lr_floor=0.01, muon_lr=0.03)
+
+# `--recipe NAME`: applied after the preset, before your flags. A preset keeps its scale (where it and
+# the recipe set the same field, as tiny's num_iterations, the preset wins) and the recipe its
+# switches; `at_preset` adapts constants that count steps. Under tiny: 200 steps for every recipe
+# (the records' cuts of 15-155 steps are what each idea buys at full length, 0.3-2.7%, which 200
+# steps cannot resolve; equal lengths keep the tiny recipes comparable step for step), Snoo's
+# period stays 28 inner steps (8 outer steps in 200), and the 3000-step smoothing ramp keeps its
+# share of the run: 3000 / 5610 x 200 = 107 steps.
+RECIPES: dict[str, Recipe] = {
+    "x01": Recipe({}, "2025-09-11", "2025-09-11_GPT2MediumX01", "the defaults: a second input embedding",
+                  1412.45, 19, 3.6e-4, 53_988),
+    "snoo": Recipe(dict(SNOO, muon_lr=0.027, num_iterations=5640), "2025-09-16", "2025-09-16_Snoo",
+                   "Snoo outer optimizer (period 28, lr 0.68, momentum 0.37)", 1404.03, 30, 0.0032, 56_505),
+    "update_smoothing": Recipe(
+        dict(muon_update_smoothing="interpolated", smoothing_beta_start=0.5, smoothing_beta=0.2,
+             smoothing_ramp_steps=3000, lr_floor=0.01, muon_lr=0.03, num_iterations=5610),
+        "2025-09-17", "2025-09-17_UpdateSmoothing",
+        "Muon update smoothing, applied beta*S + (1-beta)*u, beta 0.5 -> 0.2 over 3000 steps; lr floor 0.01 (no Snoo)",
+        1410.96, 160, 3.2e-5, 54_036, time_note="on the author's machine, where x01 took 1422.9 s",
+        at_preset=dict(tiny=dict(smoothing_ramp_steps=107))),
+    "smoothed_snoo": Recipe(dict(SMOOTHED_SNOO, num_iterations=5590), "2025-09-30", "2025-09-30_SmoothedSnooMedium",
+                            "Snoo + Muon update smoothing applying S, beta 0.2; lr floor 0.01",
+                            1405.70, 160, 1.2e-11, 56_556, time_note="on the author's machine"),
+    "backout": Recipe(dict(SMOOTHED_SNOO, backout="mix", backout_layer=11, num_iterations=5550), "2025-10-04",
+                      "2025-10-04_GPT2MediumLayerReuse", "smoothed_snoo + head input a*norm(h15) + b*norm(h11)",
+                      1384.62, 22, 1.26e-4, 56_812),
+    "smear": Recipe(dict(SMOOTHED_SNOO, backout="mix", backout_layer=11, head_smear=True, num_iterations=5535),
+                    "2025-11-02", "2025-11-02-Smear-MTP", "backout + head input smeared from the previous position",
+                    1374.69, 26, 1.13e-5, 56_810),
+}
+
+
+# The 2025-12-31 record ("bulk transfer of the short track's features", docs/bulk.md): its own
+# lineage, not built on the recipes above. Its model, its optimizers (with the base lrs of its
+# Adam groups), and its step grid (BULK_RECORD_GRID: batch ramp, windows, lr peaks and floor,
+# extension steps), whose embedding split lands on the grid's odd step.
+BULK_MODEL = dict(
+    attention_free_layers=(), attn_scale=0.1, token_windows=True, yarn_window_limit=13, rotary_bf16=True,
+    key_offset=True, prenorm_attention=True, qkv_init_std=1.0, attn_output_gate=True, value_embed_gate=True,
+    value_embed_zero_init=True, residual_scale_init=1.05, separate_x0_lambdas=True, gated_skips=True,
+    smear_embed=True, mlp_proj_transposed=True, logit_softcap_form="sigmoid", train_loss_reduction="sum",
+    pad_vocab_tables=True, scalar_pad_multiple=8, fp32_block_weights=True, table_multipliers=True,
+    multi_token_prediction=True, backout="subtract", backout_layer=11)
+BULK_OPTIMIZERS = dict(
+    orthogonalization="polar_express", muon_row_normalization=True, muon_cautious_weight_decay=True,
+    muon_lr_shape="stored", muon_lr=0.015, muon_weight_decay=1.2, mlp_weight_decay_mul=1.0,
+    adam_variant="cautious_bf16", adam_weight_decay=0.005, adam_odd_steps_only=True, adam_eps=1e-8,
+    head_lr=0.004, embed_lr=0.004, x0_lambdas_lr=0.004, gates_lr=0.004, scalar_lr=0.008,
+    scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)
+BULK_EXECUTION = dict(coordinate_descent_tuning=False)
+
+
+# where each grid's embedding_split_step falls (tests check that it does)
+BULK_SPLIT_STEP = dict(medium=785, tiny=33)
+RECIPES["bulk"] = Recipe(
+    dict(BULK_MODEL, **BULK_OPTIMIZERS, **BULK_EXECUTION, **BULK_RECORD_GRID["medium"],
+         untie_embed_after_step=BULK_SPLIT_STEP["medium"]), "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
+    "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, tied->untied "
+    "embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam on odd steps",
+    1041.28, 2, 0.0046, 57_397,
+    at_preset=dict(tiny=dict(BULK_RECORD_GRID["tiny"], untie_embed_after_step=BULK_SPLIT_STEP["tiny"])))
+
+
+def recipe_values(preset: str, name: str) -> dict:
+    """The fields recipe `name` sets under `preset`: its values, except those the preset sets itself
+    (its scale), then its values for that preset."""
+    if name not in RECIPES:
+        raise ConfigError(f"--recipe: unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    entry = RECIPES[name]
+    kept = {k: v for k, v in entry.values.items() if k not in PRESETS[preset]}
+    return {**kept, **entry.at_preset.get(preset, {})}
+
+
+# =============================================================================
+# 2. Schedules: learning rate, Muon momentum, attention window
+
+def lr_multiplier(step: int, config: Hyperparameters) -> float:
+    """1.0, then a linear cooldown over the last cooldown_frac of the run, from 1 to lr_floor (0 in
+    the record): w * (1 - floor) + floor with w = (1 - x) / cooldown_frac going from 1 to 0."""
+    x = step / config.num_iterations
+    if x < 1 - config.cooldown_frac:
+        return 1.0
+    cooldown = max((1 - x) / config.cooldown_frac, 0.0)
+    return cooldown * (1 - config.lr_floor) + config.lr_floor  # floor 0: exactly `cooldown`
+
+
+def muon_momentum(step: int, config: Hyperparameters) -> float:
+    frac = min(step / config.muon_momentum_warmup_steps, 1.0) if config.muon_momentum_warmup_steps else 1.0
+    return (1 - frac) * config.muon_momentum_start + frac * config.muon_momentum
+
+
+def update_smoothing_beta(step: int, config: Hyperparameters) -> float:
+    """Muon update smoothing's beta: linear from smoothing_beta_start to smoothing_beta over the
+    first smoothing_ramp_steps steps (absolute steps, however long the run), then constant."""
+    frac = min(step / config.smoothing_ramp_steps, 1) if config.smoothing_ramp_steps else 1
+    return (1 - frac) * config.smoothing_beta_start + frac * config.smoothing_beta
+
+
+def window_blocks(step: int, config: Hyperparameters) -> int:
+    """Long sliding window in blocks: grows along 4x^3 - 6x^2 + 3x from 1 block to max_window_tokens."""
+    x = step / config.num_iterations
+    factor = 4 * x**3 - 6 * x**2 + 3 * x
+    bs = config.attn_block_size
+    tokens = max(math.ceil(config.max_window_tokens * factor / bs) * bs, bs)
+    return tokens // bs
+
+
+# ---- the step grid (docs/bulk-data.md): each schedule of the 2025-12-31 record as a pure function
+# of the step. S = num_iterations - extension_steps scheduled steps; a schedule tuple of n entries
+# cuts them into n slots (slot = floor(n * step / S)); steps S .. num_iterations - 1 are the
+# extension. The float expressions keep the record's order of operations (x = step / S first), so
+# every value, boundary steps included, is the record's to the last bit.
+
+SHORT_WINDOW_CAP = 11  # blocks: in the scheduled steps the short window is min(11, long // 2)
+EMBEDDING_SPLIT_FRACTION = 2 / 3 / 4  # of S, rounded up to an odd step: where tied embeddings untie
+
+
+def scheduled_steps(config: Hyperparameters) -> int:
+    """S, the steps the grid's schedules span; the extension steps follow them."""
+    return config.num_iterations - config.extension_steps
+
+
+def grid_slot(step: int, config: Hyperparameters, slots: int) -> int:
+    """The slot (0 .. slots-1) of a scheduled step on a grid of `slots` slots."""
+    return int(slots * (step / scheduled_steps(config)))
+
+
+def uses_step_grid(config: Hyperparameters) -> bool:
+    """Whether any schedule runs on the step grid (then the warm-up and the benchmark visit its phases)."""
+    return bool(config.batch_schedule or config.window_schedule or config.lr_peaks or config.extension_steps
+                or config.multi_token_prediction or config.untie_embed_after_step)
+
+
+def batch_tokens(step: int, config: Hyperparameters) -> int:
+    """Training tokens of step `step`, all slices together: the batch_schedule's slot (the last
+    slot's in the extension), or batch_slices x train_seq_len."""
+    schedule = config.batch_schedule
+    if not schedule:
+        return config.batch_slices * config.train_seq_len
+    if step >= scheduled_steps(config):
+        return schedule[-1]
+    return schedule[grid_slot(step, config, len(schedule))]
+
+
+def slice_tokens(step: int, config: Hyperparameters) -> int:
+    """Tokens of one slice (one micro-batch; one GPU's sequence in the 8-GPU record) at `step`."""
+    return batch_tokens(step, config) // config.batch_slices
+
+
+def grid_lr_multiplier(step: int, config: Hyperparameters, floor: float) -> float:
+    """The grid's lr multiplier: lr_peaks[k] once step/S > k/n (strictly: a step exactly on a slot
+    boundary keeps the previous peak), from step/S >= 1 - cooldown_frac a straight line from the
+    peak down to `floor` at S, and `floor` in the extension."""
+    S = scheduled_steps(config)
+    if step > S:
+        return floor
+    peaks, x = config.lr_peaks, step / S
+    peak = peaks[0]
+    for k in range(1, len(peaks)):
+        if x > k / len(peaks):
+            peak = peaks[k]
+    if x >= 1 - config.cooldown_frac:
+        w = (1 - x) / config.cooldown_frac
+        return peak * w + (1 - w) * floor
+    return peak
+
+
+def lr_schedule(step: int, config: Hyperparameters) -> float:
+    """The lr multiplier every optimizer group applies at `step`."""
+    return grid_lr_multiplier(step, config, config.lr_floor) if config.lr_peaks else lr_multiplier(step, config)
+
+
+def muon_momentum_with_cooldown(step: int, config: Hyperparameters) -> float:
+    """The warm-up from muon_momentum_start, then muon_momentum, and over the last
+    muon_momentum_cooldown_steps steps a straight line back down (the last step stops one step
+    short of muon_momentum_start). Written as start + frac * (end - start), which can differ from
+    muon_momentum's form in the last bit of a float64 (never in a float32)."""
+    start, end = config.muon_momentum_start, config.muon_momentum
+    warmup, cooldown = config.muon_momentum_warmup_steps, config.muon_momentum_cooldown_steps
+    cooldown_start = config.num_iterations - cooldown
+    if step < warmup:
+        return start + step / warmup * (end - start)
+    if step > cooldown_start:
+        return end - (step - cooldown_start) / cooldown * (end - start)
+    return end
+
+
+def momentum_schedule(step: int, config: Hyperparameters) -> float:
+    """The Muon momentum at `step`."""
+    if config.muon_momentum_cooldown_steps:
+        return muon_momentum_with_cooldown(step, config)
+    return muon_momentum(step, config)
+
+
+def attention_windows(step: int, config: Hyperparameters) -> tuple[int, int]:
+    """(long, short) attention windows in blocks at `step`; step num_iterations is the final
+    validation. With a window_schedule: the slot's long window and min(11, long // 2); in the
+    extension the last slot's (short: its half); at the final validation max_window_tokens with
+    the extension's short window. Without: the cubic growth, short = long // 2."""
+    schedule = config.window_schedule
+    if not schedule:
+        long = window_blocks(step, config)
+        return long, long // 2
+    if step >= config.num_iterations:
+        return config.max_window_tokens // config.attn_block_size, schedule[-1] // 2
+    if step >= scheduled_steps(config):
+        return schedule[-1], schedule[-1] // 2
+    long = schedule[grid_slot(step, config, len(schedule))]
+    return long, min(SHORT_WINDOW_CAP, long // 2)
+
+
+def yarn_changes(config: Hyperparameters) -> list[tuple[int, int, int]]:
+    """(step, old long window, new long window) at each training step where the long window changes
+    to at most yarn_window_limit blocks: where RoPE is rescaled (YaRN). The final validation's
+    longer window is not one. No limit (0): none."""
+    limit = config.yarn_window_limit
+    if not limit:
+        return []
+    changes, long = [], attention_windows(0, config)[0]
+    for step in range(1, config.num_iterations):
+        new = attention_windows(step, config)[0]
+        if new != long and new <= limit:
+            changes.append((step, long, new))
+        long = new
+    return changes
+
+
+def multi_token_weights(step: int, config: Hyperparameters) -> tuple[float, ...]:
+    """Loss weights of the next, second-next and third-next token (multi-token prediction) at
+    `step`: three weights over the first twelfth of S, the third falling from 0.25 toward 0; two
+    over the second twelfth, the second falling from 0.5 toward 0; then next-token only."""
+    x = step / (scheduled_steps(config) / 4)
+    if x < 1 / 3:
+        return (1.0, 0.5, 0.25 * (1 - 3 * x))
+    if x < 2 / 3:
+        return (1.0, 0.5 * (1 - (3 * x - 1)))
+    return (1.0,)
+
+
+def embedding_split_step(config: Hyperparameters) -> int:
+    """The step after whose optimizer step tied input embedding and head become two tables: a
+    sixth of S rounded up, made odd (an odd step is one where the every-other-step Adam steps)."""
+    return math.ceil(EMBEDDING_SPLIT_FRACTION * scheduled_steps(config)) | 1
+
+
+def is_validation_step(step: int, config: Hyperparameters) -> bool:
+    """Validation runs before the training step of every val_every-th step, and at the end."""
+    return step == config.num_iterations or (config.val_every > 0 and step % config.val_every == 0)
+
+
+def grid_changes(config: Hyperparameters) -> list[int]:
+    """Training steps where the grid's batch shape or phase changes: a new batch size, a window_schedule's
+    new long window, a new number of multi-token weights, the first step after the embedding split
+    (--untie_embed_after_step), the first extension step."""
+    N, split = config.num_iterations, config.untie_embed_after_step
+    changes = {scheduled_steps(config)} if config.extension_steps else set()
+    if split and split + 1 < N:
+        changes.add(split + 1)
+    for step in range(1, N):
+        if (batch_tokens(step, config) != batch_tokens(step - 1, config)
+                or config.multi_token_prediction
+                and len(multi_token_weights(step, config)) != len(multi_token_weights(step - 1, config))
+                or config.window_schedule and attention_windows(step, config) != attention_windows(step - 1, config)):
+            changes.add(step)
+    return sorted(changes)
+
+
+def warmup_schedule(config: Hyperparameters) -> list[int]:
+    """The steps the untimed compile warm-up runs: the first warmup_steps steps, and on a step grid
+    also the steps around each of its changes (so every batch shape and phase compiles before the
+    clock starts). warmup_steps=0: none."""
+    if not config.warmup_steps:
+        return []
+    if not uses_step_grid(config):
+        return list(range(config.warmup_steps))
+    steps = set(range(config.warmup_steps))
+    for change in grid_changes(config):
+        steps |= {change - 1, change, change + 1}
+    return sorted(s for s in steps if 0 <= s < config.num_iterations)
+
+
+# =============================================================================
+# 3. Muon: orthogonalized momentum for the matrices inside the blocks (and the bulk record's
+#    optimizers); Snoo, an outer step around all
+
+_compiled_functions: dict = {}
+
+
+def compiled(fn, **options):
+    """`fn` under torch.compile with static shapes and `options`, created on first use and kept for
+    the process (never at import: compiling needs a C++ or Triton toolchain and takes seconds). One
+    compiled function serves every caller with the same options; it compiles again for each new
+    input shape or dtype."""
+    key = (fn, tuple(sorted(options.items())))
+    if key not in _compiled_functions:
+        _compiled_functions[key] = torch.compile(fn, dynamic=False, **options)
+    return _compiled_functions[key]
+
+
+# (a, b, c) of each Newton-Schulz iteration: quintic steps tuned to pull singular values into
+# a band around 1 quickly rather than to converge exactly.
+NEWTON_SCHULZ_COEFFS = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+
+def orthogonalize(G: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """Approximate U V^T of G = U S V^T for each matrix in the last two dims, iterating in `dtype`."""
+    X = G.float()
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:  # iterate on the smaller Gram matrix
+        X = X.mT
+    for a, b, c in NEWTON_SCHULZ_COEFFS:
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+def fp32_from_halves(weight: torch.Tensor, low_bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 master value: bf16 bits are its high half, `low_bits` (int16) its low half."""
+    high = weight.view(torch.int16).to(torch.int32) << 16
+    return (high | (low_bits.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def store_halves(master: torch.Tensor, weight: torch.Tensor, low_bits: torch.Tensor) -> None:
+    """Split an fp32 master value back into the bf16 weight (truncated) and its low 16 bits."""
+    bits = master.view(torch.int32)
+    weight.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    low_bits.copy_(bits.to(torch.int16))  # int32 -> int16 keeps the low 16 bits
+
+
+def muon_update(weight: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,
+                low_bits: Optional[torch.Tensor], momentum: torch.Tensor, one_minus_momentum: torch.Tensor,
+                decay: torch.Tensor, step_size: torch.Tensor, smoothed_update: Optional[torch.Tensor] = None,
+                smoothing: Optional[torch.Tensor] = None, one_minus_smoothing: Optional[torch.Tensor] = None,
+                apply_smoothed: bool = False) -> None:
+    """One matrix's Muon step, in place: momentum, Nesterov, orthogonalization, (update smoothing),
+    decoupled weight decay and the update, on the fp32 master (the weight itself, or bf16 weight +
+    low bits).
+
+    The scalars are 0-d fp32 tensors on the matrix's device, refilled in place each step, so that
+    the compiled version of this function never recompiles for a new lr or momentum. `Muon.step`
+    computes them in Python floats: 1 - m, 1 - lr*wd*wd_mul, -lr*lr_mul*sqrt(max(1, rows/cols)), beta,
+    1 - beta.
+    """
+    grad = grad.float()  # the gradient itself for fp32 weights: only read, never written
+    momentum_buffer.lerp_(grad, one_minus_momentum)
+    update = orthogonalize(grad.lerp(momentum_buffer, momentum), weight.dtype)  # Nesterov in EMA form: m*b + (1-m)*g
+    if smoothed_update is not None:
+        update = smooth_update(update, smoothed_update, smoothing, one_minus_smoothing, apply_smoothed)
+    master = fp32_from_halves(weight, low_bits) if low_bits is not None else weight
+    master.mul_(decay)
+    master.addcmul_(update.float(), step_size)  # eager: bit for bit what add_(update, alpha=step_size) gives
+    if low_bits is not None:
+        store_halves(master, weight, low_bits)
+
+
+def smooth_update(update: torch.Tensor, smoothed_update: torch.Tensor, smoothing: torch.Tensor,
+                  one_minus_smoothing: torch.Tensor, apply_smoothed: bool) -> torch.Tensor:
+    """Muon update smoothing (--muon_update_smoothing): S <- beta*S + (1-beta)*u, stored in S's dtype;
+    the update applied is S (ema) or beta*S + (1-beta)*u (interpolated). No bias correction: S
+    starts at 0. Both are formed in fp32 from the fp32 value of the new S, not its stored rounding:
+    what the compiled update computes (fused intermediates stay fp32) and what the records' compiled
+    update computed; eagerly, on fp32 weights, it is the same arithmetic. beta = 0 returns u."""
+    u = update.float()
+    new = smoothing * smoothed_update.float() + one_minus_smoothing * u
+    smoothed_update.copy_(new)
+    return new if apply_smoothed else smoothing * new + one_minus_smoothing * u
+
+
+def multiplier_key(p: nn.Parameter) -> tuple:
+    """(shape, lr_mul, wd_mul): a parameter's lr and weight-decay multipliers are attributes set
+    where it is created (absent: 1.0); Muon groups matrices that share all three."""
+    return p.shape, getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0)
+
+
+def orthogonalized_shape(p: torch.Tensor, group: dict) -> torch.Size:
+    """The shape Muon orthogonalizes: the matrix itself, or with group["blocks"] = k its k row
+    blocks (the merged attention weight: q, k, v, o), whatever the storage's leading dims."""
+    blocks = group.get("blocks", 1)
+    if blocks == 1:
+        return p.shape
+    return torch.Size((blocks, p.numel() // (blocks * p.shape[-1]), p.shape[-1]))
+
+
+def block_view(p: torch.Tensor, group: dict):
+    """A function viewing tensors shaped like `p` in orthogonalized_shape (the tensor itself when equal)."""
+    shape = orthogonalized_shape(p, group)
+    return lambda t: t if t.shape == shape else t.view(shape)
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz, for bf16 matrices with fp32-precise updates
+    (fp32 matrices, as on CPU, are simply updated in place and iterate in fp32).
+
+    Matrices are sorted by size and dealt round-robin to ranks within groups of one shape;
+    each rank updates its own (holding their momentum and low bits) and all-gathers the rest.
+    Gradients must already be averaged over ranks. With `compile_update` each matrix's update
+    is one compiled function (eagerly it is about 60 small kernels per matrix); it compiles once
+    per distinct matrix shape (3 in the record). `update_smoothing` (off, interpolated, ema) adds
+    the smoothed update S of each matrix, in the weight's dtype, held by its owner; each group's
+    "update_smoothing" is its beta, set per step like the lr.
+    """
+
+    SCALARS = ("momentum", "one_minus_momentum", "decay", "step_size")
+
+    def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
+                 rank: int = 0, world_size: int = 1, compile_update: bool = False, update_smoothing: str = "off"):
+        groups = []
+        for group in param_groups:  # split each group by shape (a gather moves one shape) and by multipliers
+            params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
+            for shape, lr_mul, wd_mul in dict.fromkeys(multiplier_key(p) for p in params):
+                groups.append({**group, "params": [p for p in params if multiplier_key(p) == (shape, lr_mul, wd_mul)],
+                               "lr_mul": lr_mul, "wd_mul": group.get("wd_mul", 1.0) * wd_mul})
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0)
+        if update_smoothing != "off":
+            defaults.update(update_smoothing=0.0)
+        super().__init__(groups, defaults)
+        self.rank, self.world_size, self.smoothing = rank, world_size, update_smoothing
+        self.update = compiled(muon_update, fullgraph=True) if compile_update else muon_update
+        # per group, the update's scalars: device tensors refilled in place (no recompile, no host sync)
+        names = self.SCALARS + (("smoothing", "one_minus_smoothing") if update_smoothing != "off" else ())
+        self.scalars = [{name: torch.zeros((), device=group["params"][0].device) for name in names}
+                        for group in self.param_groups]
+        for group in self.param_groups:
+            for p in self.owned(group):
+                self.state[p] = self.new_state(group, p)
+
+    def new_state(self, group: dict, p: nn.Parameter) -> dict:
+        state = dict(momentum_buffer=torch.zeros_like(p, dtype=torch.float32))
+        if p.dtype == torch.bfloat16:
+            state["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
+        if self.smoothing != "off":
+            state["smoothed_update"] = torch.zeros_like(p)
+        return state
+
+    def owned(self, group: dict) -> list[nn.Parameter]:
+        return group["params"][self.rank::self.world_size]
+
+    @torch.no_grad()
+    def step(self):
+        pending = []
+        for group, scalars in zip(self.param_groups, self.scalars):
+            self._fill_scalars(group, scalars)
+            params, W = group["params"], self.world_size
+            for base in range(0, len(params), W):
+                chunk = params[base:base + W]
+                mine = chunk[self.rank] if self.rank < len(chunk) else None
+                if mine is not None:
+                    self.update_matrix(group, scalars, mine)
+                if W > 1:  # everyone sends its updated matrix (or padding) and receives the rest
+                    send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
+                    outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
+                               for r in range(W)]
+                    pending.append(dist.all_gather(outputs, send, async_op=True))
+        for work in pending:
+            work.wait()
+
+    def update_matrix(self, group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
+        """This rank's step of one matrix it owns, on views split into the group's blocks."""
+        state, as_blocks = self.state[p], block_view(p, group)
+        low_bits = state.get("low_bits")
+        smoothing = {} if self.smoothing == "off" else dict(
+            smoothed_update=as_blocks(state["smoothed_update"]), apply_smoothed=self.smoothing == "ema")
+        self.update(as_blocks(p.data), as_blocks(p.grad), as_blocks(state["momentum_buffer"]),
+                    as_blocks(low_bits) if low_bits is not None else None, **scalars, **smoothing)
+
+    def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
+        """The group's lr, momentum and decay as the update's scalars, computed in Python floats
+        (float64) and rounded once to fp32, as the arithmetic on Python scalars always did."""
+        m, lr = group["momentum"], group["lr"]
+        rows, cols = orthogonalized_shape(group["params"][0], group)[-2:]
+        values = dict(momentum=m, one_minus_momentum=1 - m, decay=1 - lr * group["weight_decay"] * group["wd_mul"],
+                      step_size=-lr * group["lr_mul"] * max(1.0, rows / cols) ** 0.5)
+        if "smoothing" in scalars:
+            beta = group["update_smoothing"]
+            values.update(smoothing=beta, one_minus_smoothing=1 - beta)
+        for name, value in values.items():
+            scalars[name].fill_(value)  # a kernel launch on CUDA, not a host-to-device copy
+
+
+# ---- Snoo: a sparse Nesterov outer step around all the optimizers above (--snoo_period)
+
+# Elements per piece of an outer update: its float64 temporaries stay near 0.5 GB whatever the tensor.
+OUTER_CHUNK = 1 << 24
+
+
+@torch.no_grad()
+def snoo_outer_update(weight: torch.Tensor, anchor: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
+                      lr: float, momentum: float) -> torch.Tensor:
+    """One parameter's outer step, in place; returns the momentum buffer (a new one on the first step).
+
+    The displacement d = anchor - weight, in the weight's dtype, is the "gradient" of an SGD step with
+    Nesterov momentum from the anchor: b = d on the first step, else momentum*b + d;
+    weight = anchor - lr*(d + momentum*b); then anchor = weight. The arithmetic is that of torch's
+    fused CUDA SGD kernel, which the records ran: d, b and the weights are read as fp32, combined with
+    the float64 lr and momentum in float64, and rounded to fp32 where the kernel assigns an fp32
+    variable (the Nesterov direction, the new weight) and from there to the storage dtype on store
+    (b, the weight). The Nesterov term uses b before its store rounding. Each float64 product and sum
+    rounds on its own here; nvcc may fuse one into a multiply-add (one rounding fewer), which can move
+    an fp32 result by one ulp in about one element in 2^29.
+    """
+    first = momentum_buffer is None
+    if first:
+        momentum_buffer = torch.empty_like(weight)
+    pieces = zip(*(t.view(-1).split(OUTER_CHUNK) for t in (weight, anchor, momentum_buffer)))
+    for w, a, b in pieces:
+        displacement = a - w  # rounded to the storage dtype, like the record's p.grad = anchor - weight
+        d = displacement.double()
+        buf = d if first else b.double() * momentum + d
+        b.copy_(buf.float())  # float64 -> fp32 -> storage dtype, as the kernel's store
+        direction = (d + buf * momentum).float().double()
+        w.copy_((a.double() - direction * lr).float())
+        a.copy_(w)
+    return momentum_buffer
+
+
+class Snoo:
+    """The outer optimizer (--snoo_period k): every k-th call (the first included) moves every
+    parameter by `snoo_outer_update` from its anchor, then makes the result the new anchor.
+
+    Called once per training step after the inner optimizers, so the outer steps follow the inner
+    steps of steps 0, k, 2k, ... State, the same on every rank (every rank updates the replicated
+    weights identically): an anchor per parameter (a copy taken at construction), a momentum
+    buffer per parameter from the first outer step on, both in the parameter's dtype, and the call
+    counter. The final model is the inner iterate. A bf16 weight whose fp32 master Muon holds as
+    bf16 + low 16 bits gets only its bf16 half rewritten: the low bits stay those of the inner step
+    (the records' arithmetic) unless `low_bits_of(p)` gives them to clear (--snoo_low_bits=clear).
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], period: int, lr: float, momentum: float,
+                 low_bits_of=None):
+        self.params, self.period, self.lr, self.momentum = named_params, period, lr, momentum
+        self.low_bits_of = low_bits_of
+        self.anchors = {name: p.detach().clone() for name, p in named_params}
+        self.momentum_buffers: dict[str, torch.Tensor] = {}
+        self.counter = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.counter % self.period == 0:
+            for name, p in self.params:
+                self.momentum_buffers[name] = snoo_outer_update(p.data, self.anchors[name],
+                                                                self.momentum_buffers.get(name), self.lr, self.momentum)
+                low_bits = self.low_bits_of(p) if self.low_bits_of else None
+                if low_bits is not None:
+                    low_bits.zero_()  # the master is now exactly the weight the outer step wrote
+        self.counter += 1
+
+    def state_dict(self, device=None) -> dict:
+        """Copies of the state (on `device` if given): counter, anchors, momentum buffers by name."""
+        return dict(counter=self.counter, anchors={k: _copy(v, device) for k, v in self.anchors.items()},
+                    momentum_buffers={k: _copy(v, device) for k, v in self.momentum_buffers.items()})
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counter = state["counter"]
+        for name, anchor in self.anchors.items():
+            anchor.copy_(state["anchors"][name])
+        self.momentum_buffers = {name: _copy(v, self.anchors[name].device)
+                                 for name, v in state["momentum_buffers"].items()}
+# ---- the bulk record's optimizers (docs/bulk-optimizers.md): Polar Express, NorMuon and its Adam.
+# Each part is switched by its own field (section 1); a part that is off is never built or called.
+
+# (a, b, c) of the five Polar Express steps. Each step's coefficients are tuned for where that step
+# finds the singular values (the first lifts tiny ones hard, the last settle near 1), so five steps
+# land closer to the polar factor than five repetitions of one polynomial.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# G is divided by 1.02 |G|_F + 1e-6 first: the 2% margin keeps every singular value below 1 despite
+# the bf16 rounding of the norm.
+POLAR_EXPRESS_NORM_SCALE, POLAR_EXPRESS_EPS = 1.02, 1e-6
+
+
+def add_as_cuda_(t: torch.Tensor, other, alpha: float = 1.0) -> torch.Tensor:
+    """t += alpha * other in place (`other` a tensor or a number), as CUDA's kernels compute it:
+    in fp32, alpha and numbers in fp32, one fused multiply-add, rounded once to t's dtype. On
+    CUDA that is t.add_. PyTorch's CPU kernels round alpha, or a number added, to bf16 first
+    when t is bf16 (0.2 becomes 0.2002, 8.1566 becomes 8.1875, 1e-8 becomes 1.0012e-8), so on
+    the CPU a bf16 t gets the fp32 sum formed explicitly."""
+    if t.is_cuda or t.dtype != torch.bfloat16:
+        return t.add_(other, alpha=alpha)
+    return t.copy_(t.float().add_(other.float() if torch.is_tensor(other) else other, alpha=alpha))
+
+
+def addcmul_as_cuda_(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float) -> torch.Tensor:
+    """t += value * (a * b) in place, as CUDA's kernel computes it: a*b in fp32, then one fused
+    multiply-add with value, rounded once to t's dtype (PyTorch's CPU kernel forms (value*a)*b)."""
+    if t.is_cuda:
+        return t.addcmul_(a, b, value=value)
+    return t.copy_(t.float().add_(a.float() * b.float(), alpha=value))
+
+
+def rsqrt_as_cuda_(t: torch.Tensor) -> torch.Tensor:
+    """t = 1/sqrt(t) in place, as CUDA's kernel computes it: in fp32, rounded once to t's dtype. On
+    CUDA that is t.rsqrt_. PyTorch's CPU kernel computes the elements of a bf16 tensor that do not
+    fill a vector register (all of a gate's statistic, one value per head) in bf16 arithmetic: a
+    quarter of those results are one bf16 step off. So on the CPU a bf16 t goes through fp32."""
+    if t.is_cuda or t.dtype != torch.bfloat16:
+        return t.rsqrt_()
+    return t.copy_(t.float().rsqrt_())
+
+
+def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: float = POLAR_EXPRESS_NORM_SCALE,
+                  eps: float = POLAR_EXPRESS_EPS, dtype=torch.bfloat16, split_last_product: bool = False) -> torch.Tensor:
+    """Approximate U V^T of G = U S V^T for each matrix in the last two dims, every operation in
+    `dtype` (bf16 in the record): G is cast, a tall matrix transposed (so A below is the smaller
+    Gram matrix), divided by norm_scale*|G|_F + eps, then each step is X <- a X + (b A + c A^2) X
+    with A = X X^T. Each step rounds where the record's kernels round: A; b A + c A A^T once; and
+    a X + B X once, or with `split_last_product` (the record does this for the MLP matrices) B X
+    and then + a X. With Newton-Schulz's coefficients, norm_scale 1 and eps 1e-7 it computes the
+    polynomial `orthogonalize` does (only the roundings of the fused steps differ)."""
+    X = G.to(dtype)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    X = (X / add_as_cuda_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
+    plus_product = torch.baddbmm if X.ndim > 2 else torch.addmm  # beta*input + alpha*(m1 @ m2), rounded once
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        B = plus_product(A, A, A.mT, beta=b, alpha=c)
+        X = add_as_cuda_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
+    return X.mT if transposed else X
+
+
+def nesterov_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum: torch.Tensor,
+                      one_minus_momentum: torch.Tensor) -> torch.Tensor:
+    """Muon's momentum, in place, and its Nesterov output m*b + (1-m)*g (EMA form, as Muon). An fp32
+    buffer: Muon's own arithmetic. A bf16 buffer (the record's gates): each lerp computed in fp32
+    and rounded to bf16, which is what a bf16 lerp with a Python-float weight computes (a bf16
+    lerp with a tensor weight would round the weight to bf16 first)."""
+    grad = grad.float()
+    if momentum_buffer.dtype == torch.float32:
+        momentum_buffer.lerp_(grad, one_minus_momentum)
+        return grad.lerp(momentum_buffer, momentum)
+    momentum_buffer.copy_(momentum_buffer.float().lerp_(grad, one_minus_momentum))
+    return grad.lerp(momentum_buffer.float(), momentum).to(momentum_buffer.dtype)
+
+
+def normuon_row_normalize(update: torch.Tensor, row_mean_square: torch.Tensor, beta2: float,
+                          reduce_dim: int) -> torch.Tensor:
+    """NorMuon's row normalization, in place: r = mean over `reduce_dim` of update^2 (fp32; one
+    value per row for reduce_dim=-1), row_mean_square <- lerp toward r by 1 - beta2 (in its own
+    dtype, no bias correction), then each row is scaled by 1/sqrt(max(row_mean_square, 1e-10)) and
+    the whole matrix by |update|_F / |scaled|_F (its Frobenius norm is kept). The order and dtype
+    of every operation are the record's; the norms are computed from r, not from the update; the
+    reciprocal square root is CUDA's (rsqrt_as_cuda_)."""
+    r = update.float().square().mean(dim=reduce_dim, keepdim=True)
+    n = update.size(reduce_dim)
+    norm = r.sum(dim=(-2, -1), keepdim=True).mul_(n).sqrt_()
+    row_mean_square.lerp_(r.to(row_mean_square.dtype), 1 - beta2)
+    row_scale = rsqrt_as_cuda_(row_mean_square.clamp_min(1e-10))
+    scaled_norm = ((r * n) * row_scale.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    scale = row_scale * (norm / scaled_norm.clamp_min_(1e-10))
+    return update.mul_(scale.type_as(update))
+
+
+def normuon_reduce_dim(p: torch.Tensor, group: dict) -> int:
+    """The dim NorMuon's statistic averages over: -1 (one value per stored row) for gates and for
+    matrices with at least as many stored rows as columns (leading dims count as rows), else -2
+    (one per column). Rows are as stored: an MLP output matrix stored transposed gets one value
+    per hidden unit."""
+    rows, cols = p.numel() // p.shape[-1], p.shape[-1]
+    return -1 if group.get("gate", False) or rows >= cols else -2
+
+
+def cautious_step(weight: torch.Tensor, update: torch.Tensor, wd_factor: torch.Tensor,
+                  lr_factor: torch.Tensor) -> None:
+    """Cautious weight decay and the step, in place: entries where update*weight >= 0 decay by
+    wd_factor*lr_factor, then weight -= lr_factor*update. The factors are cast to the weight's
+    dtype first (bf16 for the record's gates) and every product runs in the record's order."""
+    same_sign = (update * weight) >= 0
+    wd, lr = wd_factor.to(weight.dtype), lr_factor.to(weight.dtype)
+    weight.copy_(weight - weight * same_sign * wd * lr - update * lr)
+
+
+def decoupled_step(master: torch.Tensor, update: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor) -> None:
+    """Muon's step, in place: master *= 1 - lr*wd*wd_mul, then master += step_size*update."""
+    master.mul_(decay)
+    master.addcmul_(update.float(), step_size)
+
+
+class NorMuon(Muon):
+    """Muon as the bulk record runs it, each part switched on its own: Polar Express instead of
+    Newton-Schulz, the row normalization, cautious weight decay quadratic in the lr (decay factor
+    weight_decay * wd_mul * lr * lr_eff with lr_eff = lr * lr_mul * shape factor), and the lr
+    shape factor sqrt(max(1, rows/cols)) of the stored matrix or of each block. With every part at
+    Muon's setting it is Muon.
+
+    Dtypes: a group with "gate": True (the record's attention and value-embedding gates) keeps
+    its momentum and row statistic in the gates' dtype and updates them in place in it (bf16 on a
+    GPU, as the record: no fp32 master). Other matrices have fp32 state; bf16 ones keep Muon's
+    16 low bits (the bulk model stores its matrices in fp32, so it has none). The round-robin
+    sharding, the gathers and checkpoints are Muon's.
+
+    With compile_update the three steps the record compiles (orthogonalization, row
+    normalization, cautious step) are compiled separately, each with fullgraph, so the compiler
+    fuses the same operations as the record's; the momentum runs eagerly, as there.
+    """
+
+    SCALARS = Muon.SCALARS + ("lr_factor", "wd_factor")
+
+    def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
+                 rank: int = 0, world_size: int = 1, compile_update: bool = False, *,
+                 orthogonalization: str = "polar_express", row_normalization: bool = True, row_beta2: float = 0.95,
+                 cautious_weight_decay: bool = True, lr_shape: str = "stored"):
+        self.orthogonalization, self.lr_shape = orthogonalization, lr_shape
+        self.row_normalization, self.row_beta2 = row_normalization, row_beta2
+        self.cautious_weight_decay = cautious_weight_decay
+        super().__init__(param_groups, lr, momentum, weight_decay, rank, world_size, compile_update)
+        part = (lambda fn: compiled(fn, fullgraph=True)) if compile_update else (lambda fn: fn)
+        self.orthogonalize = part(polar_express if orthogonalization == "polar_express" else orthogonalize)
+        self.row_normalize, self.cautious_step, self.decoupled_step = (
+            part(normuon_row_normalize), part(cautious_step), part(decoupled_step))
+
+    def new_state(self, group: dict, p: nn.Parameter) -> dict:
+        gate = group.get("gate", False)
+        dtype = p.dtype if gate else torch.float32
+        state = dict(momentum_buffer=torch.zeros_like(p, dtype=dtype))
+        if p.dtype == torch.bfloat16 and not gate:
+            state["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
+        if self.row_normalization:
+            shape = list(orthogonalized_shape(p, group))
+            shape[normuon_reduce_dim(p, group)] = 1
+            state["row_mean_square"] = torch.zeros(shape, dtype=dtype, device=p.device)
+        return state
+
+    def update_matrix(self, group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
+        state, as_blocks = self.state[p], block_view(p, group)
+        weight, low_bits = as_blocks(p.data), state.get("low_bits")
+        g = nesterov_momentum(as_blocks(p.grad), as_blocks(state["momentum_buffer"]), scalars["momentum"],
+                              scalars["one_minus_momentum"])
+        if self.orthogonalization == "polar_express":
+            update = self.orthogonalize(g, split_last_product=group.get("split_last_product", False))
+        else:
+            update = self.orthogonalize(g, weight.dtype)
+        if self.row_normalization:
+            update = self.row_normalize(update, state["row_mean_square"], self.row_beta2, normuon_reduce_dim(p, group))
+        master = fp32_from_halves(weight, as_blocks(low_bits)) if low_bits is not None else weight
+        if self.cautious_weight_decay:
+            self.cautious_step(master, update, scalars["wd_factor"], scalars["lr_factor"])
+        else:
+            self.decoupled_step(master, update, scalars["decay"], scalars["step_size"])
+        if low_bits is not None:
+            store_halves(master, weight, as_blocks(low_bits))
+
+    def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
+        """Momentum, and the step's factors. Cautious: lr_factor = lr * lr_mul * shape factor and
+        wd_factor = wd_mul * weight_decay * lr, each product rounded to fp32 as the record's fp32
+        multiplier vectors round it. Otherwise Muon's decay and step size."""
+        m, lr, p = group["momentum"], group["lr"], group["params"][0]
+        rows, cols = ((p.numel() // p.shape[-1], p.shape[-1]) if self.lr_shape == "stored"
+                      else orthogonalized_shape(p, group)[-2:])
+        shape_factor = max(1.0, rows / cols) ** 0.5
+        values = dict(momentum=m, one_minus_momentum=1 - m)
+        if self.cautious_weight_decay:
+            f32 = np.float32
+            values.update(lr_factor=f32(f32(shape_factor * group["lr_mul"]) * f32(lr)),
+                          wd_factor=f32(f32(f32(group["wd_mul"]) * f32(group["weight_decay"])) * f32(lr)))
+        else:
+            values.update(decay=1 - lr * group["weight_decay"] * group["wd_mul"],
+                          step_size=-lr * group["lr_mul"] * shape_factor)
+        for name, value in values.items():
+            scalars[name].fill_(float(value))
+
+
+def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
+                       eps: float, weight_decay: float, wd_mul: float) -> None:
+    """One parameter's step of the bulk record's Adam, in place, operation by operation in the
+    record's order and dtypes (its step runs uncompiled): moments m, v in the weight's dtype;
+    u = lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), so eps sits
+    where torch's would be eps / sqrt(1 - beta2^t); then where u*p > 0 (strictly) u += lr^2 * wd *
+    wd_mul * p; p -= u. Bias corrections and factors are Python floats, as there. Each operation
+    rounds as its CUDA kernel does (add_as_cuda_, addcmul_as_cuda_)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    t = state["step"]
+    add_as_cuda_(m.mul_(beta1), grad, alpha=1 - beta1)
+    addcmul_as_cuda_(v.mul_(beta2), grad, grad, value=1 - beta2)
+    bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
+    denom = add_as_cuda_(v.sqrt(), eps)
+    update = m.div(denom).mul_(lr * (bias2 ** 0.5 / bias1))
+    same_sign = (update * p) > 0
+    addcmul_as_cuda_(update, p, same_sign, value=lr * weight_decay * wd_mul * lr)
+    p.add_(update, alpha=-1.0)
+
+
+class CautiousAdam(torch.optim.Optimizer):
+    """The bulk record's Adam (cautious_adam_step for each parameter with a gradient), replicated
+    on every rank. A parameter's `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's
+    lr and weight decay. State per parameter as PyTorch's Adam names it: step (a Python int,
+    counting this parameter's steps), exp_avg and exp_avg_sq, created at construction in the
+    weight's dtype. That is the dtype the record's timed run steps with: its optimizer creates bf16
+    moments for every weight, but after its compile warm-up it restores the initial optimizer state
+    with load_state_dict, which casts each state tensor to its weight's dtype, so its fp32 scalars
+    and x0 weights train with fp32 moments and its bf16 tables, head and gates with bf16 ones."""
+
+    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            for p in group["params"]:
+                moment = torch.zeros_like(p)
+                self.state[p] = dict(step=0, exp_avg=moment, exp_avg_sq=torch.zeros_like(moment))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is not None:  # no gradient, no step (the untied embedding before the split)
+                    cautious_adam_step(p, p.grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), beta1,
+                                       beta2, group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
+
+
+# =============================================================================
+# 4. Model
+
+# With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
+# logits of 8192 tokens x 50304 are 1.6 GB instead of 13 GB for a 65,536-token sequence.
+LOSS_CHUNK_TOKENS = 8192
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-truncated rotary: head_dim/4 frequencies then head_dim/4 zeros (those dims don't rotate)."""
+    quarter = head_dim // 4
+    freqs = (1 / base) ** torch.linspace(0, 1, quarter, dtype=torch.float32, device=device)
+    freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
+    theta = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), freqs)  # (T, D/2)
+    return theta.cos(), theta.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); rotates the halves (x1, x2) in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def apply_rotary_in_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """--rotary_bf16: the same rotation without the fp32 round trip: x (B, T, H, D) in its own dtype
+    times the tables (bf16), each product and sum rounded as the dtypes say."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[None, :x.size(1), None, :], sin[None, :x.size(1), None, :]
+    return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
+
+
+# YaRN's interpolation ramp: frequencies turning at most YARN_ALPHA times over the old window are
+# stretched fully (by old/new), those turning YARN_BETA times or more are kept, linear in between
+YARN_ALPHA, YARN_BETA = 1, 32
+
+
+def yarn_rescale(freqs: torch.Tensor, scale: float, old_window: int, new_window: int, block_size: int
+                 ) -> tuple[torch.Tensor, float]:
+    """One YaRN change of the long window from old_window to new_window blocks: (frequencies, attention
+    scale) afterwards. freqs (D/2,) fp32; the scale is a Python float (float64)."""
+    turns = block_size * old_window * freqs / (2 * math.pi)  # full turns over the old window
+    ratio = old_window / new_window
+    ramp = torch.clamp((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0, 1)
+    return freqs * (ratio + ramp * (1 - ratio)), scale * (0.2 * math.log(new_window / old_window) + 1)
+
+
+class RotaryTables(nn.Module):
+    """Rotary cos/sin tables for every position a sequence can have, and the attention scale, held
+    as buffers and rewritten in place (the compiled model reads them, so a change never
+    recompiles). They are a function of the YaRN changes applied so far (`set_changes`), not
+    training state: the Runner derives the changes from the step, so a restored or resumed run
+    rebuilds the same tables. Built with --yarn_window_limit or --rotary_bf16."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        self.config = config
+        positions = max(config.train_seq_len, config.val_seq_len)
+        dtype = torch.bfloat16 if config.rotary_bf16 else torch.float32
+        self.register_buffer("cos", torch.empty(positions, config.head_dim // 2, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(positions, config.head_dim // 2, dtype=dtype), persistent=False)
+        # the scale the attention multiplies q.k by: a 0-d tensor for the compiled FlexAttention
+        # path, and the same value as a Python float for SDPA, which takes only a float
+        self.register_buffer("scale", torch.empty((), dtype=torch.float32), persistent=False)
+        self.scale_value = config.attn_scale
+        self.changes: Optional[tuple] = None  # what the tables hold; None: not built yet
+
+    @torch.no_grad()
+    def set_changes(self, changes: tuple[tuple[int, int], ...]) -> None:
+        """Tables and scale after the YaRN changes ((old, new) windows in blocks, in order) from the
+        base frequencies; nothing to do if they already hold these."""
+        if changes == self.changes:
+            return
+        cfg, device = self.config, self.cos.device
+        quarter = cfg.head_dim // 4
+        freqs = (1 / cfg.rope_base) ** torch.linspace(0, 1, quarter, dtype=torch.float32, device=device)
+        freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
+        scale = cfg.attn_scale
+        for old, new in changes:
+            freqs, scale = yarn_rescale(freqs, scale, old, new, cfg.attn_block_size)
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=device), freqs)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+        self.scale.fill_(scale)
+        self.scale_value, self.freqs, self.changes = scale, freqs, changes
+
+
+# ---- document-causal sliding-window masks (block level first, then what each backend consumes)
+
+def candidate_blocks(ids: torch.Tensor, block_size: int, eot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-level structure of document-causal attention over a packed sequence.
+
+    Returns (docs (T,), full (nb, nb), partial (nb, nb)): key block j is a candidate of query
+    block i if j <= i and their documents overlap; it is full if j < i and both blocks lie in one
+    document (no token-level mask needed), partial otherwise.
+    """
+    docs = (ids == eot).cumsum(0)
+    nb = ids.numel() // block_size
+    first_doc = docs.view(nb, block_size)[:, 0]
+    last_doc = docs.view(nb, block_size)[:, -1]
+    q, k = torch.arange(nb, device=ids.device)[:, None], torch.arange(nb, device=ids.device)[None, :]
+    candidate = (k <= q) & (first_doc[:, None] <= last_doc[None, :])
+    one_doc = first_doc == last_doc
+    full = (k < q) & one_doc[:, None] & one_doc[None, :] & (first_doc[:, None] == first_doc[None, :])
+    return docs, full, candidate & ~full
+
+
+def most_recent_first(blocks: torch.Tensor) -> torch.Tensor:
+    """Per query row, the selected key block indices in descending order, then the rest. (nb, nb) int32"""
+    nb = blocks.size(-1)
+    key = blocks.to(torch.int32) * nb + torch.arange(nb, device=blocks.device, dtype=torch.int32)
+    return key.argsort(dim=-1, descending=True).to(torch.int32)
+
+
+def windowed_counts(full: torch.Tensor, partial: torch.Tensor, window: torch.Tensor):
+    """How many full and partial blocks each query block keeps under a window of `window` blocks."""
+    n_full, n_partial = full.sum(-1, dtype=torch.int32), partial.sum(-1, dtype=torch.int32)
+    keep_full = torch.minimum(n_full, window - 1).clamp_min(0)
+    keep_partial = torch.minimum(n_partial, (window - n_full).clamp_min(1))
+    return keep_full.to(torch.int32), keep_partial.to(torch.int32)
+
+
+def selected_blocks(counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Dense (nb, nb) bool of the first `counts[i]` blocks of `order[i]`."""
+    nb = order.size(-1)
+    keep = torch.arange(nb, device=order.device)[None, :] < counts[:, None]
+    return torch.zeros_like(keep).scatter(1, order.long(), keep)
+
+
+def attention_masks(ids: torch.Tensor, window: torch.Tensor, config: Hyperparameters, backend: str):
+    """(long, short) masks for one packed sequence: FlexAttention BlockMasks, or dense (T, T) bools.
+    `window`: the long window in blocks (0-d; the short one is half of it) or [long, short].
+
+    Both describe the same thing: the selected full blocks entirely, and inside the selected
+    partial blocks the token rule (key_pos <= query_pos, same document).
+    """
+    bs = config.attn_block_size
+    docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
+    full_order, partial_order = most_recent_first(full), most_recent_first(partial)
+    long_window, short_window = long_and_short(window)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+
+    def build(w):
+        keep_full, keep_partial = windowed_counts(full, partial, w)
+        if backend == "flex":
+            return BlockMask.from_kv_blocks(keep_partial[None, None], partial_order[None, None],
+                                            keep_full[None, None], full_order[None, None],
+                                            BLOCK_SIZE=bs, mask_mod=document_causal)
+        pos = torch.arange(ids.numel(), device=ids.device)
+        token_rule = (pos[:, None] >= pos[None, :]) & (docs[:, None] == docs[None, :])
+        expand = lambda m: m.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+        return expand(selected_blocks(keep_full, full_order)) | (
+            expand(selected_blocks(keep_partial, partial_order)) & token_rule)
+
+    return build(long_window), build(short_window)
+
+
+def long_and_short(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's window argument: a 0-d long window (the short one is half of it), or the pair
+    [long, short] (the bulk record's schedule caps the short one), in blocks."""
+    return (window, window // 2) if window.dim() == 0 else (window[0], window[1])
+
+
+# --token_windows: a query at position q sees the keys k of its own document with q - W <= k <= q,
+# W = window x block size tokens. For query block i and w = window blocks, key blocks i-w+1 .. i-1
+# lie entirely within reach (q - k <= w*bs - 1); block i-w only partly ("the window's edge"),
+# the diagonal block only causally; blocks before i-w not at all.
+
+def token_windowed_blocks(full: torch.Tensor, partial: torch.Tensor, window: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """candidate_blocks' (full, partial) restricted to a token window of `window` blocks: full
+    blocks at the window's edge become partial, blocks beyond it are dropped. (nb, nb) bools."""
+    nb = full.size(-1)
+    q, k = torch.arange(nb, device=full.device)[:, None], torch.arange(nb, device=full.device)[None, :]
+    inside, edge = k > q - window, k == q - window
+    return full & inside, (partial & (inside | edge)) | (full & edge)
+
+
+def token_window_masks(ids: torch.Tensor, long_window: torch.Tensor, short_window: torch.Tensor,
+                       config: Hyperparameters, backend: str):
+    """(long, short) masks of --token_windows for one packed sequence: FlexAttention BlockMasks, or
+    dense (T, T) bools for SDPA. Both keep the selected full blocks entirely and, inside the
+    selected partial blocks, the token rule: causal, same document, at most W positions back.
+    The windows are device tensors (blocks): a new window rebuilds the masks without recompiling."""
+    bs = config.attn_block_size
+    docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
+
+    def build(w):
+        reach = w * bs  # W in tokens, a 0-d tensor the mask_mod reads
+
+        def token_rule(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx]) & (q_idx - kv_idx <= reach)
+
+        keep_full, keep_partial = token_windowed_blocks(full, partial, w)
+        if backend == "flex":
+            count = lambda blocks: blocks.sum(-1, dtype=torch.int32)[None, None]
+            return BlockMask.from_kv_blocks(count(keep_partial), most_recent_first(keep_partial)[None, None],
+                                            count(keep_full), most_recent_first(keep_full)[None, None],
+                                            BLOCK_SIZE=bs, mask_mod=token_rule)
+        pos = torch.arange(ids.numel(), device=ids.device)
+        expand = lambda m: m.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+        return expand(keep_full) | (expand(keep_partial) & token_rule(None, None, pos[:, None], pos[None, :]))
+
+    return build(long_window), build(short_window)
+
+
+# Past dynamo's recompile limit a compiled function silently runs eagerly, and FlexAttention run
+# eagerly ignores the BlockMask's block lists, where the sliding window lives: the loss changes
+# with no error. Runs with flex make that an error, with room for every graph a run compiles (each
+# batch shape, training and evaluation, the tied and untied embedding, the MTP lengths).
+RECOMPILE_LIMIT = 64
+
+
+def fail_instead_of_eager_fallback() -> None:
+    """Dynamo raises at the recompile limit instead of falling back to eager (process-wide)."""
+    config = torch._dynamo.config
+    config.fail_on_recompile_limit_hit = True
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def attention_backend(config: Hyperparameters, device_type: str) -> str:
+    """flex, sdpa or fa3: --attention, where auto means flex on CUDA and sdpa elsewhere."""
+    if config.attention != "auto":
+        return config.attention
+    return "flex" if device_type == "cuda" else "sdpa"
+
+
+# ---- --attention=fa3: FlashAttention-3's variable-length kernel, fetched from the `kernels` hub at
+# run time (the bulk record's attention). It takes documents as cumulative lengths and a window of W
+# tokens back, the token-window mask above; a window is a number, so each one is its own graph.
+
+FA3_KERNEL = "varunneal/flash-attention-3"
+_fa3_kernel: dict = {}
+
+
+def flash_attention_3():
+    """FA3's flash_attn_varlen_func, fetched on first use (needs the `kernels` package and, for
+    the download, network access; a Hopper GPU to run)."""
+    if "varlen" not in _fa3_kernel:
+        from kernels import get_kernel
+        _fa3_kernel["varlen"] = get_kernel(FA3_KERNEL).flash_attn_interface.flash_attn_varlen_func
+    return _fa3_kernel["varlen"]
+
+
+@dataclass(frozen=True)
+class VarlenWindow:
+    """The token-window mask in FA3's terms: documents as cumulative lengths (a fixed count of
+    them, unused ones empty), the longest a document can be, and the window W in tokens (a query
+    sees keys q-W .. q of its own document)."""
+    cu_seqlens: torch.Tensor  # (max_docs + 2,) int32
+    max_seqlen: int
+    reach: int
+
+
+def varlen_windows(ids: torch.Tensor, windows: tuple[int, int], config: Hyperparameters, training: bool):
+    """(long, short) VarlenWindows of one packed sequence; windows (long, short) in blocks. A
+    document starts at each end-of-text token, as in the masks (doc id = cumsum(ids == eot)). Room
+    for ceil128(T / 300) documents, as the bulk record (its median document is about 400 tokens);
+    any beyond that share the last one's slot. Training sequences of whole documents cut at
+    document_cut_tokens are at most that long; anything else at most T."""
+    T = ids.numel()
+    max_docs = max(-(-(T // 300) // 128) * 128, 128)
+    docs = (ids == config.eot_token).cumsum(0).clamp_max(max_docs)
+    lengths = torch.zeros(max_docs + 1, dtype=torch.int32, device=ids.device).scatter_add_(
+        0, docs, torch.ones_like(docs, dtype=torch.int32))
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    longest = min(T, config.document_cut_tokens) if training and config.document_aligned_batches else T
+    return tuple(VarlenWindow(cu_seqlens, longest, w * config.attn_block_size) for w in windows)
+
+
+def attend(q, k, v, mask, scale: float, scale_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of (B, T, H, D) tensors under a BlockMask (flex), a dense bool mask (SDPA)
+    or a VarlenWindow (FA3, B = 1). With `scale_tensor` (a 0-d fp32 tensor of the same value as
+    `scale`, rewritten in place by YaRN) flex multiplies the scores by the tensor, so a new scale
+    needs no recompile."""
+    if isinstance(mask, VarlenWindow):
+        y = flash_attention_3()(q[0], k[0], v[0], cu_seqlens_q=mask.cu_seqlens, cu_seqlens_k=mask.cu_seqlens,
+                                max_seqlen_q=mask.max_seqlen, max_seqlen_k=mask.max_seqlen, causal=True,
+                                softmax_scale=scale, window_size=(mask.reach, 0))
+        return (y[0] if isinstance(y, tuple) else y)[None]  # some builds also return the log-sum-exp
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if isinstance(mask, BlockMask):
+        # FlexAttention run eagerly evaluates mask_mod everywhere and ignores the BlockMask's block
+        # lists, which carry the sliding window: it always runs compiled, inside the compiled model
+        # or compiled on its own (and never falls back to eager past the recompile limit)
+        if torch.compiler.is_compiling():
+            flex = flex_attention
+        else:
+            fail_instead_of_eager_fallback()
+            flex = compiled(flex_attention)
+        if scale_tensor is None:
+            y = flex(q, k, v, block_mask=mask, scale=scale)
+        else:  # q.k in fp32, times 1.0, times the scale: the product the scale argument would give
+            y = flex(q, k, v, block_mask=mask, score_mod=lambda score, b, h, q_idx, kv_idx: score * scale_tensor,
+                     scale=1.0)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return y.transpose(1, 2)
+
+
+def shift_stationary_keys(k: torch.Tensor) -> torch.Tensor:
+    """--key_offset: k (B, T, H, D) with the dims rotary leaves alone (the second quarter of each
+    half: D/4..D/2 and 3D/4..D) taken from position t-1 (position 0 keeps its own). Out of place,
+    from the unshifted k. The shift runs over the packed sequence: a document's first key carries
+    the previous document's last token in those dims."""
+    D = k.size(-1)
+    dims = torch.arange(D, device=k.device)
+    stationary = ((dims >= D // 4) & (dims < D // 2)) | (dims >= 3 * D // 4)
+    previous = torch.cat([k[:, :1], k[:, :-1]], dim=1)
+    return torch.where(stationary, previous, k)
+
+
+# the bulk record's gates read the first GATE_INPUTS features of a normed residual stream
+GATE_INPUTS = 16
+
+
+class Gate(nn.Module):
+    """A gate's pre-activation: (..., outputs) = G x[..., :16], G (outputs, 16) zero at the start,
+    stored in the model dtype. Callers apply the sigmoid and their scale."""
+
+    def __init__(self, outputs: int, dtype: torch.dtype, lr_mul: float, wd_mul: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, GATE_INPUTS, dtype=dtype))
+        self.param_multipliers = dict(weight=(lr_mul, wd_mul))
+        set_multipliers(self)
+
+    def initial_value(self, name, shape, gen):
+        return torch.zeros(shape)
+
+    def forward(self, x):
+        return F.linear(x[..., :GATE_INPUTS], self.weight.type_as(x))
+
+
+class Attention(nn.Module):
+    """Multi-head attention over the packed sequence. x01: q, k, v all RMS-normed, v mixed with the
+    value embedding by the two attention lambdas. --prenorm_attention (the bulk record): the block
+    hands in norm(x); lambda0 scales the qkv weights (so, after the q/k norms, only v) and lambda1
+    the output weights; the value embedding is added to v. The gates, key offset and YaRN scale
+    are further switches."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype, layer: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = config.num_heads, config.head_dim, config.attn_scale
+        self.qkv_init_std, self.prenorm = config.qkv_init_std, config.prenorm_attention
+        self.key_offset = config.key_offset and layer in config.long_layers
+        self.rotate = apply_rotary_in_dtype if config.rotary_bf16 else apply_rotary
+        # q, k, v, o merged; Muon orthogonalizes the four (attn_dim, model_dim) matrices separately.
+        # o is used as y @ o (x01) or, with --prenorm_attention, as the bulk record stores it: rows
+        # are output features, y @ o^T
+        self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
+                                               dtype=torch.float32 if config.fp32_block_weights else dtype))
+        # gates: group muon_gates, lr multiplier 0.1, zero init
+        self.output_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if config.attn_output_gate else None
+        gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
+        self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if gated_ve else None
+
+    def initial_value(self, name, shape, gen):
+        value = uniform(shape, gen, 3**0.5 * self.qkv_init_std / shape[-1] ** 0.5)  # std qkv_init_std/sqrt(fan_in)
+        value[3] = 0  # the output projection starts at zero
+        return value
+
+    def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None):
+        """scale: a float (default: --attn_scale), or None with scale_tensor (0-d, rewritten by YaRN)."""
+        B, T = x.shape[:2]
+        H, D = self.num_heads, self.head_dim
+        if self.prenorm:
+            w_qkv = lambdas[0] * self.qkvo_w[:3].flatten(0, 1).type_as(x)
+            q, k, v = F.linear(x, w_qkv).view(B, T, 3 * H, D).chunk(3, dim=-2)
+            q, k = rms_norm(q), rms_norm(k)
+        else:
+            q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)
+            q, k, v = rms_norm(q), rms_norm(k), rms_norm(v)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        if self.key_offset:
+            k = shift_stationary_keys(k)
+        gate_input = x if self.prenorm or (self.value_gate is None and self.output_gate is None) else rms_norm(x)
+        if self.value_gate is not None and ve is not None:
+            weight = 2 * torch.sigmoid(self.value_gate(gate_input)).view(B, T, H, 1)
+            v = v + weight * ve.view_as(v) if self.prenorm else lambdas[0] * v + weight * ve.view_as(v)
+        elif self.prenorm:
+            v = v + ve.view_as(v) if ve is not None else v
+        else:
+            v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        y = attend(q, k, v, mask, self.scale if scale is None and scale_tensor is None else scale, scale_tensor)
+        if self.output_gate is not None:
+            y = y * torch.sigmoid(self.output_gate(gate_input)).view(B, T, H, 1)
+        y = y.reshape(B, T, -1)
+        if self.prenorm:
+            return F.linear(y, lambdas[1] * self.qkvo_w[3].type_as(y))
+        return F.linear(y, self.qkvo_w[3].mT.type_as(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        hidden = config.mlp_ratio * config.model_dim
+        dtype = torch.float32 if config.fp32_block_weights else dtype  # --fp32_block_weights: the master itself
+        self.fc_w = nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype))
+        # --mlp_proj_transposed stores the output weight as the bulk record does, (hidden, model_dim)
+        # like fc_w, which is the shape its optimizer sees; lr multiplier 2 for the bulk optimizers
+        self.transposed = config.mlp_proj_transposed
+        proj_shape = (hidden, config.model_dim) if self.transposed else (config.model_dim, hidden)
+        self.proj_w = nn.Parameter(torch.empty(*proj_shape, dtype=dtype))
+        self.param_multipliers = dict(proj_w=(2.0, 1.0)) if self.transposed else {}
+        set_multipliers(self)
+
+    def initial_value(self, name, shape, gen):
+        if name == "fc_w":
+            return uniform(shape, gen, 3**0.5 * 0.5 / shape[-1] ** 0.5)
+        return torch.zeros(shape)  # proj starts at zero
+
+    def forward(self, x):
+        if self.transposed:
+            hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()
+            return F.linear(hidden, self.proj_w.T.type_as(hidden))
+        hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()
+        return F.linear(hidden, self.proj_w.type_as(hidden))
+
+
+class Block(nn.Module):
+    def __init__(self, config: Hyperparameters, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.attn = Attention(config, dtype, layer) if layer in config.attention_layers else None
+        self.mlp = MLP(config, dtype)
+        self.prenorm = config.prenorm_attention
+        # --separate_x0_lambdas: the bulk record's first block weights its input (which is x00) once
+        self.fold_first_input = config.separate_x0_lambdas and layer == 0
+
+    def forward(self, x, x0s, resid_weight, x0_weights, ve, attn_lambdas, cos, sin, mask, scale=None,
+                scale_tensor=None):
+        # mix the residual stream with every input embedding: x = l0*x + l1*x00 + l2*x01 + ...
+        if self.fold_first_input:  # here x is x00 itself: (l0 + l1)*x + l2*x01 + ...
+            x = (resid_weight + x0_weights[0]) * x
+            for lam, x0 in zip(x0_weights[1:], x0s[1:]):
+                x = x + lam * x0
+        else:
+            x = resid_weight * x
+            for lam, x0 in zip(x0_weights, x0s):
+                x = x + lam * x0
+        if self.attn is not None:
+            x = x + self.attn(rms_norm(x) if self.prenorm else x, ve, attn_lambdas, cos, sin, mask, scale,
+                              scale_tensor)
+        return x + self.mlp(rms_norm(x))
+
+
+# ---- the seed ideas' modules (docs/ideas.md), each switched by its Hyperparameters field
+
+class LowRankEmbedding(nn.Module):
+    """LoRE, input side (--lore_input): a V x r table followed by an r -> d projection."""
+
+    def __init__(self, vocab_size: int, rank: int, dim: int, init: str, dtype: torch.dtype):
+        super().__init__()
+        self.init = init
+        self.table = nn.Embedding(vocab_size, rank, dtype=dtype)
+        self.proj = nn.Parameter(torch.empty(dim, rank, dtype=dtype))  # Linear(r -> d) weight
+
+    def initial_value(self, name, shape, gen):
+        rank = shape[1]  # proj: fan_in r. `original` and `corrected` both draw it N(0, 1/r)
+        return normal(shape, gen, rank**-0.5) if self.init != "none" else uniform(shape, gen, rank**-0.5)
+
+    def forward(self, ids):
+        return F.linear(self.table(ids), self.proj)
+
+
+class Head(nn.Module):
+    """The record's output head: d -> V_pad, fp32 storage, zero init, matmul in the model dtype.
+    With --untie_embed_after_step it doubles as the input embedding until the split: then it is
+    stored in the model dtype (it is looked up as a table) and starts N(0, 0.005^2)."""
+
+    def __init__(self, dim: int, padded_vocab: int, dtype: torch.dtype = torch.float32, init_std: float = 0.0):
+        super().__init__()
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(padded_vocab, dim, dtype=dtype))
+
+    def initial_value(self, name, shape, gen):
+        return normal(shape, gen, self.init_std) if self.init_std else torch.zeros(shape)
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class LowRankHead(nn.Module):
+    """LoRE, output side (--lore_output): d -> r (`down`) then r -> V_pad (`up`), fp32 storage.
+    Only `up` carries the vocabulary padding. Both factors start random (the --lore_init modes):
+    two zero factors would never receive a gradient."""
+
+    def __init__(self, dim: int, rank: int, padded_vocab: int, init: str):
+        super().__init__()
+        self.init = init
+        self.down = nn.Parameter(torch.empty(rank, dim, dtype=torch.float32))  # Linear(d -> r) weight
+        self.up = nn.Parameter(torch.empty(padded_vocab, rank, dtype=torch.float32))  # Linear(r -> V) weight
+
+    def initial_value(self, name, shape, gen):
+        fan_in, rank = shape[1], min(shape)
+        gaussian = (self.init, name) in {("original", "down"), ("corrected", "up")}
+        return normal(shape, gen, rank**-0.5) if gaussian else uniform(shape, gen, fan_in**-0.5)
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.down.to(x.dtype)), self.up.to(x.dtype))
+
+
+class ValueEmbeddings(nn.Module):
+    """The per-layer value embeddings, from K tables B_k (docs/ideas.md).
+
+    native / grouped: layer l looks up table layout[l] (the record: K=5, 012..012).
+    learned / frozen: a coefficient matrix A (L x K, fp32) makes layer l's table
+    V_l = sum_k A[l, k] B_k; learned trains A (Adam, --ve_coeff_lr), frozen keeps it fixed (a
+    buffer: no gradient, no optimizer state). --ve_exec: `direct` gathers the K rows of each
+    token and mixes them, `materialized` builds each V_l (differentiably), then looks it up.
+    """
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.layout = config.value_embed_tables  # table per layer or None
+        self.tables = nn.ModuleList(nn.Embedding(config.table_rows, config.model_dim, dtype=dtype)
+                                    for _ in range(config.num_value_embeds))
+        coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
+        if config.ve_mode == "learned":
+            self.coeffs = nn.Parameter(coeffs)
+        elif config.ve_mode == "frozen":
+            self.register_buffer("coeffs", coeffs)
+        else:
+            self.coeffs = None
+
+    def initial_value(self, name="coeffs", shape=None, gen=None) -> torch.Tensor:
+        """The coefficients (deterministic, so `gen` is unused). canonical: the first K sites
+        one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot of the layout's table. Rows of
+        layers without a value embedding are zero (unused)."""
+        L, K = self.config.num_layers, self.config.num_value_embeds
+        A = torch.zeros(L, K)
+        sites = [layer for layer, table in enumerate(self.layout) if table is not None]
+        for s, layer in enumerate(sites):
+            if self.config.ve_coeff_init == "assignment":
+                A[layer, self.layout[layer]] = 1.0
+            elif s < K:
+                A[layer, s] = 1.0
+            else:
+                A[layer] = K**-0.5
+        return A
+
+    def forward(self, ids) -> list[Optional[torch.Tensor]]:
+        """One (T, d) tensor per layer, or None where the layer has no value embedding."""
+        if self.coeffs is None:
+            rows = [table(ids) for table in self.tables]
+            return [rows[t] if t is not None else None for t in self.layout]
+        A, dtype = self.coeffs, self.tables[0].weight.dtype
+        if self.config.ve_exec == "direct":
+            rows = torch.stack([table(ids) for table in self.tables]).float()  # (K, T, d)
+            mix = lambda layer: torch.einsum("k,ktd->td", A[layer], rows).to(dtype)
+        else:
+            weights = torch.stack([table.weight for table in self.tables]).float()  # (K, V, d)
+            mix = lambda layer: F.embedding(ids, torch.einsum("k,kvd->vd", A[layer], weights).to(dtype))
+        return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
+
+
+# ---- the later records' head-input ideas (records/x01_lineage/recipes.md), each switched by its Hyperparameters field
+
+class Backout(nn.Module):
+    """The head's input from the last block's output h and block `layer`'s output h_b (--backout).
+    mix (2025-10-04): a*norm(h) + b*norm(h_b), with no norm after; (a, b) = `weights`, from (1, 0).
+    subtract (2025-12-31): norm(h - lambda*h_b); lambda = `weights[0]`, from 0.5, with the bulk
+    record's multipliers for its scalars (lr_mul 5, wd_mul 0; torch Adam ignores them).
+    `weights` is fp32, in the Adam "scalar" group; each coefficient is a 0-d tensor in the product,
+    so the activations keep their dtype."""
+
+    def __init__(self, mode: str, layer: int):
+        super().__init__()
+        self.mode, self.layer = mode, layer
+        self.weights = nn.Parameter(torch.empty(2 if mode == "mix" else 1, dtype=torch.float32))
+        if mode == "subtract":
+            self.weights.lr_mul, self.weights.wd_mul = 5.0, 0.0
+
+    def initial_value(self, name, shape, gen):
+        return torch.tensor([1.0, 0.0] if self.mode == "mix" else [0.5])
+
+    def forward(self, h: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:  # (T, d) each
+        if self.mode == "mix":
+            return rms_norm(h) * self.weights[0] + rms_norm(h_b) * self.weights[1]
+        return rms_norm(h - self.weights[0] * h_b)
+
+
+class HeadSmear(nn.Module):
+    """Smear of the head's input (--head_smear, 2025-11-02): y_t = x_t + c*x_(t-1) for t >= 1 and
+    y_0 = x_0, from the unsmeared x, over the whole packed sequence: a document's first position
+    receives the previous document's last state. c = `weight` (fp32, Adam "scalar" group), from 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def initial_value(self, name, shape, gen):
+        return torch.zeros(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, d)
+        return torch.cat([x[:1], x[1:] + self.weight[0] * x[:-1]])
+# ---- the bulk record's pieces outside the blocks (docs/bulk-model.md), each switched by its field
+
+def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.Tensor:
+    """--smear_embed: e (T, d) with row t >= 1 plus weight * sigmoid(gate(e_t)) * e_(t-1), from the
+    unsmeared rows, over the whole packed sequence (a document's first token gets some of the
+    previous document's last one). `weight` is the learned scalar, 0 at the start."""
+    amount = weight * torch.sigmoid(gate(e[1:]))  # (T-1, 1)
+    return torch.cat([e[:1], e[1:] + amount * e[:-1]])
+
+
+# the bulk record's logit cap: 23 sigmoid((z + 5) / 7.5), values in (0, 23)
+SIGMOID_CAP, SIGMOID_SHIFT, SIGMOID_TEMPERATURE = 23.0, 5.0, 7.5
+
+
+def sigmoid_softcap(z: torch.Tensor) -> torch.Tensor:
+    """--logit_softcap_form=sigmoid, in z's dtype."""
+    return SIGMOID_CAP * torch.sigmoid((z + SIGMOID_SHIFT) / SIGMOID_TEMPERATURE)
+
+
+def multi_token_targets(targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For multi-token prediction: ((T, n) the target k positions after each position's own,
+    (T, n) whether that target lies inside the sequence); column 0 is the next-token target."""
+    T = targets.numel()
+    ahead = torch.arange(T, device=targets.device)[:, None] + torch.arange(n, device=targets.device)[None, :]
+    inside = ahead < T
+    return targets[ahead.clamp_max(T - 1)], inside
+
+
+def multi_token_loss(logits: torch.Tensor, targets: torch.Tensor, inside: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """sum_t sum_k w_k (logsumexp(z_t) - z_t[y_(t+k)]): every k from the same logits z_t (n, V),
+    targets and inside (n, K) from multi_token_targets, weights (K,). Terms past the sequence are
+    zero; no document mask, no normalization by the weights' sum (as the bulk record)."""
+    losses = torch.logsumexp(logits, dim=-1, keepdim=True) - logits.gather(1, targets)
+    return (torch.where(inside, losses, 0) * weights).sum()
+
+
+def scalar_layout(config: Hyperparameters) -> list[tuple[str, list[float]]]:
+    """The scalar vector's slots in order, (name, initial values). x01: skip weights (by source
+    layer), block lambdas (per layer: residual, then each input embedding), attention lambdas.
+    With every bulk switch on it is the bulk record's vector: residual weights, attention
+    lambdas, smear weight, [backout weight], skip gains, padding."""
+    L, n_embeds, rho = config.num_layers, 1 + config.num_extra_embeds, config.residual_scale_init
+    slots = []
+    if not config.gated_skips:
+        slots.append(("skip_w", [1.0] * L))
+    if config.separate_x0_lambdas:
+        slots.append(("resid", [rho] * L))
+    else:
+        slots.append(("block_lambdas", ([rho] + [0.0] * n_embeds) * L))
+    slots.append(("attn_lambdas", ([0.5, 1.0] if config.prenorm_attention else [0.5, 0.5]) * L))
+    if config.smear_embed:
+        slots.append(("smear", [0.0]))
+    if config.gated_skips:
+        slots.append(("skip_gain", [-1.5] * len(config.skip_connections)))
+    # the bulk record pads its vector, which holds the subtractive backout's weight too (here that
+    # weight is the Backout module's own parameter), to a multiple of its GPU count
+    backout_weights = 1 if config.backout == "subtract" else 0
+    pad = -(sum(len(values) for _, values in slots) + backout_weights) % config.scalar_pad_multiple
+    if pad:
+        slots.append(("pad", [1.0] * pad))  # unused
+    return slots
+
+
+# ---- the model
+
+class GPT(nn.Module):
+    """The record model. All structure comes from `config`; parameters are created empty and
+    filled by `init_parameters` (or left unfilled on the meta device). `dtype` (bf16 in the
+    record) is the storage of embeddings and block matrices and so of the activations."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        V, d, L = config.table_rows, config.model_dim, config.num_layers
+        r = config.lore_rank
+        self.embeds = nn.ModuleList(
+            LowRankEmbedding(V, r, d, config.lore_init, dtype) if config.lore_input else nn.Embedding(V, d, dtype=dtype)
+            for _ in range(1 + config.num_extra_embeds))
+        self.value_embeds = ValueEmbeddings(config, dtype)
+        self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
+        self.blocks = nn.ModuleList(Block(config, i, dtype) for i in range(L))
+        # only the head is padded (to a multiple of 128), unless --pad_vocab_tables
+        tied = config.untie_embed_after_step > 0
+        self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init) if config.lore_output
+                     else Head(d, config.padded_vocab_size, dtype, init_std=0.005) if tied
+                     else Head(d, config.padded_vocab_size))
+        # one fp32 vector of named slots (scalar_layout); x01: skip weights (L), block lambdas
+        # (L x (2 + extra)), attention lambdas (L x 2)
+        self.num_mix = 2 + config.num_extra_embeds
+        self.scalar_layout = scalar_layout(config)
+        self.scalars = nn.Parameter(torch.empty(sum(len(v) for _, v in self.scalar_layout), dtype=torch.float32))
+        # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream)
+        self.output_mix = nn.Parameter(torch.empty(2, dtype=torch.float32)) if config.x00_at_output else None
+        self.backout = Backout(config.backout, config.backout_layer) if config.backout != "off" else None
+        self.head_smear = HeadSmear() if config.head_smear else None
+        # ---- the bulk record's switches (docs/bulk-model.md)
+        # --separate_x0_lambdas: per layer the weights of x00, x01, ...; Adam group x0_lambdas,
+        # lr multiplier 5, no weight decay, zero at the start
+        self.x0_lambdas = None
+        if config.separate_x0_lambdas:
+            self.x0_lambdas = nn.Parameter(torch.empty(L * (self.num_mix - 1), dtype=torch.float32))
+        self.param_multipliers = dict(x0_lambdas=(5.0, 0.0)) if config.separate_x0_lambdas else {}
+        # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
+        self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) if config.smear_embed else None
+        self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) for _ in config.skip_connections)
+                           if config.gated_skips else None)
+        self.skip_index = {target: j for j, (target, _) in enumerate(config.skip_connections)}
+        # --yarn_window_limit / --rotary_bf16: rotary tables as buffers (x01 computes them each forward)
+        self.rotary = RotaryTables(config) if config.yarn_window_limit or config.rotary_bf16 else None
+        # --untie_embed_after_step: the input embedding is the head matrix until the split (a Python
+        # flag: embeds[0] gets no gradient at all until then; a compiled model compiles each state once)
+        self.embed_tied = tied
+        if config.table_multipliers:  # --table_multipliers: the bulk record's (lr_mul, wd_mul) per table
+            self.head.param_multipliers = dict(weight=(1.0, 150.0))
+            for i, embed in enumerate(self.embeds):  # x00's table as the head (it becomes its copy), the rest x75
+                embed.param_multipliers = dict(weight=(1.0, 150.0) if i == 0 else (75.0, 5.0))
+            for table in self.value_embeds.tables:
+                table.param_multipliers = dict(weight=(75.0, 5.0))
+            self.param_multipliers["scalars"] = (5.0, 0.0)
+        set_multipliers(self)
+
+    def initial_value(self, name, shape, gen):
+        if name == "output_mix":
+            return torch.tensor([1.0, 0.0])  # starts as the record: x00 weighted 0
+        if name == "x0_lambdas":
+            return torch.zeros(shape)
+        return torch.tensor([v for _, values in self.scalar_layout for v in values], dtype=torch.float32)
+
+    def scalar_slots(self) -> dict[str, torch.Tensor]:
+        """Views of the scalar vector by slot name (scalar_layout)."""
+        names, sizes = zip(*((name, len(values)) for name, values in self.scalar_layout))
+        return dict(zip(names, self.scalars.split(list(sizes))))
+
+    def scalar_views(self):
+        """x01's slots: skip weights (L,), block lambdas (L, 2 + extra), attention lambdas (L, 2)."""
+        L, slots = self.config.num_layers, self.scalar_slots()
+        return slots["skip_w"], slots["block_lambdas"].view(L, self.num_mix), slots["attn_lambdas"].view(L, 2)
+
+    def mixing_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per layer, the block input's weight on the residual stream (L,) and on each input
+        embedding (L, 1 + extra), whichever parameter holds them."""
+        L, slots = self.config.num_layers, self.scalar_slots()
+        if self.x0_lambdas is not None:
+            return slots["resid"], self.x0_lambdas.view(L, -1)
+        lambdas = slots["block_lambdas"].view(L, self.num_mix)
+        return lambdas[:, 0], lambdas[:, 1:]
+
+    def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window: torch.Tensor,
+                reduction: Optional[str] = None, mtp_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Cross-entropy of one packed sequence. input_seq (T,) int32, target_seq (T,) int64; window:
+        the long window in blocks as a 0-d int tensor (the short one is half), or [long, short]
+        (tensors, so a new value needs no recompile). reduction: "mean", "sum" or "none" (per token,
+        (T,)); default: --train_loss_reduction in training mode, the mean in evaluation.
+        mtp_weights (K,) (training only): the multi-token prediction loss with these weights;
+        None: the next-token loss."""
+        cfg = self.config
+        T = input_seq.numel()
+        reduction = reduction or (cfg.train_loss_reduction if self.training else "mean")
+        backend = attention_backend(cfg, input_seq.device.type)
+        if backend == "fa3":  # the windows as numbers (Runner.window)
+            long_mask, short_mask = varlen_windows(input_seq, window, cfg, self.training)
+        elif cfg.token_windows:
+            long_mask, short_mask = token_window_masks(input_seq, *long_and_short(window), cfg, backend)
+        else:
+            long_mask, short_mask = attention_masks(input_seq, window, cfg, backend)
+        scale, scale_tensor = cfg.attn_scale, None
+        if self.rotary is None:
+            cos, sin = rotary_tables(T, cfg.head_dim, cfg.rope_base, input_seq.device)
+        else:
+            cos, sin = self.rotary.cos[:T], self.rotary.sin[:T]
+            if cfg.yarn_window_limit:  # a scale that changes: the tensor for flex, its float for SDPA
+                flex = backend == "flex"
+                scale, scale_tensor = (None, self.rotary.scale) if flex else (self.rotary.scale_value, None)
+        x0s = self.input_embeddings(input_seq)  # each (1, T, d)
+        ves = self.value_embeds(input_seq)  # per layer (T, d) or None
+        slots = self.scalar_slots()
+        resid_weights, x0_weights = self.mixing_weights()
+        attn_lambdas = slots["attn_lambdas"].view(cfg.num_layers, 2)
+        skips, long_layers = self.skips, self.long_layers
+        # activation checkpointing keeps only each block's input and recomputes the block in backward
+        recompute = cfg.activation_checkpointing and torch.is_grad_enabled()
+        x, outputs = x0s[0], []
+        for i, block in enumerate(self.blocks):
+            if i in skips:
+                x = x + self.skip_weight(i, x0s[0], slots) * outputs[skips[i]]
+            mask = long_mask if i in long_layers else short_mask
+            args = (x, x0s, resid_weights[i], x0_weights[i], ves[i], attn_lambdas[i], cos, sin, mask, scale,
+                    scale_tensor)
+            x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
+            outputs.append(x)
+        if self.backout is not None:
+            x = self.backout(x[0], outputs[self.backout.layer][0])  # (T, d)
+        else:
+            x = rms_norm(x[0])  # (T, d)
+        if self.output_mix is not None:
+            x = self.output_mix[0] * x + self.output_mix[1] * x0s[0][0]
+        if self.head_smear is not None:
+            x = self.head_smear(x)
+        # with recomputation the fp32 (T, V) logits would dominate memory: one recomputed chunk at a time
+        num_chunks = max(T // LOSS_CHUNK_TOKENS, 1) if recompute else (1 if self.training else 4)
+        return self.loss(x, target_seq, num_chunks, reduction, recompute,
+                         mtp_weights if self.training else None)
+
+    def input_embeddings(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """x00, x01, ...: each input embedding of the tokens, RMS-normed, (1, T, d). x00's table is
+        the head matrix while tied (--untie_embed_after_step), then smeared (--smear_embed)."""
+        if not self.embed_tied and self.smear_gate is None:
+            return [rms_norm(embed(ids))[None] for embed in self.embeds]
+        first = F.embedding(ids, self.head.weight) if self.embed_tied else self.embeds[0](ids)
+        if self.smear_gate is not None:
+            first = smear_embedding(first, self.smear_gate, self.scalar_slots()["smear"][0])
+        return [rms_norm(first)[None]] + [rms_norm(embed(ids))[None] for embed in self.embeds[1:]]
+
+    def skip_weight(self, target: int, x00: torch.Tensor, slots: dict) -> torch.Tensor:
+        """The U-net skip into block `target`: x01's learned weight (of the source layer), or with
+        --gated_skips sigmoid(gain) * 2 sigmoid(gate(x00)), (1, T, 1)."""
+        if self.skip_gates is None:
+            return slots["skip_w"][self.skips[target]]
+        j = self.skip_index[target]
+        return torch.sigmoid(slots["skip_gain"][j]) * 2 * torch.sigmoid(self.skip_gates[j](x00))
+
+    @torch.no_grad()
+    def untie_embedding(self, optimizers) -> None:
+        """The split of --untie_embed_after_step: the input embedding becomes a copy of the head
+        matrix, and in every optimizer that holds state for the head, its state becomes a copy of
+        the head's (tensors cloned: moments, step counts), so it goes on as if it had been trained
+        as the head so far. From now on the forward reads it."""
+        head, table = self.head.weight, self.embeds[0].weight
+        table.copy_(head)
+        for opt in optimizers:
+            if head in opt.state:
+                opt.state[table] = {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                    for k, v in opt.state[head].items()}
+        self.embed_tied = False
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int, reduction: str = "mean",
+             recompute: bool = False, mtp_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Soft-capped logits and cross-entropy (or the multi-token loss); chunks bound the (T, V)
+        logits' memory. reduction: mean, sum or none (per token)."""
+        per_token = reduction == "none"
+        if mtp_weights is not None and not per_token:
+            ahead, inside = multi_token_targets(targets, mtp_weights.numel())
+            part = lambda xc, tc, ic: multi_token_loss(self.logits(xc), tc, ic, mtp_weights)
+            chunks = zip(x.chunk(num_chunks), ahead.chunk(num_chunks), inside.chunk(num_chunks))
+            parts = [checkpoint(part, *c, use_reentrant=False) if recompute else part(*c) for c in chunks]
+        else:
+            parts = [checkpoint(self.chunk_loss, xc, tc, per_token, use_reentrant=False) if recompute
+                     else self.chunk_loss(xc, tc, per_token)
+                     for xc, tc in zip(x.chunk(num_chunks), targets.chunk(num_chunks))]
+        if per_token:
+            return torch.cat(parts)
+        # bf16 chunk sums (the sigmoid cap in training) are added in fp32
+        total = sum(parts) if len(parts) == 1 or parts[0].dtype == torch.float32 else sum(p.float() for p in parts)
+        return total if reduction == "sum" else total / targets.numel()
+
+    def chunk_loss(self, x: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
+        return F.cross_entropy(self.logits(x), targets, reduction="none" if per_token else "sum")
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Soft-capped logits (n, V_pad) of final-normed rows x. x01: 15 z / sqrt(z^2 + 225) in fp32.
+        --logit_softcap_form=sigmoid: in the model dtype in training, fp32 in evaluation."""
+        if self.config.logit_softcap_form == "sigmoid":
+            z = self.head(x)
+            return sigmoid_softcap(z if self.training else z.float())
+        cap, z = self.config.logit_softcap, self.head(x).float()
+        return cap * z * torch.rsqrt(z.square() + cap * cap)
+
+
+# ---- initialization: one random stream per parameter (matched init across configurations)
+
+def normal(shape, gen, std: float) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * std
+
+
+def uniform(shape, gen, bound: float) -> torch.Tensor:
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+
+
+def _param_generator(seed: int, name: str) -> torch.Generator:
+    """A random stream of its own for each parameter: adding or removing other modules never
+    changes this parameter's initial values (matched initialization across configurations)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def set_multipliers(model: nn.Module) -> None:
+    """The lr_mul / wd_mul attributes the bulk record's optimizers read on each parameter (absent:
+    1), from its module's `param_multipliers` {name: (lr_mul, wd_mul)}; set again whenever the
+    parameters are made anew (to_empty)."""
+    for module in model.modules():
+        for name, (lr_mul, wd_mul) in getattr(module, "param_multipliers", {}).items():
+            p = getattr(module, name)
+            p.lr_mul, p.wd_mul = lr_mul, wd_mul
+
+
+@torch.no_grad()
+def init_parameters(model: GPT, seed: int) -> None:
+    """The record's init and the seed ideas': each module says how its parameters start (`initial_value`); values are
+    drawn in fp32 on the CPU from per-parameter streams, then cast and copied."""
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            gen = _param_generator(seed, f"{module_name}.{name}".lstrip("."))
+            if isinstance(module, nn.Embedding):
+                zero = model.config.value_embed_zero_init and module_name.startswith("value_embeds.")
+                p.copy_(torch.zeros(p.shape) if zero else normal(p.shape, gen, 1.0))
+            else:
+                p.copy_(module.initial_value(name, p.shape, gen))
+    if model.value_embeds.coeffs is not None:
+        model.value_embeds.coeffs.copy_(model.value_embeds.initial_value())  # a buffer when frozen
+    if model.rotary is not None:
+        model.rotary.changes = None
+        model.rotary.set_changes(())  # the base tables
+
+
+def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
+    """bf16 is the record; CPUs without bf16 matrix units run it 10-15x slower than fp32, so
+    `auto` picks fp32 there (the bf16 paths stay covered by the tests)."""
+    if config.dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return getattr(torch, config.dtype)
+
+
+def build_model(config: Hyperparameters, device="cpu") -> GPT:
+    """The model on `device`, initialized; on the meta device, shapes only."""
+    with torch.device("meta"):
+        model = GPT(config, weight_dtype(config, device))
+    if torch.device(device).type == "meta":
+        return model
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}  # lr_mul, wd_mul, ...
+    model.to_empty(device=device)  # new Parameter objects: the attributes set at creation are put back
+    for name, p in model.named_parameters():
+        p.__dict__.update(attributes[name])
+    init_parameters(model, config.init_seed)
+    return model
+
+
+def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
+    """Every parameter in exactly one optimizer group, by name (groups with nothing are left out).
+    LoRE: tables join the embeddings, the head's up factor the head; the small dense factors
+    (input r -> d projections, the head's d -> r) are matrices for Muon."""
+    head = model.head
+    groups = {
+        "head": [head.up if isinstance(head, LowRankHead) else head.weight],
+        "embed": [e.table.weight if isinstance(e, LowRankEmbedding) else e.weight for e in model.embeds],
+        "value_embed": list(model.value_embeds.tables.parameters()),
+        "ve_coeff": [p for p in [model.value_embeds.coeffs] if isinstance(p, nn.Parameter)],
+        "scalar": [p for p in (model.scalars, model.output_mix) if p is not None]
+                  + [m.weight if isinstance(m, HeadSmear) else m.weights for m in (model.backout, model.head_smear)
+                     if m is not None],
+        "muon_attn": [b.attn.qkvo_w for b in model.blocks if b.attn is not None],
+        "muon_mlp": [p for b in model.blocks for p in b.mlp.parameters()],
+        "muon_lore": [e.proj for e in model.embeds if isinstance(e, LowRankEmbedding)]
+                     + ([head.down] if isinstance(head, LowRankHead) else []),
+        # the bulk record's (docs/bulk-model.md): the input embeddings' weights at each block, the
+        # (1, 16) gates of the smear and the skips (Adam), the heads' (H, 16) gates (Muon)
+        "x0_lambdas": [p for p in [model.x0_lambdas] if p is not None],
+        "gates": ([model.smear_gate.weight] if model.smear_gate is not None else [])
+                 + ([g.weight for g in model.skip_gates] if model.skip_gates is not None else []),
+        "muon_gates": [g.weight for b in model.blocks if b.attn is not None
+                       for g in (b.attn.output_gate, b.attn.value_gate) if g is not None],
+    }
+    groups = {name: ps for name, ps in groups.items() if ps}
+    assert sum(len(ps) for ps in groups.values()) == len(list(model.parameters()))
+    return groups
+
+
+# =============================================================================
+# 5. Data: shards of uint16 GPT-2 tokens behind a 256 x int32 header
+
+SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
+
+
+class InputError(Exception):
+    """Bad input from the user (flags, data files, checkpoints): main prints the message, exit code 2."""
+
+
+class ShardError(InputError, ValueError):
+    """A shard file that cannot be used; the message names the file and the problem."""
+
+
+def shard_token_count(path) -> int:
+    """Validate a shard's header against its size; return its token count."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_INTS * 4:
+        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_INTS * 4}-byte header (truncated file?)")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise ShardError(f"{path}: bad magic number {header[0]} (expected {SHARD_MAGIC}); not a token shard")
+    if header[1] != SHARD_VERSION:
+        raise ShardError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+    claimed, present = int(header[2]), (size - HEADER_INTS * 4) // 2
+    if present < claimed:
+        raise ShardError(f"{path}: header claims {claimed} tokens but the file holds {present} (truncated download?); "
+                         "delete it and download it again")
+    return claimed
+
+
+def read_shard(path) -> torch.Tensor:
+    """All tokens of a validated shard as a uint16 CPU tensor."""
+    n = shard_token_count(path)
+    tokens = np.fromfile(path, dtype=np.uint16, count=n, offset=HEADER_INTS * 4)
+    return torch.from_numpy(tokens)
+
+
+class ShardNotFoundError(ShardError, FileNotFoundError):
+    """No file matches a shard pattern."""
+
+
+def shard_files(pattern: str, flag: str) -> list[str]:
+    """The files a shard pattern matches, sorted; ShardError naming the flag if there are none, or if
+    one is a folder or cannot be opened (found here, before anything is built, not mid-run)."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        hint = ("; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else
+                "; make them with `python data/synthetic.py --out FOLDER` (--synthetic_data writes only "
+                "the tiny preset's own folder)" if "synthetic" in pattern else "")
+        raise ShardNotFoundError(f"--{flag}: no files match {pattern!r}{hint}")
+    for path in files:
+        if os.path.isdir(path):
+            raise ShardError(f"--{flag}: {path} is a folder, not a shard; make the pattern match shard files "
+                             "only (e.g. end it in *.bin)")
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ShardError(f"--{flag}: {path} cannot be read ({e.strerror or e}); fix its permissions or "
+                             "leave it out of the pattern")
+    return files
+
+
+class DataLoader:
+    """Consecutive steps of `batch_slices` contiguous slices of `seq_len` tokens (+1 for the last
+    target) across sorted shards; a shard's tail that cannot hold a whole step is skipped.
+
+    This rank yields its slices rank*k .. rank*k + k-1 (k = batch_slices // world_size) as the
+    (inputs int32, targets int64) micro-batches it accumulates; every world size sees the
+    same tokens per step as the 8-GPU record.
+    """
+
+    def __init__(self, files: list[str], seq_len: int, batch_slices: int, rank: int, world_size: int, device):
+        self.files, self.seq_len, self.batch_slices, self.device = files, seq_len, batch_slices, torch.device(device)
+        k = batch_slices // world_size
+        self.slices = range(rank * k, (rank + 1) * k)
+        self.file_index, self.position, self.tokens = 0, 0, None
+
+    def _load(self):
+        self.tokens = read_shard(self.files[self.file_index])
+        if self.device.type == "cuda":
+            self.tokens = self.tokens.pin_memory()
+
+    def next_batch(self, seq_len: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's micro-batches of slices of `seq_len` tokens (a batch ramp's step size), or of the loader's."""
+        seq_len = seq_len or self.seq_len
+        step_tokens = self.batch_slices * seq_len
+        if self.tokens is None:
+            self._load()
+        while self.position + step_tokens + 1 > self.tokens.numel():
+            self.file_index, self.position = self.file_index + 1, 0
+            if self.file_index >= len(self.files):
+                raise RuntimeError(f"ran out of data: {len(self.files)} shard(s) hold fewer steps than requested")
+            self._load()
+        batches = []
+        for s in self.slices:
+            start = self.position + s * seq_len
+            buf = self.tokens[start:start + seq_len + 1].to(device=self.device, dtype=torch.int32, non_blocking=True)
+            batches.append((buf[:-1], buf[1:].to(torch.int64)))
+        self.position += step_tokens
+        return batches
+
+    def state(self) -> dict:
+        """Where the next step starts, the shard named (not numbered) so that added shards don't move it."""
+        path = self.files[self.file_index]
+        return dict(file=Path(path).name, file_tokens=shard_token_count(path), position=self.position)
+
+    def load_state(self, state: dict) -> None:
+        names = [Path(f).name for f in self.files]
+        if state["file"] not in names:
+            raise ShardError(f"the checkpoint's data position is in shard {state['file']}, which is not among "
+                             f"--train_files ({len(names)} shards)")
+        index = names.index(state["file"])
+        if shard_token_count(self.files[index]) != state["file_tokens"]:
+            raise ShardError(f"{self.files[index]}: {shard_token_count(self.files[index])} tokens, but the "
+                             f"checkpoint's shard of that name had {state['file_tokens']}; not the same data")
+        self.file_index, self.position, self.tokens = index, state["position"], None
+
+
+class DocumentAlignedLoader:
+    """Training slices of whole documents (--document_aligned_batches), as the 2025-12-31 record's
+    8 GPUs read them: slice k of a step is its k-th GPU's sequence, whatever the world size.
+
+    A document runs from an end-of-text token (which starts it) to the next one; a piece is a
+    document's first min(length, cut_tokens) tokens. Slice 0 of a step takes pieces in shard order
+    until it holds slice_tokens + 1 tokens, its last piece cut short to fit exactly; the rest of
+    that document is dropped and slice 1 starts at the next document, and so on. Inputs are the
+    first slice_tokens tokens, targets the same shifted by one (so a cut piece's last position
+    predicts the next piece's end-of-text). Tokens before a shard's first end-of-text are never
+    used. When a step's slices do not all fit in what is left of the shard, that step is taken
+    whole from the start of the next shard instead. Each slice starts with an end-of-text and
+    holds no other, so its documents are exactly the runs between its end-of-text tokens.
+
+    This rank yields its slices rank*k .. rank*k + k-1 (k = num_slices // world_size) as
+    (inputs int32, targets int64) micro-batches. The position (the shard and the token where the
+    next step's first document starts) is what a checkpoint saves; the step size is an argument of
+    each call, so a resumed run continues with the same tokens across a batch-size change.
+    """
+
+    def __init__(self, files: list[str], num_slices: int, cut_tokens: int, eot_token: int, rank: int,
+                 world_size: int, device):
+        self.files, self.num_slices, self.cut_tokens, self.eot = files, num_slices, cut_tokens, eot_token
+        self.device = torch.device(device)
+        k = num_slices // world_size
+        self.slices = range(rank * k, (rank + 1) * k)
+        self.file_index, self.position, self.tokens = 0, 0, None
+
+    def _load(self):
+        """Read the shard and index its documents: starts (n,) token positions of the end-of-text
+        tokens; ends[i] = tokens in pieces 0 .. i-1 (n+1,), so pieces i .. j-1 hold ends[j] - ends[i]."""
+        self.tokens = read_shard(self.files[self.file_index]).numpy()
+        self.starts = np.flatnonzero(self.tokens == self.eot)
+        lengths = np.diff(self.starts, append=self.tokens.size)
+        self.ends = np.concatenate([[0], np.cumsum(np.minimum(lengths, self.cut_tokens))])
+        self.next_doc = int(np.searchsorted(self.starts, self.position))  # the first document at or after position
+
+    def _walk(self, seq_len: int) -> Optional[list[tuple[np.ndarray, np.ndarray]]]:
+        """(piece starts, piece lengths) of every slice of one step from the next document on, or
+        None if the shard's documents run out first."""
+        doc, plan = self.next_doc, []
+        for _ in range(self.num_slices):
+            need = self.ends[doc] + seq_len + 1
+            stop = int(np.searchsorted(self.ends, need))  # the fewest pieces doc .. stop-1 that hold seq_len + 1
+            if stop >= self.ends.size:
+                return None
+            lengths = np.diff(self.ends[doc:stop + 1])
+            lengths[-1] -= self.ends[stop] - need  # the last piece cut to fit
+            plan.append((self.starts[doc:stop], lengths))
+            doc = stop
+        self.next_doc = doc
+        return plan
+
+    def next_batch(self, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's micro-batches, each slice seq_len tokens."""
+        if self.tokens is None:
+            self._load()
+        while (plan := self._walk(seq_len)) is None:
+            self.file_index, self.position = self.file_index + 1, 0
+            if self.file_index >= len(self.files):
+                raise ShardError(f"--train_files: the documents of the {len(self.files)} shard(s) ran out before "
+                                 "the run's last step; add shards or lower --num_iterations")
+            self._load()
+        self.position = int(self.starts[self.next_doc]) if self.next_doc < self.starts.size else int(self.tokens.size)
+        batches = []
+        for s in self.slices:
+            starts, lengths = plan[s]
+            offsets = np.cumsum(lengths) - lengths  # where each piece begins in the slice
+            index = np.repeat(starts - offsets, lengths) + np.arange(seq_len + 1)
+            buf = torch.from_numpy(self.tokens[index].astype(np.int32))
+            if self.device.type == "cuda":
+                buf = buf.pin_memory()
+            buf = buf.to(self.device, non_blocking=True)
+            batches.append((buf[:-1], buf[1:].to(torch.int64)))
+        return batches
+
+    # the same checkpoint record as DataLoader's (the shard by name, its size, a token position)
+    state, load_state = DataLoader.state, DataLoader.load_state
+
+
+def train_loader(config: Hyperparameters, files: list[str], rank: int, world_size: int, device):
+    """The training data loader a run uses: contiguous slices, or whole documents."""
+    if config.document_aligned_batches:
+        return DocumentAlignedLoader(files, config.batch_slices, config.document_cut_tokens, config.eot_token,
+                                     rank, world_size, device)
+    return DataLoader(files, config.train_seq_len, config.batch_slices, rank, world_size, device)
+
+
+def steps_available(files: list[str], step_tokens: int) -> int:
+    """How many training steps the shards can feed (headers only)."""
+    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
+
+
+def steps_fed(files: list[str], config: Hyperparameters) -> int:
+    """How many of the run's steps the shards feed, each step with its own size, from the headers
+    only. Contiguous slices: exact (a step needs its tokens + 1 inside one shard). Whole documents:
+    an upper bound (each slice needs its tokens + 1; the cut and skipped parts of documents are
+    known only once a shard is read, and the loader stops with an error if they run out)."""
+    sizes = [shard_token_count(f) for f in files]
+    aligned = config.document_aligned_batches
+    shard, position = 0, 0
+    for step in range(config.num_iterations):
+        tokens = batch_tokens(step, config)
+        needed = tokens + (config.batch_slices if aligned else 1)
+        while shard < len(sizes) and position + needed > sizes[shard]:
+            shard, position = shard + 1, 0
+        if shard == len(sizes):
+            return step
+        position += needed if aligned else tokens
+    return config.num_iterations
+
+
+@dataclass
+class RunData:
+    """What a run reads before anything is built: the train shards, the validation tokens, and the
+    bytes per token id for val_bpb (None, with the reason, when the run reports no val_bpb)."""
+    train_files: list[str]
+    val_tokens: torch.Tensor
+    token_bytes: Optional[np.ndarray]
+    no_token_bytes_reason: str = ""
+
+
+def load_data(config: Hyperparameters) -> RunData:
+    """The train shard list, the validation tokens and the byte table, checked against what the run
+    needs before anything is built or written (a bad table stops the run here, not after its log
+    was opened)."""
+    cfg = config
+    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
+    if cfg.batch_schedule or cfg.document_aligned_batches:
+        available = steps_fed(train_files, cfg)
+        if available < cfg.num_iterations:
+            bound = " at most" if cfg.document_aligned_batches else ""
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed{bound} {available} of the run's "
+                             f"{cfg.num_iterations} steps; add shards or lower --num_iterations")
+    else:
+        available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
+        if available < cfg.num_iterations:
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
+                             f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
+                             "add shards or lower --num_iterations")
+    val_tokens = torch.cat([read_shard(f) for f in val_files])
+    if val_tokens.numel() < cfg.val_tokens + 1:
+        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
+    token_bytes, why_not = read_token_bytes(cfg)
+    return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
+
+
+# =============================================================================
+# 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
+
+# Muon group options: the attention weight is orthogonalized as its 4 row blocks (q, k, v, o);
+# NorMuon splits the MLP's last Polar Express product (as the record does) and keeps the gates'
+# state in their own dtype.
+MUON_GROUP_OPTIONS = dict(muon_attn=dict(blocks=4), muon_mlp=dict(split_last_product=True), muon_gates=dict(gate=True))
+
+
+def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int,
+                     compile_muon: bool = False) -> list[torch.optim.Optimizer]:
+    """Adam for the head, the embeddings and the scalars; Muon for the matrices inside the blocks
+    (its per-matrix update compiled with `compile_muon`). A parameter's `lr_mul` / `wd_mul`
+    attributes multiply its group's lr / decay in every optimizer. The bulk record's parts:
+    adam_variant, the NorMuon fields (NorMuon is built when any of them differs from Muon)."""
+    cfg, groups = config, parameter_groups(model)
+    adam_lrs = dict(head=cfg.head_lr, embed=cfg.embed_lr, value_embed=cfg.embed_lr, ve_coeff=cfg.ve_coeff_lr,
+                    x0_lambdas=cfg.x0_lambdas_lr, gates=cfg.gates_lr, scalar=cfg.scalar_lr)
+    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (
+        cfg.adam_beta1 if cfg.scalar_adam_beta1 is None else cfg.scalar_adam_beta1,
+        cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
+    adam_groups = [dict(params=groups[name], lr=lr, name=name, betas=scalar_betas if name == "scalar" else betas)
+                   for name, lr in adam_lrs.items() if name in groups]
+    if cfg.adam_variant == "cautious_bf16":
+        adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps,
+                            weight_decay=cfg.adam_weight_decay)
+    else:  # PyTorch's Adam takes the lr multipliers as groups of their own
+        by_lr_mul = [{**g, "params": [p for p in g["params"] if getattr(p, "lr_mul", 1.0) == mul], "lr": g["lr"] * mul}
+                     for g in adam_groups for mul in dict.fromkeys(getattr(p, "lr_mul", 1.0) for p in g["params"])]
+        adam = torch.optim.Adam(by_lr_mul, betas=betas, eps=cfg.adam_eps, weight_decay=0.0,
+                                fused=next(model.parameters()).is_cuda)
+    wd_muls = dict(muon_mlp=cfg.mlp_weight_decay_mul)
+    muon_groups = [dict(params=groups[name], name=name, wd_mul=wd_muls.get(name, 1.0), **MUON_GROUP_OPTIONS.get(name, {}))
+                   for name in ("muon_attn", "muon_mlp", "muon_lore", "muon_gates") if name in groups]
+    muon_args = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
+                     rank=rank, world_size=world_size, compile_update=compile_muon)
+    if normuon_enabled(cfg):
+        muon = NorMuon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
+                       row_normalization=cfg.muon_row_normalization, row_beta2=cfg.muon_row_beta2,
+                       cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape)
+    else:
+        muon = Muon(muon_groups, **muon_args, update_smoothing=cfg.muon_update_smoothing)
+    optimizers = [adam, muon]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def build_outer_optimizer(model: GPT, optimizers: list[torch.optim.Optimizer], config: Hyperparameters
+                          ) -> Optional[Snoo]:
+    """Snoo over every parameter, anchored at their current values (after the rank-0 broadcast), or
+    None with --snoo_period=0. With --snoo_low_bits=clear it clears the low bits Muon keeps for a
+    bf16 matrix this rank owns."""
+    if not config.snoo_period:
+        return None
+    low_bits_of = None
+    if config.snoo_low_bits == "clear":
+        muon_states = [opt.state for opt in optimizers if isinstance(opt, Muon)]
+        low_bits_of = lambda p: next((st[p]["low_bits"] for st in muon_states if "low_bits" in st.get(p, {})), None)
+    return Snoo(list(model.named_parameters()), config.snoo_period, config.snoo_lr, config.snoo_momentum, low_bits_of)
+
+
+def normuon_enabled(config: Hyperparameters) -> bool:
+    """Any NorMuon part on (with all of them at Muon's setting, NorMuon is Muon)."""
+    return (config.orthogonalization != "newton_schulz" or config.muon_row_normalization
+            or config.muon_cautious_weight_decay or config.muon_lr_shape != "blocks")
+
+
+def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
+    """Each group's lr for `step`; Muon's momentum (and update smoothing's beta)."""
+    mult, momentum = lr_schedule(step, config), momentum_schedule(step, config)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * mult
+            if isinstance(opt, Muon):
+                group["momentum"] = momentum
+                if opt.smoothing != "off":
+                    group["update_smoothing"] = update_smoothing_beta(step, config)
+
+
+class GradientAverager:
+    """Sums gradients over ranks as soon as each is final (overlapping the backward pass);
+    the loss is pre-divided by world size x micro-steps, so the sum is the global mean."""
+
+    def __init__(self, model: nn.Module, world_size: int):
+        self.world_size, self.armed, self.pending = world_size, False, []
+        self.held: frozenset = frozenset()  # parameters whose local gradients wait for a later step
+        if world_size > 1:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        if self.armed and p not in self.held:
+            self.pending.append(dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True))
+
+    def wait(self):
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+NO_STEP = 2**62  # "no non-finite loss yet"; a step number larger than any run
+
+
+def compile_enabled(config: Hyperparameters, device: torch.device) -> bool:
+    """--compile, where auto means on for CUDA and off elsewhere (the CPU path stays eager)."""
+    return config.compile if config.compile is not None else device.type == "cuda"
+
+
+class Runner:
+    """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks."""
+
+    def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1):
+        self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
+        self.micro_steps = config.batch_slices // world_size
+        self.model = build_model(config, device)
+        if world_size > 1:
+            for p in self.model.parameters():
+                dist.broadcast(p.detach(), 0)
+        use_compile = compile_enabled(config, device)
+        self.backend = attention_backend(config, device.type)
+        if self.backend == "fa3":
+            flash_attention_3()  # fetched before anything is compiled
+        self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
+        self.outer = build_outer_optimizer(self.model, self.optimizers, config)  # None without Snoo
+        if use_compile:
+            fail_instead_of_eager_fallback()
+        # --adam_odd_steps_only: on even steps Adam's gradients stay on each rank, unreduced, and the
+        # next backward adds to them; Adam then steps on the sum (see train_step)
+        self.adam_params = frozenset(p for g in self.optimizers[0].param_groups for p in g["params"])
+        self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
+        self.compiled = use_compile
+        self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
+        self.averager = GradientAverager(self.model, world_size)
+        # the long window in blocks (the short one is its half), or [long, short] where a
+        # window_schedule caps the short one
+        self.window_blocks = torch.ones((2,) if config.window_schedule else (), dtype=torch.int32, device=device)
+        self.yarn_steps = yarn_changes(config)  # --yarn_window_limit: where the rotary tables are rescaled
+        # multi-token prediction weights: one small device buffer, refilled in place (mtp_input)
+        self.mtp_buffer = torch.zeros(0, device=device)
+        # the first step whose loss was nan/inf, kept on the device: checking it costs a host sync,
+        # so the loop reads it only where it syncs anyway (validation, checkpoints, the end)
+        self.first_nonfinite = torch.full((), NO_STEP, dtype=torch.int64, device=device)
+
+    def window(self, step: int) -> torch.Tensor:
+        """The forward's window tensor for `step`; with YaRN, also the rotary tables of that step."""
+        if self.model.rotary is not None and self.yarn_steps:
+            self.model.rotary.set_changes(tuple((old, new) for s, old, new in self.yarn_steps if s <= step))
+        # one device tensor refilled in place: torch.tensor(..., device="cuda") each step would be
+        # a blocking host-to-device copy; fill_ is an ordinary kernel launch
+        long, short = attention_windows(step, self.config)
+        if self.backend == "fa3":  # FA3 takes its window as numbers: each pair is its own compiled graph
+            return long, short
+        if self.window_blocks.dim() == 0:
+            return self.window_blocks.fill_(long)
+        self.window_blocks[0].fill_(long)
+        self.window_blocks[1].fill_(short)
+        return self.window_blocks
+
+    def set_embedding_tie(self, step: int) -> None:
+        """--untie_embed_after_step: whether step `step` reads the input embedding from the head."""
+        if self.config.untie_embed_after_step:
+            self.model.embed_tied = step <= self.config.untie_embed_after_step
+
+    def mtp_input(self, weights) -> Optional[torch.Tensor]:
+        """The forward's mtp_weights for a step's list of weights: None for the next-token loss (no
+        list, or [1]), else a view of one device buffer refilled in place (a kernel launch per
+        weight, no host-device copy; each length is its own compiled shape)."""
+        if weights is None or list(weights) == [1.0]:
+            return None
+        if self.mtp_buffer.numel() < len(weights):
+            self.mtp_buffer = torch.zeros(len(weights), device=self.device)
+        view = self.mtp_buffer[:len(weights)]
+        for k, w in enumerate(weights):
+            view[k].fill_(w)
+        return view
+
+    def train_step(self, step: int, batches, mtp_weights=None) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss.
+        mtp_weights: this step's multi-token prediction weights (a list of floats); None: the
+        schedule's with --multi_token_prediction, else the next-token loss."""
+        window, scale = self.window(step), 1.0 / (self.micro_steps * self.world_size)
+        self.set_embedding_tie(step)
+        if mtp_weights is None and self.config.multi_token_prediction:
+            mtp_weights = multi_token_weights(step, self.config)
+        mtp = self.mtp_input(mtp_weights)
+        adam_waits = self.config.adam_odd_steps_only and step % 2 == 0
+        self.averager.held = self.adam_params if adam_waits else frozenset()
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            self.averager.armed = i == len(batches) - 1
+            loss = self.forward(inputs, targets, window) if mtp is None else self.forward(inputs, targets, window,
+                                                                                        mtp_weights=mtp)
+            (loss * scale).backward()
+            total += loss.detach() / len(batches)
+        self.first_nonfinite.masked_fill_(~torch.isfinite(total) & (self.first_nonfinite > step), step)
+        self.averager.wait()
+        set_schedules(self.optimizers, step, self.config)
+        for opt in self.optimizers:
+            if not (adam_waits and opt is self.optimizers[0]):
+                opt.step()
+        if self.outer is not None:
+            self.outer.step()
+        if adam_waits:  # Adam's local gradients stay for the next (odd) step's backward to add to
+            for p in self.stepped_every_step:
+                p.grad = None
+        else:
+            self.model.zero_grad(set_to_none=True)
+        if step == self.config.untie_embed_after_step > 0:  # the split: right after this step's update
+            self.model.untie_embedding(self.optimizers)
+        return total
+
+    def nonfinite_step(self) -> Optional[int]:
+        """The first step (0-based) whose training loss was not finite on any rank, or None. Syncs."""
+        first = self.first_nonfinite.clone()
+        if self.world_size > 1:
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        first = int(first.item())
+        return None if first == NO_STEP else first
+
+    @torch.no_grad()
+    def evaluate(self, step: int, val_tokens: torch.Tensor, token_bytes: Optional[torch.Tensor] = None
+                 ) -> tuple[float, Optional[float]]:
+        """(mean loss, bits per byte) over the fixed validation tokens, the same for every world
+        size. BPB = nats / (ln 2 x bytes) over targets with a byte length (end-of-text has none
+        and is left out of both sums); None without a byte table."""
+        cfg, window = self.config, self.window(step)
+        self.set_embedding_tie(step)
+        self.model.eval()
+        step_tokens = cfg.batch_slices * cfg.val_seq_len
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, nats with bytes, bytes
+        for start in range(0, cfg.val_tokens, step_tokens):
+            for s in range(self.rank * self.micro_steps, (self.rank + 1) * self.micro_steps):
+                buf = val_tokens[start + s * cfg.val_seq_len: start + (s + 1) * cfg.val_seq_len + 1]
+                buf = buf.to(device=self.device, dtype=torch.int32, non_blocking=True)
+                targets = buf[1:].to(torch.int64)
+                losses = self.forward(buf[:-1], targets, window, reduction="none")
+                sums[0] += losses.sum()
+                if token_bytes is not None:
+                    nbytes = token_bytes[targets]
+                    sums[1] += (losses * (nbytes > 0)).sum()
+                    sums[2] += nbytes.sum()
+        if self.world_size > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        self.model.train()
+        nats, nats_with_bytes, nbytes = sums.tolist()
+        return nats / cfg.val_tokens, (nats_with_bytes / (math.log(2) * nbytes) if token_bytes is not None else None)
+
+    def random_batches(self, gen: torch.Generator, seq_len: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One step of uniformly random tokens with the run's shapes (slices of seq_len tokens, a
+        batch ramp's step; train_seq_len if None): every rank draws the whole step's batch_slices
+        slices and keeps its own, as the DataLoader splits real data."""
+        cfg = self.config
+        tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_slices, (seq_len or cfg.train_seq_len) + 1), generator=gen)
+        mine = tokens[self.rank * self.micro_steps:(self.rank + 1) * self.micro_steps].to(self.device)
+        return [(row[:-1].to(torch.int32), row[1:].to(torch.int64)) for row in mine]
+
+    def warmup(self) -> None:
+        """Untimed steps on random tokens to compile kernels (those of warmup_schedule, each with
+        its step's batch shape), then restore the exact initial state. The peak memory statistics
+        restart afterwards: the warm-up holds a copy of the whole state, which a run's logged peak
+        must not include."""
+        cfg = self.config
+        saved = capture_state(self.model, self.optimizers)
+        saved_outer = self.outer.state_dict() if self.outer is not None else None
+        gen = torch.Generator().manual_seed(cfg.init_seed)
+        # a step grid's phases are visited to compile their graphs; run eagerly, the first steps do
+        steps = warmup_schedule(cfg) if self.compiled else range(cfg.warmup_steps)
+        for step in steps:
+            self.train_step(step, self.random_batches(gen, slice_tokens(step, cfg)))
+        restore_state(self.model, self.optimizers, saved)
+        if self.outer is not None:
+            self.outer.load_state_dict(saved_outer)  # anchors, no momentum yet, the counter back to 0
+        self.set_embedding_tie(0)  # the warm-up may have passed the split
+        self.model.zero_grad(set_to_none=True)  # gradients an odd-step Adam was still holding
+        self.first_nonfinite.fill_(NO_STEP)
+        del saved
+        reset_peak_memory(self.device)
+
+
+class Stopwatch:
+    """Training time between barriers: `stop` and `start` sync the device (and the ranks), so the
+    clock never counts queued work of the untimed part or misses that of the timed part."""
+
+    def __init__(self, device: torch.device, world_size: int):
+        self.device, self.world_size, self.t0 = device, world_size, None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.barrier()
+
+    def start(self) -> None:
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Milliseconds since `start`."""
+        self._sync()
+        return 1000 * (time.perf_counter() - self.t0)
+
+    def peek(self) -> float:
+        """Milliseconds since `start`, without a sync (the step lines' approximate time)."""
+        return 1000 * (time.perf_counter() - self.t0)
+
+
+def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
+          log: Optional[RunLog] = None, data: Optional[RunData] = None, resume: Optional[tuple] = None) -> dict:
+    """The timed run: validate every val_every steps and at the end, log the step lines,
+    checkpoint every save_every steps; `data` as load_data gives it (read here if None);
+    `resume` = (folder, meta) of a validated checkpoint."""
+    cfg, N, log = config, config.num_iterations, log or RunLog(None)
+    data = data or load_data(cfg)
+    train_files, val_tokens = data.train_files, data.val_tokens
+    runner = Runner(cfg, device, rank, world_size)
+    log.write_lines(accounting_lines(runner.model, cfg))
+    token_bytes = token_bytes_on_device(data, cfg, device, log)
+    runner.warmup()
+    loader = train_loader(cfg, train_files, rank, world_size, device)
+    start, train_time_ms, last_checkpoint = resume_from(resume, runner, loader, log)
+    history, clock, eta = [], Stopwatch(device, world_size), Eta(start, N)
+    clock.start()
+    for step in range(start, N + 1):
+        last = step == N
+        validate = is_validation_step(step, cfg)
+        save = cfg.save_every > 0 and step > start and (last or step % cfg.save_every == 0)
+        if validate or save:
+            train_time_ms += clock.stop()  # ---- the clock stops for validation and checkpoints
+            stop_if_nonfinite(runner, step, last_checkpoint)
+            if validate:
+                history.append(validate_and_log(runner, step, val_tokens, token_bytes, train_time_ms, log,
+                                                last_checkpoint))
+            if save:
+                last_checkpoint = save_checkpoint(runner, loader, step, train_time_ms)
+                log.write(f"checkpoint: {last_checkpoint}")
+            clock.start()  # ---- and starts again
+        if last:
+            break
+        loss = runner.train_step(step, loader.next_batch(slice_tokens(step, cfg)))
+        if step == 0:
+            log_step0_loss(loss, world_size, log)
+        if (step + 1) % cfg.nonfinite_check_every == 0:
+            stop_if_nonfinite(runner, step + 1, last_checkpoint)
+        approx_ms = train_time_ms + clock.peek()
+        log.write(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
+                  console=(step + 1) % 10 == 0 or step + 1 == N, console_suffix=eta.text(step + 1))
+    log_run_end(runner, history[-1], device, log)
+    return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
+                model=runner.model, checkpoint=last_checkpoint)
+
+
+# ---- what train() does besides training: resume, the non-finite check, validation, log lines
+
+class Eta:
+    """Wall-clock time left, validation included, from the pace of this process's steps so far
+    (console only: the log's step lines keep the speedrun's format)."""
+
+    def __init__(self, first_step: int, num_steps: int):
+        self.first_step, self.num_steps, self.t0 = first_step, num_steps, time.perf_counter()
+
+    def text(self, steps_done: int) -> str:
+        done = steps_done - self.first_step
+        if done <= 0 or steps_done >= self.num_steps:
+            return ""
+        left = (time.perf_counter() - self.t0) / done * (self.num_steps - steps_done)
+        return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
+
+
+def resume_from(resume: Optional[tuple], runner: Runner, loader: DataLoader, log: RunLog
+                ) -> tuple[int, float, Optional[Path]]:
+    """(first step, train time so far, last checkpoint): from a validated checkpoint, restored
+    after the warm-up (which must not touch what the checkpoint restores), or a fresh start."""
+    if resume is None:
+        return 0, 0.0, None
+    path, meta = resume
+    start, train_time_ms = load_checkpoint(runner, loader, path, meta)
+    log.write(f"resumed from {path} at step {start}/{runner.config.num_iterations}, train_time {train_time_ms:.0f}ms "
+              f"(saved by {meta['world_size']} process(es), now {runner.world_size})")
+    return start, train_time_ms, path
+
+
+def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
+    """Raise NonFiniteLossError if any training loss so far was nan/inf (one host sync)."""
+    bad, N = runner.nonfinite_step(), runner.config.num_iterations
+    if bad is not None:
+        raise NonFiniteLossError(f"non-finite training loss (nan or inf) in step {bad + 1}/{N} (the step "
+                                 f"logged as step:{bad + 1}/{N}); stopped at step {step} without saving; "
+                                 f"last good checkpoint: {last_checkpoint or 'none'}")
+
+
+def validate_and_log(runner: Runner, step: int, val_tokens: torch.Tensor, token_bytes: Optional[torch.Tensor],
+                     train_time_ms: float, log: RunLog, last_checkpoint: Optional[Path]) -> dict:
+    """Evaluate, write the val line (val_bpb appended after the speedrun's fields, so parsers keep
+    working); package_ms = training time + this evaluation (the final one's is the package time)."""
+    N, eval_start = runner.config.num_iterations, time.perf_counter()
+    val_loss, val_bpb = runner.evaluate(step, val_tokens, token_bytes)
+    if not math.isfinite(val_loss):
+        raise NonFiniteLossError(f"non-finite validation loss {val_loss} at step {step}/{N}; stopped "
+                                 f"without saving; last good checkpoint: {last_checkpoint or 'none'}")
+    bpb = f" val_bpb:{val_bpb:.6f}" if val_bpb is not None else ""
+    log.write(f"step:{step}/{N} val_loss:{val_loss:.6f} train_time:{train_time_ms:.0f}ms "
+              f"step_avg:{train_time_ms / max(step, 1):.2f}ms{bpb}")
+    return dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms,
+                package_ms=train_time_ms + 1000 * (time.perf_counter() - eval_start))
+
+
+def log_step0_loss(loss: torch.Tensor, world_size: int, log: RunLog) -> None:
+    """The step-0 training loss, needed to compare inits; one sync, outside the steady state."""
+    if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss /= world_size
+    log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
+
+
+def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) -> None:
+    """The closing lines: final loss, perplexity, BPB and package time; learned lambdas; peak memory."""
+    bpb = f" val_bpb:{final['val_bpb']:.6f}" if final["val_bpb"] is not None else ""
+    log.write(f"final val_loss:{final['val_loss']:.6f} perplexity:{math.exp(final['val_loss']):.4f}{bpb} "
+              f"package_time:{final['package_ms']:.0f}ms (training + final evaluation)")
+    log.write_lines(learned_scalars_lines(runner.model), console=False)
+    allocated, reserved = peak_memory_mib(device)
+    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
+
+
+# ---- copies of the training state (the warm-up's restore; checkpoints use them too)
+
+def capture_state(model: nn.Module, optimizers, device=None) -> dict:
+    """Copies of every parameter and optimizer state tensor, keyed by parameter name (copied to
+    `device` if given: a checkpoint stages them on the CPU)."""
+    names = {p: n for n, p in model.named_parameters()}
+    return dict(model={k: _copy(v, device) for k, v in model.state_dict().items()},
+                optimizers=[optimizer_state(opt, names, device) for opt in optimizers])
+
+
+def optimizer_state(opt: torch.optim.Optimizer, names: dict, device=None) -> dict:
+    """One optimizer's state by parameter name (a sharded Muon holds only the matrices it owns)."""
+    return dict(state={names[p]: {k: _copy(v, device) for k, v in s.items()} for p, s in opt.state.items()},
+                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def _copy(v, device=None):
+    if not torch.is_tensor(v):
+        return v
+    return v.detach().clone() if device is None else v.detach().to(device, copy=True)
+
+
+def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
+    """Put back exactly what `capture_state` saw (states created since are dropped). State tensors
+    go to their parameter's device; a saved state without "groups" (a checkpoint) leaves the groups
+    to the schedules, which depend on the step only."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(saved["model"][k])
+    for opt, opt_saved in zip(optimizers, saved["optimizers"]):
+        step_on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # else Adam keeps it on the CPU
+        opt.state.clear()
+        for name, s in opt_saved["state"].items():
+            p = params[name]
+            opt.state[p] = {k: _copy(v, p.device if k != "step" or step_on_device else "cpu") for k, v in s.items()}
+        for group, g in zip(opt.param_groups, opt_saved.get("groups", [])):
+            group.update(g)
+
+
+# =============================================================================
+# 7. main
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the trainer with command-line flags. Exit codes: 0 done, 1 stopped on a non-finite loss,
+    2 bad input (flags, data files, checkpoints, output folders; found before training starts),
+    3 a checkpoint, the log or the synthetic data could not be written (disk full, permissions):
+    the run stops, a half-written checkpoint is removed, earlier ones stay intact."""
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        if "-h" in argv or "--help" in argv:
+            print(help_text(), flush=True)
+            return 0
+        return run_training(parse_args(argv), rank)
+    except BrokenPipeError:  # `--help | head`: the reader left; nothing more to say
+        silence_stdout()
+        return 0
+    except InputError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    except WriteError as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr)
+        return 3
+
+
+def run_training(config: Hyperparameters, rank: int) -> int:
+    """Everything between the parsed flags and the exit code: device, process group, data,
+    checkpoint checks, the log, the run."""
+    if config.dry_run:
+        return dry_run(config)
+    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    check_world_size(config, world_size)
+    device = resolve_device(config, local_rank)  # asks whether CUDA is there, without starting it
+    check_run_request(config, device)
+    notes = recipe_notes(config)
+    if device.type == "cuda":
+        use_expandable_segments()  # read when CUDA starts: before the first CUDA call
+        torch.cuda.set_device(device)
+        if config.attention == "fa3":
+            check_fa3_device(device)
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = config.coordinate_descent_tuning
+    else:
+        notes.append(set_cpu_threads(config))
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        if config.bench_steps:
+            return bench(config, device, rank, world_size)
+        config = with_run_seed(config, world_size)
+        if config.synthetic_data and rank == 0:
+            ensure_synthetic_data(config)
+        if distributed:
+            dist.barrier()
+        data = load_data(config)
+        resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
+        log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
+        try:
+            result = train(config, device, rank, world_size, log, data, resume)
+        except (InputError, NonFiniteLossError, WriteError) as e:
+            log.record_error(e)
+            raise
+        if rank == 0:
+            print(run_summary(config, result, log))
+        return 0
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+# =============================================================================
+# Below main: what a record diff does not touch. The command line and config checks; run setup,
+# called once before training (device, threads, seed, input and output checks, the log, the
+# byte table); checkpoints; accounting (also the log's parameter and FLOP lines); dry run;
+# benchmark. The timed loop's own helpers are in section 6.
+
+
+class ConfigError(InputError, ValueError):
+    """A bad flag or an inconsistent configuration; the message names the flag and the fix."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """A nan/inf loss: the run stops, and nothing is saved over the last good checkpoint."""
+
+
+class WriteError(RuntimeError):
+    """A checkpoint, the log or the synthetic data could not be written (disk full, permissions);
+    the message names the path and the OS error; the run stops (exit 3)."""
+
+
+# ---- flags <-> Hyperparameters: argparse driven by the dataclass fields
+
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _kind(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def from_text(f: dataclasses.Field, text: Optional[str]):
+    """A flag's text as the field's type (text None: a bare flag). ArgumentTypeError if it cannot be."""
+    kind = _kind(f)
+    if "bool" in kind:
+        if text is None or text.lower() in TRUE_WORDS:
+            return True
+        if text.lower() in FALSE_WORDS:
+            return False
+        if kind.startswith("Optional") and text.lower() in ("auto", "none"):
+            return None
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    if text is None:
+        raise argparse.ArgumentTypeError(f"needs a value: --{f.name}=VALUE")
+    try:
+        if kind in ("Optional[int]", "Optional[float]") and text.lower() in ("none", "auto"):
+            return None
+        if kind in ("int", "Optional[int]"):
+            return int(text)
+        if kind in ("float", "Optional[float]"):
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+        if kind == "tuple[Optional[int], ...]":  # 0,1,2,-,...
+            return tuple(None if s.strip() == "-" else int(s) for s in text.split(","))
+        if kind == "tuple[tuple[int, int], ...]":  # 9<6,10<4
+            return tuple(tuple(int(s) for s in item.split("<", 1)) for item in filter(None, text.split(",")))
+        if kind == "tuple[int, ...]":  # 0,4,11
+            return tuple(int(s) for s in text.split(",") if s.strip())
+        if kind == "tuple[float, ...]":  # 1,1.52,2
+            values = tuple(float(s) for s in text.split(",") if s.strip())
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError
+            return values
+    except ValueError:
+        example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]",
+                            "tuple[float, ...]"),
+                           ("integers or '-' separated by commas", "target<source pairs, e.g. 9<6,10<4",
+                            "comma-separated integers", "comma-separated numbers"))
+                       ).get(kind, kind.removeprefix("Optional[").rstrip("]"))
+        raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
+    if kind == "str":
+        return text
+    raise TypeError(f"field {f.name}: no parser for type {kind}")  # a new field type needs a line above
+
+
+def to_text(value) -> str:
+    """A field value as one would type it on the command line."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return ",".join(f"{t}<{s}" for t, s in value)
+    if isinstance(value, tuple):
+        return ",".join("-" if v is None else str(v) for v in value)
+    return repr(value) if isinstance(value, str) and not value else str(value)
+
+
+def _as_field_value(f: dataclasses.Field, value):
+    """Accept a field's value as typed (a str from a command line or an old checkpoint, a list from
+    JSON) or as the value itself."""
+    if isinstance(value, str) and _kind(f) != "str":
+        try:
+            return from_text(f, value)
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"--{f.name}: {e}")
+    if isinstance(value, list):
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+def make_config(preset: str = "medium", recipe: str = "x01", **overrides) -> Hyperparameters:
+    """The preset's hyperparameters, then the recipe's (RECIPES), then keyword overrides, checked."""
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    by_name = {f.name: f for f in fields(Hyperparameters)}
+    unknown = sorted(set(overrides) - set(by_name))
+    if unknown:
+        raise ConfigError(f"unknown field(s) {unknown}")
+    values = {**PRESETS[preset], **recipe_values(preset, recipe), **overrides, "preset": preset, "recipe": recipe}
+    return check_config(Hyperparameters(**{k: _as_field_value(by_name[k], v) for k, v in values.items()}))
+
+
+def range_text(f: dataclasses.Field) -> str:
+    m = f.metadata
+    if m.get("choices"):
+        return "one of " + ", ".join(m["choices"])
+    parts = [f"{op} {m[key]}" for key, op in (("at_least", ">="), ("above", ">"), ("at_most", "<="), ("below", "<"))
+             if m.get(key) is not None]
+    return " and ".join(parts)
+
+
+def check_config(cfg: Hyperparameters) -> Hyperparameters:
+    """Raise ConfigError naming the flag, the value and what is allowed, if the configuration
+    cannot work; every field's range first, then how fields fit together."""
+    for f in fields(cfg):
+        value, m = getattr(cfg, f.name), f.metadata
+        if value is None or isinstance(value, (str, tuple)) and not m.get("choices"):
+            continue
+        ok = (value in m["choices"]) if m.get("choices") else all((
+            m.get("at_least") is None or value >= m["at_least"], m.get("above") is None or value > m["above"],
+            m.get("at_most") is None or value <= m["at_most"], m.get("below") is None or value < m["below"]))
+        if not ok:
+            raise ConfigError(f"--{f.name}: {to_text(value)} is not allowed; it must be {range_text(f)}")
+
+    def need(ok, flag, msg):
+        if not ok:
+            raise ConfigError(f"--{flag}: {msg}")
+    need(cfg.eot_token < cfg.vocab_size, "eot_token", f"must be in [0, vocab_size={cfg.vocab_size})")
+    need(cfg.head_dim % 4 == 0, "head_dim", "must be a multiple of 4 (half-truncated rotary)")
+    for name in ("train_seq_len", "val_seq_len", "max_window_tokens"):
+        need(getattr(cfg, name) % cfg.attn_block_size == 0, name,
+             f"must be a positive multiple of attn_block_size={cfg.attn_block_size}")
+    need(cfg.val_tokens % (cfg.batch_slices * cfg.val_seq_len) == 0, "val_tokens",
+         f"must be a positive multiple of batch_slices*val_seq_len = {cfg.batch_slices * cfg.val_seq_len}")
+    need(cfg.ve_tables == 0 or cfg.ve_mode in ("learned", "frozen"), "ve_tables",
+         "only learned/frozen take a basis size; for native/grouped the layout names the tables")
+    tables = cfg.value_embed_layout
+    need(all(t is None or t >= 0 for t in tables), "value_embed_layout", "table indices must be >= 0")
+    if cfg.ve_mode in ("learned", "frozen") and cfg.ve_coeff_init == "assignment":
+        need(all(t is None or t < cfg.num_value_embeds for t in tables), "value_embed_layout",
+             f"assignment init needs every table index < --ve_tables={cfg.num_value_embeds}")
+    need(len(tables) == cfg.num_layers, "value_embed_layout",
+         f"has {len(tables)} entries, needs one per layer ({cfg.num_layers})")
+    if cfg.num_value_embeds:
+        need(cfg.attn_dim == cfg.model_dim, "value_embed_layout", "value embeddings need num_heads*head_dim == model_dim")
+    for pair in cfg.skip_connections:
+        need(len(pair) == 2 and 0 <= pair[1] < pair[0] < cfg.num_layers, "skip_connections",
+             f"{to_text((tuple(pair),))} must satisfy 0 <= source < target < num_layers")
+    for flag in ("attention_free_layers", "long_window_layers"):
+        need(all(0 <= layer < cfg.num_layers for layer in getattr(cfg, flag)), flag,
+             f"layers must be in 0..{cfg.num_layers - 1}")
+    for layer, table in enumerate(tables):
+        need(table is None or layer in cfg.attention_layers, "value_embed_layout",
+             f"layer {layer} has a value embedding but no attention")
+    if cfg.backout != "off":
+        need(cfg.backout_layer < cfg.num_layers - 1, "backout_layer",
+             f"must name a block before the last one (0..{cfg.num_layers - 2}): backout combines it with the "
+             "last block's output")
+    need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
+         f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
+    unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len
+    for tokens in cfg.batch_schedule:
+        need(0 < tokens <= largest and tokens % unit == 0, "batch_schedule",
+             f"{tokens} must be a positive multiple of batch_slices*attn_block_size = {unit} and at most "
+             f"batch_slices*train_seq_len = {largest} (train_seq_len is the longest slice)")
+    need(all(w >= 1 for w in cfg.window_schedule), "window_schedule", "windows must be at least 1 block")
+    need(all(m >= 0 for m in cfg.lr_peaks), "lr_peaks", "multipliers must be >= 0")
+    need(cfg.muon_momentum_cooldown_steps <= cfg.num_iterations, "muon_momentum_cooldown_steps",
+         f"must be at most num_iterations={cfg.num_iterations}")
+    if cfg.prenorm_attention:
+        need(cfg.attn_dim == cfg.model_dim, "prenorm_attention",
+             "needs num_heads*head_dim == model_dim (the output weight is stored as the bulk record stores it)")
+    for flag in ("attn_output_gate", "value_embed_gate", "smear_embed", "gated_skips"):
+        need(not getattr(cfg, flag) or cfg.model_dim >= GATE_INPUTS, flag,
+             f"its gates read the first {GATE_INPUTS} features: model_dim must be at least {GATE_INPUTS}")
+    if cfg.untie_embed_after_step:
+        need(not (cfg.lore_input or cfg.lore_output), "untie_embed_after_step",
+             "the head doubles as the input table: not with --lore_input or --lore_output")
+        need(cfg.pad_vocab_tables, "untie_embed_after_step",
+             "the input table becomes a copy of the head: pass --pad_vocab_tables so both have the head's rows")
+    need(cfg.muon_update_smoothing == "off" or not normuon_enabled(cfg), "muon_update_smoothing",
+         "smooths Muon's update; the bulk record's NorMuon parts (orthogonalization, muon_row_normalization, "
+         "muon_cautious_weight_decay, muon_lr_shape) have no smoothing: turn one of the two off")
+    need(cfg.adam_weight_decay == 0 or cfg.adam_variant == "cautious_bf16", "adam_weight_decay",
+         "only --adam_variant=cautious_bf16 decays weights; set it, or leave the decay at 0")
+    need(not cfg.adam_odd_steps_only or cfg.save_every % 2 == 0, "save_every",
+         f"{cfg.save_every} is odd; with --adam_odd_steps_only checkpoints must fall after odd steps, when no "
+         "gradients wait for Adam: choose an even number")
+    return cfg
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print its usage and exit; main prints one line instead
+        raise ConfigError(re.sub(r"^argument (--\w+): ", r"\1: ", message))
+
+
+class _LastWins(argparse.Action):
+    """A flag given twice: the last value wins (wrappers append overrides), with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.dest in vars(namespace):
+            print(f"warning: {option_string} given twice ({to_text(getattr(namespace, self.dest))} and "
+                  f"{to_text(values)}); using the last", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per Hyperparameters field, in the field's group, with its type, default and range."""
+    parser = _ArgumentParser(
+        prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium, "
+                                  "--recipe x01). Flags take --flag=value or --flag value; booleans may be bare "
+                                  "(--flag means true).", HELP_WIDTH),
+        epilog=help_epilog())
+    section, current = None, None
+    for f in fields(Hyperparameters):
+        if f.metadata["group"] != current:  # a group's heading again where its fields resume (as in the README)
+            current = f.metadata["group"]
+            section = parser.add_argument_group(current)
+        kind = _kind(f)
+        allowed = range_text(f)
+        help_line = f"{f.metadata['meaning']} [default {to_text(f.default)}{'; ' + allowed if allowed else ''}]"
+        kwargs = dict(dest=f.name, action=_LastWins, type=lambda text, f=f: from_text(f, text),
+                      help=help_line.replace("%", "%%"), metavar=kind.upper().replace("OPTIONAL[", "").rstrip("]"))
+        if f.metadata.get("choices"):
+            kwargs.update(metavar="|".join(f.metadata["choices"]))
+        if "bool" in kind:
+            kwargs.update(nargs="?", const=True, metavar="true|false")
+        elif kind.startswith("tuple"):
+            kwargs.update(metavar="LIST")
+        section.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+HELP_WIDTH = 100
+
+
+def help_text() -> str:
+    return build_parser().format_help()
+
+
+def recipe_flags(name: str, preset: str = "medium") -> str:
+    values = recipe_values(preset, name)
+    return " ".join(f"--{k}={to_text(v)}" for k, v in values.items()) or "nothing (the defaults)"
+
+
+def recipe_facts(name: str) -> str:
+    """What recipe `name`'s record published: mean time, runs, p-value (and where it was timed)."""
+    r = RECIPES[name]
+    where = f", {r.time_note}" if r.time_note else ""
+    return f"{r.mean_time_s:.2f} s mean over {r.runs} runs{where}, p={r.p_value:g}"
+
+
+def recipe_summary(config: Hyperparameters) -> str:
+    """One line naming the run's recipe: its record, what it changes, its published result, what it sets."""
+    r = RECIPES[config.recipe]
+    return (f"recipe {config.recipe}: record {r.folder}: {r.change}; published {recipe_facts(config.recipe)}; "
+            f"sets {recipe_flags(config.recipe, config.preset)}")
+
+
+def help_epilog() -> str:
+    """The presets' and recipes' values, after the flags."""
+    tiny = textwrap.fill("--preset tiny overrides: " + " ".join(f"--{k}={to_text(v)}" for k, v in PRESETS["tiny"].items()),
+                         HELP_WIDTH, break_on_hyphens=False)
+    lines = [tiny, ""] + textwrap.wrap(
+        "recipes (--recipe NAME: the record's values after --preset, before your flags; its published mean "
+        "training time on 8xH100, runs, p-value of mean val loss < 2.92):", HELP_WIDTH)
+    for name, r in RECIPES.items():
+        lines += textwrap.wrap(f"{name} ({r.date}, {r.folder}): {r.change}", HELP_WIDTH, initial_indent="  ",
+                               subsequent_indent=" " * 6)
+        body = f"published {recipe_facts(name)}; sets {recipe_flags(name)}"
+        lines += textwrap.wrap(body, HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False)
+    lines += [""] + textwrap.wrap(
+        "With --preset tiny a recipe keeps its switches and the preset its scale: 200 steps for every recipe (the "
+        "records' step cuts are too small to mean anything at 200 steps), Snoo's period stays 28 steps, "
+        "update_smoothing's 3000-step beta ramp becomes 107 steps (the same share of the run). records/x01_lineage/recipes.md "
+        "says what each recipe computes.", HELP_WIDTH)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> Hyperparameters:
+    """`--field=value` / `--field value` / bare booleans, on top of `--preset NAME` and then
+    `--recipe NAME` (wherever they stand on the line), checked."""
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        arg = unknown[0]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; flags look like --field=value (--help lists them)")
+        name = arg[2:].split("=", 1)[0]
+        close = difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
+        hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+        raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
+    overrides = vars(namespace)
+    return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "x01"), **overrides)
+
+
+# ---- run setup
+
+def check_world_size(config: Hyperparameters, world_size: int) -> None:
+    """Every step must consume the same batch_slices slices whatever the world size, so W | batch_slices."""
+    if config.batch_slices % world_size:
+        valid = [str(w) for w in range(1, config.batch_slices + 1) if config.batch_slices % w == 0]
+        valid = " or ".join([", ".join(valid[:-1]), valid[-1]] if len(valid) > 1 else valid)
+        raise ConfigError(f"world size {world_size} does not divide --batch_slices={config.batch_slices}: "
+                          f"run {valid} processes in all (nodes x processes per node)")
+
+
+def resolve_device(config: Hyperparameters, local_rank: int) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device=cuda but no CUDA GPU is visible; use --device=cpu with --preset tiny")
+        return torch.device("cuda", local_rank)
+    if config.device == "auto" and config.preset == "medium":
+        raise ConfigError("no CUDA GPU found: the record recipe needs GPUs. For a CPU run use "
+                          "`./run.sh --preset tiny` (or force --device=cpu)")
+    return torch.device("cpu")
+
+
+def check_run_request(config: Hyperparameters, device: torch.device) -> None:
+    """What this device cannot run, and bench flags that make no sense: ConfigError (exit 2)
+    before anything is built or written."""
+    if device.type != "cuda" and attention_backend(config, device.type) == "flex":
+        raise ConfigError(f"--attention: flex cannot train on the {device.type.upper()}: FlexAttention has no backward "
+                          "pass there (and uncompiled it would ignore the attention window); drop --attention=flex "
+                          "(auto picks sdpa off CUDA) or pass --attention=sdpa")
+    if config.attention == "fa3":
+        check_fa3_request(config, device)
+    if config.bench_at_step is not None and config.bench_at_step >= config.num_iterations:
+        raise ConfigError(f"--bench_at_step: {config.bench_at_step} is not a step of the run; it must be below "
+                          f"--num_iterations={config.num_iterations}")
+
+
+def check_fa3_request(config: Hyperparameters, device: torch.device) -> None:
+    """--attention=fa3 needs a CUDA device, token windows (FA3's window counts tokens back from the
+    query; x01's block windows have no FA3 form) and the `kernels` package; the GPU must be a
+    Hopper (checked once CUDA is up: check_fa3_device)."""
+    if device.type != "cuda":
+        raise ConfigError(f"--attention: fa3 runs on Hopper GPUs only, not on the {device.type.upper()}; use "
+                          "--attention=flex on a GPU, or sdpa on the CPU")
+    if not config.token_windows:
+        raise ConfigError("--attention: fa3 counts its window in tokens; x01's block windows have no FA3 form: pass "
+                          "--token_windows (as --recipe bulk does) or use --attention=flex")
+    import importlib.util
+    if importlib.util.find_spec("kernels") is None:
+        raise ConfigError("--attention: fa3 needs the `kernels` package (pip install kernels), which fetches the "
+                          f"{FA3_KERNEL} kernel at run time; or use --attention=flex, which computes the same mask")
+
+
+def check_fa3_device(device: torch.device) -> None:
+    """FA3's kernels are built for Hopper (compute capability 9.x)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise ConfigError(f"--attention: fa3 runs on Hopper GPUs (compute capability 9.x); this GPU "
+                          f"({torch.cuda.get_device_name(device)}) is {major}.{minor}: use --attention=flex")
+
+
+# The caching allocator's settings: torch >= 2.8 reads PYTORCH_ALLOC_CONF, and the older
+# PYTORCH_CUDA_ALLOC_CONF as an alias of lower priority; a user's value under either name wins.
+# (2.9 ignored expandable_segments under the new name, fixed by 2.11: pytorch/pytorch#183387.)
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def use_expandable_segments(environ=os.environ) -> str:
+    """Expandable segments for the CUDA caching allocator (segments grow in place instead of
+    fragmenting into fixed blocks: less reserved memory for the same peak), unless the user set
+    the allocator's configuration. Effective only before CUDA starts. Returns the setting in force."""
+    for name in ALLOC_CONF_VARIABLES:
+        if environ.get(name):
+            return f"{name}={environ[name]}"
+    environ[ALLOC_CONF_VARIABLES[0]] = EXPANDABLE_SEGMENTS
+    return f"{ALLOC_CONF_VARIABLES[0]}={EXPANDABLE_SEGMENTS}"
+
+
+def set_cpu_threads(config: Hyperparameters) -> str:
+    """A CPU run's threads: --threads, else OMP_NUM_THREADS, else 1. One thread is the default
+    because a single process with one thread per core collapses when another program takes a
+    core (README, "CPU threads"); returns the log's description."""
+    if config.threads:
+        threads, why = config.threads, "--threads"
+    elif os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        threads, why = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    else:
+        threads, why = 1, "the CPU default; --threads=N to change"
+    torch.set_num_threads(threads)
+    return f"CPU threads: {threads} ({why})"
+
+
+def with_run_seed(config: Hyperparameters, world_size: int) -> Hyperparameters:
+    """Independent runs: without --seed every run draws a fresh seed (the same on every rank),
+    written to the log's config so that --seed=<it> repeats the run exactly."""
+    if config.seed is not None:
+        return config
+    box = [int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return dataclasses.replace(config, seed=box[0])
+
+
+def on_rank0_for_all(check, rank: int, world_size: int):
+    """Run `check()` on rank 0 alone and give every rank its result, or raise its InputError on every
+    rank: a check that failed on rank 0 only would leave the others waiting in the next collective."""
+    verdict = {}
+    if rank == 0:
+        try:
+            verdict = dict(value=check())
+        except InputError as e:
+            verdict = dict(error=e)
+    if world_size > 1:
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if "error" in verdict:
+        raise verdict["error"]
+    return verdict["value"]
+
+
+def folder_problem(folder: Path) -> Optional[str]:
+    """Why files cannot be created in `folder` (made with its parents if missing), or None. Creates
+    nothing: the probe is a nameless temporary file in the nearest folder that exists."""
+    existing = folder
+    try:
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            return f"{existing} is a file, not a folder"
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"cannot create files in {existing} ({e.strerror or e})"
+    return None
+
+
+def check_output_folders(config: Hyperparameters) -> None:
+    """ConfigError, before training, if the log (or, with --save_every, the checkpoints) could not
+    be written: found at the first write, the run would have trained for nothing."""
+    outputs = [("log_dir", Path(config.log_dir))]
+    if config.save_every:
+        outputs.append(("checkpoint_dir", checkpoint_run_dir(config)))
+    for flag, folder in outputs:
+        problem = folder_problem(folder)
+        if problem:
+            raise ConfigError(f"--{flag}: {problem}; choose a folder this process can write")
+
+
+# the tiny preset's own data: the only place --synthetic_data writes to
+SYNTHETIC_PATHS = {name: PRESETS["tiny"][name] for name in ("train_files", "val_files", "token_bytes_file")}
+
+
+def ensure_synthetic_data(config: Hyperparameters) -> None:
+    """Generate the tiny preset's data (data/synthetic.py next to this script) into its own folder,
+    data/synthetic/, if the run reads that folder and something there is missing. Shard patterns the
+    user typed are never generated into: a mistyped folder must be an error, not a new dataset."""
+    if (config.train_files, config.val_files) != (SYNTHETIC_PATHS["train_files"], SYNTHETIC_PATHS["val_files"]):
+        return
+    if (glob.glob(config.train_files) and glob.glob(config.val_files)
+            and Path(SYNTHETIC_PATHS["token_bytes_file"]).exists()):
+        return
+    # frozen at records/x01_lineage/: the generator is the repository root's data/synthetic.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
+    import synthetic
+    folder = Path(config.train_files).parent
+    try:
+        synthetic.write_dataset(folder, vocab_size=config.vocab_size, eot_token=config.eot_token,
+                                write_shard=write_shard)  # this module's writer: no second copy of it
+    except OSError as e:
+        raise WriteError(f"--synthetic_data: cannot write the synthetic data into {folder} ({e.strerror or e}); "
+                         "run from a writable folder, or pass --train_files and --val_files")
+    except ValueError as e:  # parameters the generator refuses (e.g. a vocabulary too large for it)
+        raise ConfigError(f"--synthetic_data: {e}")
+
+
+def recipe_notes(config: Hyperparameters) -> list[str]:
+    """Log lines for choices that change training where a memory switch would not."""
+    preset_len = make_config(config.preset).train_seq_len
+    if config.train_seq_len == preset_len:
+        return []
+    return [f"note: --train_seq_len={config.train_seq_len} differs from the {config.preset} preset's {preset_len}: "
+            f"a step trains on {config.batch_slices * config.train_seq_len:,} tokens instead of "
+            f"{config.batch_slices * preset_len:,}, with shorter contexts. This changes training (results are not "
+            f"comparable with the preset's); --activation_checkpointing saves memory without changing it"]
+
+
+def silence_stdout() -> None:
+    """Send what is still buffered or printed to stdout to /dev/null: the pipe's reader has gone
+    (`| head`), and the interpreter's final flush would otherwise raise BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+class RunLog:
+    """Rank 0's log file and console; other ranks stay silent. A line that cannot be written
+    (disk full, the folder gone) is a WriteError: the run stops rather than lose its record."""
+
+    def __init__(self, path: Optional[Path], echo: bool = True):
+        self.path, self.echo = path, echo
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise WriteError(f"cannot create the log folder {path.parent} ({e.strerror or e})")
+
+    def write_lines(self, lines: list[str], console: bool = True) -> None:
+        for line in lines:
+            self.write(line, console)
+
+    def write(self, text: str, console: bool = True, console_suffix: str = "") -> None:
+        if self.path is None:
+            return
+        if console and self.echo:
+            try:
+                print(text + console_suffix, flush=True)
+            except BrokenPipeError:  # the console's reader left (`| head`): the log file keeps everything
+                self.echo = False
+                silence_stdout()
+        try:
+            with open(self.path, "a") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            raise WriteError(f"cannot write the log {self.path} ({e.strerror or e})")
+
+    def record_error(self, error: Exception) -> None:
+        """The error that stops the run, as the log's last line if the log can still take it (the
+        message reaches stderr either way, so a log that fails here is let be)."""
+        try:
+            self.write(f"error: {error}", console=False)
+        except WriteError:
+            pass
+
+
+def hardware_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"nvidia-smi failed: {e}"
+    return f"CPU run: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def open_run_log(config: Hyperparameters, device: torch.device, world_size: int, notes: list[str],
+                 rank: int) -> RunLog:
+    """Rank 0's log (docs/recipe.md, Training loop, timing and logs): the script's source, versions and hardware, the resolved config
+    (seed included), then the run's notes; the other ranks get a silent log."""
+    if rank != 0:
+        return RunLog(None)
+    log = RunLog(Path(config.log_dir) / f"{config.run_id or config.preset}_{uuid.uuid4()}.txt")
+    log.write(Path(__file__).read_text(), console=False)
+    log.write("=" * 100, console=False)
+    log.write(f"Running Python {sys.version}\nRunning PyTorch {torch.__version__}\n{hardware_description(device)}",
+              console=False)
+    log.write("=" * 100, console=False)
+    log.write("\n".join(config_lines(config)), console=False)
+    log.write(f"world_size {world_size}, micro-steps per rank {config.batch_slices // world_size}, device {device}")
+    log.write(f"seed {config.seed} (repeat this run with --seed={config.seed})")
+    log.write(recipe_summary(config))
+    for note in notes:
+        log.write(note)
+    return log
+
+
+def config_lines(config: Hyperparameters) -> list[str]:
+    """What the log says of the configuration (records/runlogs.py reads it back): a line per field,
+    then two JSON lines: each field's group, and the groups whose fields make two runs the same
+    experiment. records/ derives "the same experiment" from them, so a field's group is said once,
+    here, and never listed again by hand."""
+    groups = {f.name: f.metadata["group"] for f in fields(Hyperparameters)}
+    return [f"config {f.name} = {getattr(config, f.name)!r}" for f in fields(config)] + [
+        f"config_groups = {json.dumps(groups)}", f"experiment_groups = {json.dumps(list(EXPERIMENT_GROUPS))}"]
+
+
+def run_summary(config: Hyperparameters, result: dict, log: RunLog) -> str:
+    summary = f"final val_loss {result['final_val_loss']:.4f}"
+    meta = Path(config.val_files).parent / "synthetic_meta.json"
+    if config.synthetic_data and meta.exists():
+        m = json.loads(meta.read_text())
+        summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
+                    f"unigram entropy {m['unigram_entropy']:.4f})")
+    return f"{summary}\nlog: {log.path}"
+
+
+def read_token_bytes(config: Hyperparameters) -> tuple[Optional[np.ndarray], str]:
+    """(bytes per token id, "") or (None, why val_bpb is not reported): with --token_bytes_file='', or
+    when the preset's own table is missing. A path given on the command line is not optional: missing,
+    a folder, not a .npy file, or not one byte count per token id is a ConfigError."""
+    name = config.token_bytes_file
+    if not name:
+        return None, "--token_bytes_file=''"
+    path, flag = Path(name), f"--token_bytes_file: {name}"
+    if not path.exists():
+        if name == make_config(config.preset).token_bytes_file:
+            return None, f"the {config.preset} preset's table {name} is missing"
+        raise ConfigError(f"{flag} does not exist; give the path of the byte table (a .npy file), or "
+                          "--token_bytes_file='' to run without val_bpb")
+    if path.is_dir():
+        raise ConfigError(f"{flag} is a folder; give the path of the byte table (a .npy file)")
+    try:
+        table = np.load(path, allow_pickle=False)
+    except OSError as e:
+        raise ConfigError(f"{flag} cannot be read ({e.strerror or e})")
+    except (ValueError, EOFError):
+        raise ConfigError(f"{flag} is not a .npy array file; make the table with data/gpt2_token_bytes.py "
+                          "(or data/synthetic.py), or pass --token_bytes_file='' to run without val_bpb")
+    if not isinstance(table, np.ndarray):  # an .npz archive
+        table.close()
+        raise ConfigError(f"{flag} is an .npz archive; the byte table is a single .npy array")
+    if table.dtype.kind not in "ui":
+        raise ConfigError(f"{flag} holds {table.dtype} values; byte counts are integers (uint8)")
+    if table.shape != (config.vocab_size,):
+        raise ConfigError(f"{flag} has shape {table.shape} ({table.size} entries, the vocabulary has "
+                          f"{config.vocab_size}); it needs one byte count per token id, shape ({config.vocab_size},)")
+    if table.size and table.min() < 0:
+        raise ConfigError(f"{flag} holds negative byte counts")
+    return table, ""
+
+
+def token_bytes_on_device(data: RunData, config: Hyperparameters, device, log: RunLog) -> Optional[torch.Tensor]:
+    """Bytes per token id (int64, padded ids 0) for val_bpb, or None (said in the log) without a table."""
+    if data.token_bytes is None:
+        log.write(f"val_bpb: not reported ({data.no_token_bytes_reason})")
+        return None
+    out = torch.zeros(config.padded_vocab_size, dtype=torch.int64)
+    out[:config.vocab_size] = torch.from_numpy(data.token_bytes.astype(np.int64))
+    return out.to(device)
+
+
+def allocator_settings() -> Optional[str]:
+    """The CUDA caching allocator's settings in force (what it parsed), where torch tells."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return getter() if getter else None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart the CUDA allocator's peaks from what is allocated now (the CPU's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> tuple[int, int]:
+    """CUDA: allocator peaks. CPU: the process's peak resident set size for both numbers."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() // 2**20, torch.cuda.max_memory_reserved() // 2**20
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return rss, rss
+
+
+# ---- checkpoints: written atomically, validated on load, resumable on any world size
+
+class CheckpointError(InputError, RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
+
+
+CHECKPOINT_FORMAT = 1
+
+
+def checkpoint_run_dir(config: Hyperparameters) -> Path:
+    return Path(config.checkpoint_dir) / (config.run_id or config.preset)
+
+
+def config_record(config: Hyperparameters, dtype: torch.dtype) -> dict:
+    """The config as saved with a checkpoint, with `dtype` resolved (auto means different things on CPU and GPU)."""
+    return {**dataclasses.asdict(config), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def config_differences(saved: dict, now: dict) -> dict[str, tuple]:
+    """{field: (checkpoint value, current value)} over the fields that change training (the recipe
+    and seed-idea groups). A field the checkpoint predates counts as its default."""
+    diffs = {}
+    for f in fields(Hyperparameters):
+        if f.metadata["group"] in TRAINING_GROUPS and f.name in now:
+            old = _as_field_value(f, saved.get(f.name, f.default))
+            if old != _as_field_value(f, now[f.name]):
+                diffs[f.name] = (old, now[f.name])
+    return diffs
+
+
+def parameter_layout(config_values: dict) -> dict[str, tuple]:
+    """{state name: (shape, dtype)} of the model a saved or current config builds (meta device)."""
+    by_name = {f.name: f for f in fields(Hyperparameters)}
+    values = {k: _as_field_value(by_name[k], v) for k, v in config_values.items() if k in by_name}
+    config = Hyperparameters(**values)
+    with torch.device("meta"):
+        model = GPT(config, getattr(torch, config_values["dtype"]))
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+
+
+def rng_states(device: torch.device) -> dict:
+    states = dict(torch=torch.get_rng_state(), python=random.getstate())
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states["numpy"] = dict(keys=torch.from_numpy(keys.astype(np.int64)), pos=pos, has_gauss=has_gauss, gauss=gauss)
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    n = states["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_durably(path: Path, obj) -> dict:
+    """torch.save (or JSON for a dict named *.json), flushed to disk; returns its size and hash."""
+    with open(path, "wb") as f:
+        if path.suffix == ".json":
+            f.write(json.dumps(obj, indent=1).encode())
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return dict(bytes=path.stat().st_size, sha256=file_sha256(path))
+
+
+class _CheckpointWrite:
+    """The steps of one save, each followed by a vote of all ranks: if a step failed on any rank
+    (disk full, permissions), every rank learns it at the same point and raises WriteError, and
+    rank 0 removes the partial folder, so no rank waits forever for one that gave up."""
+
+    def __init__(self, runner: Runner, partial: Path):
+        self.runner, self.partial, self.failure = runner, partial, None
+
+    def attempt(self, path: Path, write) -> Optional[dict]:
+        """write() on this rank unless a step already failed here; an OSError is kept, naming `path`."""
+        if self.failure is None:
+            try:
+                return write()
+            except OSError as e:
+                self.failure = f"cannot write {path} ({e.strerror or e})"
+        return None
+
+    def all_ranks_ok(self) -> None:
+        """The vote: WriteError on every rank if any rank failed (one all-reduce of a flag)."""
+        failed = self.failure is not None
+        if self.runner.world_size > 1:
+            flag = torch.tensor(int(failed), device=self.runner.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failed = bool(flag.item())
+        if not failed:
+            return
+        if self.runner.rank == 0:
+            shutil.rmtree(self.partial, ignore_errors=True)
+        where = self.failure or "another rank could not write its files (its own message says why)"
+        raise WriteError(f"checkpoint {self.partial.name} not saved: {where}; its partial folder is removed, "
+                         f"the checkpoints already in {self.partial.parent} are untouched")
+
+
+def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float) -> Path:
+    """<checkpoint_dir>/<run>/step_<N>/: rank r writes rank_<r>.pt (the Muon momentum and low bits
+    of the matrices it owns, its RNG states), rank 0 also main.pt (model, Adam, step, train time,
+    data position, config) and, once every file is complete, meta.json (sizes and hashes of the
+    files, which file holds which matrix). All of it is written under step_<N>.partial and renamed
+    at the end, so an interrupted save is never taken for a checkpoint. A write that fails on any
+    rank stops every rank with WriteError and leaves no partial folder behind."""
+    cfg, rank, W = runner.config, runner.rank, runner.world_size
+    run_dir = checkpoint_run_dir(cfg)
+    final, partial = run_dir / f"step_{step:06d}", run_dir / f"step_{step:06d}.partial"
+    save = _CheckpointWrite(runner, partial)
+    if rank == 0:
+        save.attempt(partial, lambda: _empty_folder(partial))
+    save.all_ranks_ok()
+    names = {p: n for n, p in runner.model.named_parameters()}
+    sharded = [opt for opt in runner.optimizers if isinstance(opt, Muon)]
+    muon = {k: v for opt in sharded for k, v in optimizer_state(opt, names, "cpu")["state"].items()}
+    own_file = f"rank_{rank:03d}.pt"
+    records = {own_file: save.attempt(partial / own_file, lambda: _write_durably(
+        partial / own_file, dict(muon=muon, rng=rng_states(runner.device))))}
+    if rank == 0:  # the model and the replicated optimizers (Adam, Snoo) are the same on every rank
+        saved = capture_state(runner.model, [opt for opt in runner.optimizers if opt not in sharded], "cpu")
+        outer = {} if runner.outer is None else dict(snoo=runner.outer.state_dict("cpu"))
+        records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(
+            format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
+            model=saved["model"], optimizers=[o["state"] for o in saved["optimizers"]],
+            config=config_record(cfg, runner.model.dtype), **outer)))
+    save.all_ranks_ok()
+    mine = (records, {name: own_file for name in muon})
+    gathered = [mine]
+    if W > 1:
+        gathered = [None] * W
+        dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        meta = dict(format=CHECKPOINT_FORMAT, step=step, num_iterations=cfg.num_iterations, world_size=W,
+                    train_time_ms=train_time_ms, config=config_record(cfg, runner.model.dtype),
+                    files={k: v for recs, _ in gathered for k, v in recs.items()},
+                    muon_state={k: v for _, owners in gathered for k, v in owners.items()},
+                    torch_version=torch.__version__)
+        # written last: its presence marks the files complete
+        save.attempt(partial / "meta.json", lambda: _write_durably(partial / "meta.json", meta))
+        save.attempt(final, lambda: _publish(partial, final))
+    save.all_ranks_ok()
+    return final
+
+
+def _empty_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # what an interrupted save left
+    path.mkdir(parents=True)
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename a complete step_N.partial to step_N (replacing the same step of an earlier run under
+    this name), durably."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def validate_checkpoint(path: Path) -> dict:
+    """meta.json of a complete, unmodified checkpoint; CheckpointError naming the file otherwise."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not meta_path.exists():
+        raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")
+    try:
+        text = meta_path.read_text()
+    except OSError as e:
+        raise CheckpointError(f"{meta_path}: {e.strerror or e}")
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e})")
+    try:
+        records = {name: (int(r["bytes"]), str(r["sha256"])) for name, r in meta["files"].items()}
+        saved_format = meta.get("format")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{meta_path}: not a checkpoint's meta.json ({type(e).__name__}: {e})")
+    if saved_format != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{meta_path}: checkpoint format {saved_format}, this script reads {CHECKPOINT_FORMAT}")
+    for name, (nbytes, sha256) in records.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{f}: missing (recorded in {meta_path})")
+        try:
+            size, digest = f.stat().st_size, file_sha256(f)
+        except OSError as e:
+            raise CheckpointError(f"{f}: {e.strerror or e}")
+        if size != nbytes:
+            raise CheckpointError(f"{f}: {size} bytes, but {nbytes} were written (truncated or modified)")
+        if digest != sha256:
+            raise CheckpointError(f"{f}: its SHA-256 differs from the one recorded when it was written (corrupted)")
+    return meta
+
+
+def find_checkpoint(config: Hyperparameters) -> tuple[Path, dict, list[str]]:
+    """The checkpoint --resume names (for `latest`, the newest valid one of this run name), validated,
+    and notes for the log about the newer ones it had to skip."""
+    if config.resume != "latest":
+        return Path(config.resume), validate_checkpoint(Path(config.resume)), []
+    run_dir = checkpoint_run_dir(config)
+    steps = sorted(((int(m[1]), d) for d in run_dir.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", d.name))),
+                   reverse=True)
+    skipped = []
+    for _, path in steps:
+        try:
+            return path, validate_checkpoint(path), skipped
+        except CheckpointError as e:
+            skipped.append(f"--resume latest: skipping {path}: {e}")
+    raise CheckpointError(f"--resume latest: no valid checkpoint in {run_dir}" + "".join(f"\n  {s}" for s in skipped))
+
+
+def check_resume_config(meta: dict, config: Hyperparameters, dtype: torch.dtype) -> list[str]:
+    """Refuse a resume whose config changes training (unless --force_resume; never when the model's
+    parameters differ in shape or dtype); returns the differences that were forced, for the log."""
+    now = config_record(config, dtype)
+    diffs = config_differences(meta["config"], now)
+    listing = "".join(f"\n  --{name}: checkpoint {to_text(old)}, now {to_text(new)}"
+                      for name, (old, new) in diffs.items())
+    if diffs:
+        saved_layout, layout = parameter_layout(meta["config"]), parameter_layout(now)
+        changed = sorted(n for n in set(saved_layout) | set(layout) if saved_layout.get(n) != layout.get(n))
+        if changed:
+            shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+            raise CheckpointError(f"cannot resume: the model's parameters differ in shape or dtype from the "
+                                  f"checkpoint's ({shown}), even with --force_resume:{listing}")
+    if diffs and not config.force_resume:
+        raise CheckpointError(f"refusing to resume: the config differs from the checkpoint's in fields that change "
+                              f"training:{listing}\nresume with the checkpoint's values, or pass --force_resume")
+    return [f"--force_resume: resuming with a different config:{listing}"] if diffs else []
+
+
+def _load(path: Path) -> dict:
+    try:  # memory-mapped: a rank reads only the tensors it takes
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})")
+
+
+def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) -> tuple[int, float]:
+    """Restore a validated checkpoint into a built runner and loader; returns (step, train_time_ms).
+    Each rank takes the Muon state of the matrices it owns under the *current* world size, from
+    whichever rank file holds it, so a run saved on 8 processes resumes on 4 (or 1)."""
+    path = Path(path)
+    main_file = _load(path / "main.pt")
+    current = runner.model.state_dict()
+    for name in sorted(set(current) | set(main_file["model"])):
+        got, want = main_file["model"].get(name), current.get(name)
+        if got is None or want is None or got.shape != want.shape or got.dtype != want.dtype:
+            describe = lambda t: "absent" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise CheckpointError(f"{path / 'main.pt'}: parameter {name} is {describe(got)} in the checkpoint, "
+                                  f"{describe(want)} in this model")
+    names = {p: n for n, p in runner.model.named_parameters()}
+    owned = {opt: [names[p] for group in opt.param_groups for p in opt.owned(group)]
+             for opt in runner.optimizers if isinstance(opt, Muon)}
+    by_file: dict[str, list[str]] = {}
+    for name in (n for names_of_opt in owned.values() for n in names_of_opt):
+        if name not in meta["muon_state"]:
+            raise CheckpointError(f"{path / 'meta.json'}: no Muon state recorded for {name}")
+        by_file.setdefault(meta["muon_state"][name], []).append(name)
+    muon_state = {}
+    for file_name, wanted in by_file.items():
+        saved = _load(path / file_name)["muon"]
+        muon_state.update({name: saved[name] for name in wanted})
+    replicated = iter(main_file["optimizers"])
+    states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=next(replicated))
+              for opt in runner.optimizers]
+    restore_state(runner.model, runner.optimizers, dict(model=main_file["model"], optimizers=states))
+    restore_outer_state(runner, main_file, path)
+    loader.load_state(main_file["loader"])
+    rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
+    set_rng_states(_load(path / rng_file)["rng"], runner.device)
+    return main_file["step"], main_file["train_time_ms"]
+
+
+def restore_outer_state(runner: Runner, main_file: dict, path: Path) -> None:
+    """Snoo's state from main.pt. A checkpoint saved without Snoo (resumed with --force_resume and
+    --snoo_period) anchors Snoo at the restored weights, with its counter at the checkpoint's step so
+    that outer steps keep following steps 0, k, 2k, ...; Snoo state in a checkpoint resumed without
+    Snoo is not used."""
+    if runner.outer is None:
+        return
+    saved = main_file.get("snoo")
+    if saved is None:
+        runner.outer.load_state_dict(dict(counter=main_file["step"], anchors=dict(runner.model.named_parameters()),
+                                          momentum_buffers={}))
+        return
+    missing = sorted(set(runner.outer.anchors) - set(saved["anchors"]))
+    if missing:
+        raise CheckpointError(f"{path / 'main.pt'}: no Snoo anchor for {', '.join(missing[:4])}")
+    runner.outer.load_state_dict(saved)
+
+
+def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
+                        world_size: int) -> tuple[Optional[tuple], list[str]]:
+    """Before anything is built, rank 0 finds and validates the checkpoint to resume and checks the
+    config against it; a fresh run that would save into a run folder holding checkpoints already is
+    refused (`--resume latest` could later pick up the other run's). Every rank gets the verdict:
+    ((folder, meta) or None, notes for the log), or the CheckpointError."""
+
+    def check() -> tuple[Optional[tuple], list[str]]:
+        if config.resume:
+            path, meta, notes = find_checkpoint(config)
+            return (path, meta), notes + check_resume_config(meta, config, dtype)
+        run_dir = checkpoint_run_dir(config)
+        if config.save_every and any(re.fullmatch(r"step_\d+", d.name) for d in run_dir.glob("step_*")):
+            raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run: continue it with --resume "
+                                  "latest, or choose another --run_id or --checkpoint_dir")
+        return None, []
+    return on_rank0_for_all(check, rank, world_size)
+
+
+# ---- accounting: parameters, optimizer state, FLOPs, learned scalars; the dry run
+
+def parameter_counts(model: GPT) -> dict[str, int]:
+    """Parameters per optimizer group and in total; with --untie_embed_after_step also how many
+    are in use before the split (the input table is not read until then)."""
+    counts = {name: sum(p.numel() for p in ps) for name, ps in parameter_groups(model).items()}
+    counts["total"] = sum(counts.values())
+    if model.config.untie_embed_after_step:
+        counts["in_use_before_split"] = counts["total"] - model.embeds[0].weight.numel()
+    return counts
+
+
+def keys_per_query(window: int, block_size: int, token_level: bool = False) -> float:
+    """Keys a query attends under a causal window of `window` blocks, away from the sequence start
+    (documents ignored): the window's earlier blocks whole, plus its own block up to itself; with
+    token-level windows, itself and the window x block_size keys before it."""
+    if token_level:
+        return window * block_size + 1
+    return max(window - 1, 0) * block_size + (block_size + 1) / 2
+
+
+def attention_flops_per_token(config: Hyperparameters, long_window: int, short_window: int) -> float:
+    """Attention scores and values, 12 x attn_dim x keys per query, summed over the attention layers."""
+    per_layer = [keys_per_query(long_window if i in config.long_layers else short_window, config.attn_block_size,
+                                config.token_windows) for i in config.attention_layers]
+    return 12 * config.attn_dim * sum(per_layer)
+
+
+def schedule_windows(config: Hyperparameters) -> list[tuple[int, int]]:
+    """(long, short) window of every training step, in blocks."""
+    return [attention_windows(s, config) for s in range(config.num_iterations)]
+
+
+def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
+    """Model FLOPs per training token (docs/recipe.md, Model FLOPs): 6 x matmul weights + attention scores and values
+    (12 x attn_dim x keys per query) averaged over the run's window schedule: over its steps, or
+    with a batch ramp (--batch_schedule) over its tokens (a step's weight is its batch)."""
+    groups = parameter_groups(model)
+    matmul_weights = sum(p.numel() for name, ps in groups.items() if name == "head" or name.startswith("muon")
+                         for p in ps)
+    weight = collections.Counter()
+    for step, window in enumerate(schedule_windows(config)):
+        weight[window] += batch_tokens(step, config) if config.batch_schedule else 1
+    attention = 0.0
+    for (long_window, short_window), n in sorted(weight.items()):
+        attention += n * attention_flops_per_token(config, long_window, short_window)
+    attention /= sum(weight.values())
+    return dict(weights=6.0 * matmul_weights, attention=attention, total=6.0 * matmul_weights + attention)
+
+
+def flops_by_window(config: Hyperparameters, model: GPT) -> dict[str, float]:
+    """Model FLOPs per token at each (long, short) window of the schedule, in the schedule's order
+    ("long/short": FLOPs)."""
+    weights = flops_per_token(config, model)["weights"]
+    return {f"{lw}/{sw}": weights + attention_flops_per_token(config, lw, sw)
+            for lw, sw in dict.fromkeys(schedule_windows(config))}
+
+
+def optimizer_state_parts(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> dict[str, int]:
+    """Bytes of one parameter's optimizer state by kind. Adam (either variant): two moments in the
+    parameter's dtype. Muon: an fp32 momentum, plus the 16 low bits of the fp32
+    master for bf16 weights; NorMuon's gates keep momentum and statistic in their own dtype and
+    have no low bits; with row normalization one statistic per row. Each counted once: Muon's
+    is held by the rank that owns the matrix, Adam's is the same on every rank."""
+    cfg = config or Hyperparameters()
+    dtype_name = lambda dt: str(dt).removeprefix("torch.")
+    if not group.startswith("muon"):
+        return {f"adam moments {dtype_name(p.dtype)}": 2 * p.numel() * p.element_size()}
+    options = MUON_GROUP_OPTIONS.get(group, {})
+    own_dtype = normuon_enabled(cfg) and options.get("gate", False)
+    state = p.dtype if own_dtype else torch.float32
+    size = torch.finfo(state).bits // 8
+    parts = {f"muon momentum {dtype_name(state)}": p.numel() * size}
+    if p.dtype == torch.bfloat16 and not own_dtype:
+        parts["muon low bits int16"] = p.numel() * 2
+    if normuon_enabled(cfg) and cfg.muon_row_normalization:
+        shape = orthogonalized_shape(p, options)
+        parts[f"normuon row statistics {dtype_name(state)}"] = p.numel() // shape[normuon_reduce_dim(p, options)] * size
+    if cfg.muon_update_smoothing != "off":
+        parts[f"muon smoothed update {dtype_name(p.dtype)}"] = p.numel() * p.element_size()
+    return parts
+
+
+def optimizer_state_bytes(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> int:
+    return sum(optimizer_state_parts(group, p, config).values())
+
+
+def snoo_state_bytes(model: GPT, config: Hyperparameters) -> int:
+    """Snoo's anchors and momentum buffers: two copies of every parameter, on every process."""
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters()) if config.snoo_period else 0
+
+
+def muon_owned_bytes(model: GPT, config: Hyperparameters, world_size: int) -> list[int]:
+    """Per rank, the Muon state of the matrices it owns: Muon's dealing (each group split by shape,
+    largest first, round-robin over the ranks)."""
+    per_rank = [0] * world_size
+    for name, params in parameter_groups(model).items():
+        if not name.startswith("muon"):
+            continue
+        params = sorted(params, key=lambda p: p.numel(), reverse=True)
+        for shape in dict.fromkeys(p.shape for p in params):
+            for i, p in enumerate(q for q in params if q.shape == shape):
+                per_rank[i % world_size] += optimizer_state_bytes(name, p, config)
+    return per_rank
+
+
+def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> dict[str, int]:
+    """What one process holds besides activations: parameters, their gradients, Adam's moments
+    (replicated), the Muon state of the busiest rank, Snoo's state (replicated)."""
+    groups = parameter_groups(model)
+    params = sum(p.numel() * p.element_size() for ps in groups.values() for p in ps)
+    adam = sum(optimizer_state_bytes(n, p, config) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
+    return dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)),
+                snoo=snoo_state_bytes(model, config))
+
+
+# The peak memory a record logged with this model and batch on 8xH100 (x01: 53,988 MiB allocated) is the
+# base of the predicted peak of other configurations of the same shapes: it moves by what they hold
+# more per GPU (state_bytes_per_gpu) and by the activations the head-input ideas keep for the backward
+# pass, in (T, d) bf16 tensors of a rank's sequence: the mix keeps both norms besides its output (2:
+# 256 MiB at 65,536 tokens; the 2025-10-04 log shows +256 MiB over its predecessor), the subtract
+# form the difference it normalizes (1), and the smear nothing the compiler cannot recompute from
+# those (the 2025-11-02 log: -2 MiB).
+KEPT_ACTIVATIONS = dict(mix=2, subtract=1, off=0)
+# Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
+# accounted above: a configuration that differs from the record only in these gets a prediction.
+PEAK_NEUTRAL_FIELDS = {
+    "num_iterations", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
+    "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
+    "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
+    "snoo_period", "snoo_lr", "snoo_momentum", "snoo_low_bits", "muon_update_smoothing", "smoothing_beta_start",
+    "smoothing_beta", "smoothing_ramp_steps", "lr_floor", "backout", "backout_layer", "head_smear"}
+PEAK_WORLD_SIZE = 8
+
+
+def peak_base_recipe(config: Hyperparameters) -> str:
+    """The logged record a configuration's peak is predicted from: the bulk record for its own
+    lineage, x01 for the others."""
+    return "bulk" if config.recipe == "bulk" else "x01"
+
+
+def record_adam_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> int:
+    """Adam's state per GPU as the bulk record held it: sharded over the GPUs for tensors of 1024
+    elements or more, whole below (here every process holds all of it)."""
+    return sum(optimizer_state_bytes(n, p, config) // (world_size if p.numel() >= 1024 else 1)
+               for n, ps in parameter_groups(model).items() if not n.startswith("muon") for p in ps)
+
+
+def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
+    """Peak allocated MiB per GPU of an 8-GPU run of this trainer, from the logged peak of the
+    record the configuration descends from (peak_base_recipe), or None for a configuration whose
+    shapes or execution differ from that record's in other ways. The prediction moves the logged
+    peak by what this configuration holds more per GPU (state_bytes_per_gpu; the bulk record
+    sharded its Adam state over the GPUs, which this trainer replicates) and by the activations the
+    head-input ideas keep (KEPT_ACTIVATIONS)."""
+    base_name = peak_base_recipe(config)
+    base = make_config(recipe=base_name)
+    differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
+               and f.name not in PEAK_NEUTRAL_FIELDS and getattr(config, f.name) != getattr(base, f.name)]
+    if (differs or config.activation_checkpointing or config.compile is False or config.attention == "sdpa"
+            or config.dtype == "float32"):
+        return None
+
+    def meta(cfg):
+        with torch.device("meta"):
+            return GPT(cfg, torch.bfloat16)
+
+    def per_gpu(cfg, model):
+        return sum(state_bytes_per_gpu(model, cfg, PEAK_WORLD_SIZE).values())
+
+    model, base_model = meta(config), meta(base)
+    base_state = per_gpu(base, base_model)
+    if base_name == "bulk":  # what the record itself held: its Adam state sharded
+        base_state += (record_adam_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)
+                       - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
+    tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
+    activations = (KEPT_ACTIVATIONS[config.backout] - KEPT_ACTIVATIONS[base.backout]) * tokens * config.model_dim * 2
+    extra = per_gpu(config, model) - base_state + activations
+    return RECIPES[base_name].peak_mib + round(extra / 2**20)
+
+
+def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
+    """Per GPU of an 8-GPU run: what each process holds, and the predicted peak next to the logged
+    peak of the recipe's record (when the configuration is the record's shapes)."""
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    held = state_bytes_per_gpu(model, config, PEAK_WORLD_SIZE)
+    lines = ["per GPU of 8: " + ", ".join(f"{k} {mib(v)}" for k, v in held.items())
+             + " (muon: the rank owning the most; snoo: anchors and momentum, two copies of every parameter)"]
+    predicted, logged = predicted_peak_mib(config), RECIPES[config.recipe].peak_mib
+    if predicted is None:
+        lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
+                     f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
+    else:
+        base = peak_base_recipe(config)
+        lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
+                     f"record logged {logged:,} MiB ({base}'s logged {RECIPES[base].peak_mib:,} MiB plus the state and "
+                     "kept activations this configuration adds" + (": this trainer holds Adam's state whole on every "
+                     "GPU, the record sharded it" if base == "bulk" else "") + ")")
+    return lines
+
+
+def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
+    """Parameters, their MiB in storage dtype, and optimizer-state MiB, per group and in total,
+    and the optimizer state by kind."""
+    counts, flops = parameter_counts(model), flops_per_token(config, model)
+    mib = lambda b: b / 2**20
+    lines, total_param_b, total_state_b, kinds = [], 0, 0, {}
+    for name, params in parameter_groups(model).items():
+        param_b = sum(p.numel() * p.element_size() for p in params)
+        state_b = 0
+        for p in params:
+            for kind, nbytes in optimizer_state_parts(name, p, config).items():
+                kinds[kind] = kinds.get(kind, 0) + nbytes
+                state_b += nbytes
+        total_param_b, total_state_b = total_param_b + param_b, total_state_b + state_b
+        dtypes = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        lines.append(f"params {name}: {counts[name]:,} ({dtypes}) {mib(param_b):.1f} MiB, optimizer state {mib(state_b):.1f} MiB")
+    lines.append(f"params total: {counts['total']:,} {mib(total_param_b):.1f} MiB, optimizer state {mib(total_state_b):.1f} MiB")
+    if config.snoo_period:
+        lines.append(f"snoo state: {mib(snoo_state_bytes(model, config)):.1f} MiB on every process (an anchor and a "
+                     "momentum buffer per parameter)")
+    if "in_use_before_split" in counts:
+        lines.append(f"params in use before the split (step {config.untie_embed_after_step}; the input table is "
+                     f"unread until then): {counts['in_use_before_split']:,}")
+    if model.config.scalar_pad_multiple > 1:
+        pads = dict(model.scalar_layout).get("pad", [])
+        lines.append(f"scalars: {model.scalars.numel()} ({len(pads)} of them padding to a multiple of "
+                     f"{model.config.scalar_pad_multiple}, unused)")
+    lines.append("optimizer state by kind: " + ", ".join(f"{k} {mib(b):.1f} MiB" for k, b in kinds.items()))
+    lines.append(f"flops_per_token: {flops['total']:.4e} (weights {flops['weights']:.4e}, attention {flops['attention']:.4e})")
+    if config.token_windows:
+        lines.append("flops_per_token by window (long/short blocks): "
+                     + ", ".join(f"{w} {f:.4e}" for w, f in flops_by_window(config, model).items()))
+    return lines
+
+
+def learned_scalars_lines(model: GPT) -> list[str]:
+    """The learned mixing weights per layer (which layers use which embedding), the attention
+    lambdas and the skip weights (x01: per source layer; --gated_skips: the gain into each target)."""
+    L, cfg = model.config.num_layers, model.config
+    slots = {name: t.detach().float().cpu() for name, t in model.scalar_slots().items()}
+    resid, x0_weights = (t.detach().float().cpu() for t in model.mixing_weights())
+    attn_lambdas = slots["attn_lambdas"].view(L, 2)
+    names = ["x"] + [f"x0{e}" for e in range(x0_weights.size(1))]
+    attn_names = ("attn_qkv", "attn_out") if cfg.prenorm_attention else ("attn_v", "attn_ve")
+    gains = {target: slots["skip_gain"][j].item() for target, j in model.skip_index.items()} if cfg.gated_skips else {}
+    lines = []
+    for i in range(L):
+        mix = " ".join(f"{n}:{v:.4f}" for n, v in zip(names, [resid[i].item()] + x0_weights[i].tolist()))
+        a0, a1 = attn_lambdas[i].tolist()
+        skip = (f" skip_gain:{gains[i]:.4f}" if i in gains else "") if cfg.gated_skips else \
+            f" skip_w:{slots['skip_w'][i].item():.4f}"
+        lines.append(f"lambdas layer {i}: {mix} {attn_names[0]}:{a0:.4f} {attn_names[1]}:{a1:.4f}{skip}")
+    if "smear" in slots:
+        lines.append(f"lambdas smear: {slots['smear'][0].item():.4f}")
+    if model.output_mix is not None:
+        lines.append("lambdas output: x:{:.4f} x00:{:.4f}".format(*model.output_mix.detach().float().tolist()))
+    if model.backout is not None:
+        values = model.backout.weights.detach().float().tolist()
+        lines.append(f"backout from layer {model.backout.layer}: " + (
+            "a:{:.4f} b:{:.4f}".format(*values) if model.backout.mode == "mix" else "lambda:{:.4f}".format(*values)))
+    if model.head_smear is not None:
+        lines.append(f"head smear: c:{model.head_smear.weight.item():.4f}")
+    return lines
+
+
+def planned_device(config: Hyperparameters) -> tuple[str, str]:
+    """The device type a run of `config` would use on this machine, and why. Asks only
+    torch.cuda.is_available() (no CUDA state); the medium preset is planned for CUDA even without a
+    GPU here, since a real run refuses to start on the CPU."""
+    if config.device != "auto":
+        return config.device, f"--device={config.device}"
+    if torch.cuda.is_available():
+        return "cuda", "--device=auto and a CUDA GPU is visible"
+    if config.preset == "medium":
+        return "cuda", "the medium preset runs on CUDA GPUs; none is visible here, so a run would not start"
+    return "cpu", "--device=auto and no CUDA GPU is visible"
+
+
+def dry_run(config: Hyperparameters) -> int:
+    """Config, parameter counts, bytes and FLOPs from a meta-device model: no data, no GPU. Bytes
+    are those of the device the run would use (bf16 on CUDA, fp32 on the CPU with --dtype=auto),
+    with the other device's totals on one line when its storage differs."""
+    device, why = planned_device(config)
+    other = "cpu" if device == "cuda" else "cuda"
+
+    def meta_model(device_type: str) -> GPT:
+        with torch.device("meta"):
+            return GPT(config, weight_dtype(config, device_type))
+
+    model = meta_model(device)
+    print("\n".join(f"{f.name} = {getattr(config, f.name)!r}" for f in fields(config)))
+    print(recipe_summary(config))
+    print(f"dry run on {device} ({why}): {str(model.dtype).removeprefix('torch.')} weights")
+    print("\n".join(accounting_lines(model, config)))
+    print("\n".join(memory_lines(model, config)))
+    if weight_dtype(config, other) != model.dtype:
+        other_model = meta_model(other)
+        total = next(line for line in accounting_lines(other_model, config) if line.startswith("params total:"))
+        print(f"on {other} instead ({str(other_model.dtype).removeprefix('torch.')} weights): {total}")
+    counts, flops = parameter_counts(model), flops_per_token(config, model)
+    extra = {}
+    if config.untie_embed_after_step:
+        extra["params_in_use_before_split"] = counts.pop("in_use_before_split")
+    if config.token_windows:
+        extra["flops_per_token_by_window"] = flops_by_window(config, model)
+    print(json.dumps(dict(total_params=counts["total"], params_by_group={k: v for k, v in counts.items() if k != "total"},
+                          flops_per_token=flops["total"], flops_per_token_weights=flops["weights"],
+                          flops_per_token_attention=flops["attention"], **extra)))
+    return 0
+
+
+# ---- benchmark (--bench_steps): training steps timed on random tokens; no data, no log
+
+# Dense (not "with sparsity") bf16 tensor-core peak of one GPU in TFLOP/s, by a substring of
+# torch.cuda.get_device_name(); the first match wins. Source: NVIDIA's datasheets: H100 SXM
+# 989.4 and H100 PCIe 756 (H100 Tensor Core GPU datasheet), H200 989.4 (H200 datasheet, SXM),
+# A100 312 (A100 datasheet). NVL boards run at other clocks and have no entry here.
+PEAK_BF16_TFLOPS = (
+    ("NVL", None),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # the SXM board reports itself as "NVIDIA H100 80GB HBM3"
+    ("H200", 989.4),
+    ("A100", 312.0),
+)
+
+
+def peak_bf16_tflops(device_name: str) -> Optional[float]:
+    """The dense bf16 peak of a GPU by its name, or None for one not in the table."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in device_name), None)
+
+
+def compile_counts() -> dict[str, Optional[int]]:
+    """Graphs torch.compile made so far in this process, and how many compilations were
+    recompiles (a function compiled again because a guard failed: a new shape, grad mode, ...)."""
+    from torch._dynamo import utils as dynamo_utils
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]  # a Counter: 0 before any compile
+    metrics = getattr(dynamo_utils, "get_compilation_metrics", None)  # the last 64 compilations
+    recompiles = sum(1 for m in metrics() if getattr(m, "recompile_reason", None)) if metrics else None
+    return dict(graphs=graphs, recompiles=recompiles)
+
+
+def compiled_since(before: dict, suffix: str = "") -> dict[str, Optional[int]]:
+    """Graphs and recompiles since `before` (an earlier compile_counts()), keys ending in `suffix`."""
+    now = compile_counts()
+    return {k + suffix: None if now[k] is None or before[k] is None else now[k] - before[k] for k in now}
+
+
+def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch) -> tuple[list[float], list]:
+    """One untimed step at `step` (its window and lr), then bench_steps timed ones, each between
+    device synchronizations (and barriers). Returns the timed steps' milliseconds and every step's
+    loss (unsynced device tensors)."""
+    times, losses = [], []
+    for i in range(runner.config.bench_steps + 1):
+        batches = runner.random_batches(gen, slice_tokens(step, runner.config))
+        clock.start()
+        losses.append(runner.train_step(step, batches))
+        elapsed = clock.stop()
+        if i > 0:
+            times.append(elapsed)
+    return times, losses
+
+
+def bench_points(config: Hyperparameters) -> list[int]:
+    """The steps --bench_steps times: --bench_at_step, or the first and the last step of the
+    schedule and, with a batch_schedule, the first step of each batch size (every phase's shape)."""
+    if config.bench_at_step is not None:
+        return [config.bench_at_step]
+    N = config.num_iterations
+    points = {0, N - 1}
+    if config.batch_schedule:
+        points |= {s for s in range(1, N) if batch_tokens(s, config) != batch_tokens(s - 1, config)}
+    return sorted(points)
+
+
+def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1) -> int:
+    """--bench_steps=N: build and compile exactly as a run, warm up, then time N training steps on
+    random tokens at each of bench_points (the first and the last step of the schedule, each batch
+    size's first step with a batch ramp, or --bench_at_step), and run
+    one evaluation step so that the compiled graphs and the peak memory cover what a run needs.
+    Rank 0 prints a line per point and ends with one JSON line; a step's time is the slowest rank's.
+    No data files are read and nothing is written."""
+    cfg = dataclasses.replace(config, val_tokens=config.batch_slices * config.val_seq_len)  # one evaluation step
+    start = compile_counts()  # the process may have compiled before (tests call main in-process)
+    runner = Runner(cfg, device, rank, world_size)
+    runner.warmup()
+    warmup = dict(steps=len(warmup_schedule(cfg)), **compiled_since(start))
+    gen, clock = torch.Generator().manual_seed(cfg.init_seed), Stopwatch(device, world_size)
+    points = bench_points(cfg)
+    results = []
+    for step in points:
+        before = compile_counts()
+        times, losses = time_steps(runner, step, gen, clock)
+        results.append(dict(step=step, window_blocks=attention_windows(step, cfg)[0],
+                            tokens_per_step=batch_tokens(step, cfg), times_ms=times, losses=losses,
+                            **compiled_since(before, "_added")))
+    before = compile_counts()
+    runner.evaluate(points[-1], torch.randint(0, cfg.vocab_size, (cfg.val_tokens + 1,), generator=gen))
+    evaluation = dict(tokens=cfg.val_tokens, **compiled_since(before, "_added"))
+    # every rank's numbers -> the slowest step times, the mean losses, the largest memory peaks
+    times = torch.tensor([r["times_ms"] for r in results], dtype=torch.float64, device=device)
+    losses = torch.stack([torch.stack(r["losses"]) for r in results]).double()
+    memory = torch.tensor(peak_memory_mib(device), dtype=torch.float64, device=device)
+    if world_size > 1:
+        for tensor, op in ((times, dist.ReduceOp.MAX), (losses, dist.ReduceOp.SUM), (memory, dist.ReduceOp.MAX)):
+            dist.all_reduce(tensor, op=op)
+        losses /= world_size
+    for result, step_times, step_losses in zip(results, times.tolist(), losses.tolist()):
+        result.update(times_ms=step_times, losses=step_losses)
+    if rank == 0:
+        report = bench_report(runner, results, memory.tolist(), dict(warmup=warmup, evaluation=evaluation,
+                                                                      **compiled_since(start)))
+        print("\n".join(bench_lines(report)), flush=True)
+        print(json.dumps(report), flush=True)
+    if world_size > 1:
+        dist.barrier()  # leave together: a rank tearing gloo down while another still runs can abort
+    bad = [(r["step"], loss) for r in results for loss in r["losses"] if not math.isfinite(loss)]
+    if bad:
+        raise NonFiniteLossError(f"--bench_steps: non-finite training loss ({bad[0][1]}) at step {bad[0][0]}")
+    return 0
+
+
+def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], compiled_counts: dict) -> dict:
+    """The benchmark's numbers: per point the step times and losses of every rank reduced, and what
+    follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs."""
+    cfg, device, world_size = runner.config, runner.device, runner.world_size
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    peak = peak_bf16_tflops(name) if device.type == "cuda" else None
+    flops, step_tokens = flops_per_token(cfg, runner.model)["total"], cfg.batch_slices * cfg.train_seq_len
+    for result in results:
+        median = statistics.median(result["times_ms"])
+        per_process = result["tokens_per_step"] / world_size / (median / 1000)
+        tflops = flops * per_process / 1e12
+        result.update(median_ms=median, min_ms=min(result["times_ms"]), tokens_per_s_per_process=per_process,
+                      tokens_per_s=per_process * world_size, tflops_per_process=tflops, tflops=tflops * world_size,
+                      mfu=tflops / peak if peak else None)
+    return dict(
+        bench_steps=cfg.bench_steps, world_size=world_size, device=device.type, device_name=name,
+        compile=compile_enabled(cfg, device), attention=attention_backend(cfg, device.type),
+        dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,
+        peak_tflops_per_device=peak, points=results, **compiled_counts,
+        peak_memory_allocated_mib=int(memory_mib[0]), peak_memory_reserved_mib=int(memory_mib[1]),
+        device_memory_mib=torch.cuda.get_device_properties(device).total_memory // 2**20 if device.type == "cuda" else None,
+        allocator_settings=allocator_settings() if device.type == "cuda" else None)
+
+
+def bench_lines(report: dict) -> list[str]:
+    """The human-readable part of the benchmark's output."""
+    r = report
+    lines = [f"bench: {r['world_size']} process(es) on {r['device']} ({r['device_name']}), compile "
+             f"{'on' if r['compile'] else 'off'}, attention {r['attention']}, {r['dtype']} weights; "
+             f"{r['tokens_per_step']:,} tokens per step; {r['flops_per_token'] / 1e9:.4g} GFLOP per token "
+             f"(--dry_run's flops_per_token)"]
+    for p in r["points"]:
+        mfu = f", MFU {100 * p['mfu']:.1f}% of {r['peak_tflops_per_device']} TFLOP/s" if p["mfu"] is not None else ""
+        lines.append(f"step {p['step']} (long window {p['window_blocks']} blocks, {p['tokens_per_step']:,} tokens): "
+                     f"{len(p['times_ms'])} timed steps, "
+                     f"median {p['median_ms']:.2f} ms, min {p['min_ms']:.2f} ms; tokens/s {p['tokens_per_s_per_process']:,.0f} "
+                     f"per process, {p['tokens_per_s']:,.0f} in all; {p['tflops_per_process']:.4g} TFLOP/s per process{mfu}; "
+                     f"compiled graphs added {p['graphs_added']}, recompiles {p['recompiles_added']}")
+    e = r["evaluation"]
+    lines.append(f"evaluation step ({e['tokens']:,} tokens): compiled graphs added {e['graphs_added']}, "
+                 f"recompiles {e['recompiles_added']}")
+    of_device = f" of {r['device_memory_mib']:,} MiB" if r["device_memory_mib"] else " (CPU: peak resident set size)"
+    lines.append(f"peak memory: allocated {r['peak_memory_allocated_mib']:,} MiB, reserved "
+                 f"{r['peak_memory_reserved_mib']:,} MiB{of_device}")
+    w = r["warmup"]
+    lines.append(f"compiled graphs: {r['graphs']} in all ({w['graphs']} after the {w['steps']} warm-up steps), "
+                 f"recompiles {r['recompiles']} ({w['recompiles']} in the warm-up)")
+    return lines
+
+
+# ---- writing shards (the data tools and the tests)
+
+def write_shard(path, tokens) -> None:
+    """Write tokens (values < 65536) as a shard, atomically (temporary name, then rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: tokens must be in [0, 65536) to be stored as uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    if "RANK" in os.environ:
+        # torchrun's processes leave without interpreter teardown: there, torch 2.13's gloo worker
+        # threads can still be releasing a finished collective's tensors and abort the process
+        # (SIGABRT after a complete run; see tests/test_distributed.py). The process group is gone
+        # and every file is closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    sys.exit(exit_code)
