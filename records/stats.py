@@ -419,7 +419,8 @@ def no_verdict_reason(losses: list[float], target: float, logs: list[RunLog] = (
     if time_vs is not None and time_vs.not_record_kind:
         return f"the --time-vs reference {time_vs.label}: {time_vs.not_record_kind}"
     if target == MEDIUM_TARGET and max(losses) < target - FAR_FROM_TARGET:
-        return f"every run is far below the {MEDIUM_TARGET} target (not medium-track runs: synthetic data, another track?)"
+        return (f"every run is far below the {MEDIUM_TARGET} target "
+                "(not medium-track runs: synthetic data, another track?)")
     if time_vs is not None and time_vs.record is not None:
         why = not_medium_track(losses, target, logs)
         if why:
@@ -523,7 +524,8 @@ def _time_test_text(tv: dict) -> str:
 def _time_vs_line(tv: dict, verdict: bool = True) -> list[str]:
     """The time test's lines; its verdict line only when the set gets a verdict at all."""
     if tv["note"]:
-        return [f"time vs {tv['reference']}: {'' if tv['note'].startswith('not compared') else 'not tested: '}{tv['note']}"]
+        tested = "" if tv["note"].startswith("not compared") else "not tested: "
+        return [f"time vs {tv['reference']}: {tested}{tv['note']}"]
     return [f"time vs {tv['reference']} ({_time_test_text(tv)}"] + \
         [f"time verdict: {'faster' if tv['holds'] else 'not shown to be faster'}"] * verdict
 
