@@ -815,6 +815,80 @@ def test_diff_stat_counts_added_and_removed_lines_per_section(tmp_path, capsys):
     assert lines[1].split() == ["+2", "-1", "Model"]
 
 
+TRAINER_LIKE = """import torch
+
+# =============================================================================
+# 1. Hyperparameters: the defaults ARE the record recipe
+
+@dataclass
+class Hyperparameters:
+    muon_lr: float = 0.025
+
+# =============================================================================
+# 4. Model
+
+# ---- --attention=fa3: FlashAttention-3's kernel (a sub-banner whose comment never ends)
+
+FA3_KERNEL = "varunneal/flash-attention-3"
+
+
+def flash_attention_3():
+    return FA3_KERNEL
+
+
+# The MLP of every block.
+class MLP(nn.Module):
+    def forward(self, x):
+        return relu(x).square()
+"""
+
+
+def test_diff_stat_finds_the_section_and_the_class_or_def_of_each_change(tmp_path, capsys):
+    """Issue 24.9: Hyperparameters counted under "(top of file)", MLP under the fa3 sub-banner."""
+    new = (TRAINER_LIKE.replace("0.025", "0.03").replace("relu(x).square()", "gelu(x)")
+           .replace("The MLP of", "The MLP in").replace("flash-attention-3", "flash-attention-4"))
+    make_record(tmp_path, "2025-01-01", script=TRAINER_LIKE)
+    record = make_record(tmp_path, "2025-02-01", script=new)
+    assert diff_cli.main([str(record), "--stat"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(None, 2) for line in lines[1:7]] == [
+        ["+1", "-1", "1. Hyperparameters"], ["+1", "-1", "class Hyperparameters"],
+        ["+3", "-3", "4. Model"], ["+1", "-1", "--attention=fa3"], ["+2", "-2", "class MLP"],
+        ["config", "not", "compared: 2025-01-01 has no log; 2025-02-01 has no log"]]
+    assert lines[2].startswith("      ")  # a class/def line is indented under its section
+
+
+def test_diff_sections_of_the_trainer_follow_its_banners_and_classes():
+    """The real script: a Hyperparameters field lies in class Hyperparameters of the Hyperparameters
+    section, the MLP class in the model section (not under the fa3 sub-banner above it)."""
+    lines = (ROOT / "train_gpt_medium.py").read_text().splitlines()
+    sections = diff_cli.line_sections(lines)
+
+    def where(prefix):
+        return sections[next(i for i, line in enumerate(lines) if line.startswith(prefix))]
+    section, place = where("    muon_lr: float")
+    assert "Hyperparameters" in section and place == "class Hyperparameters"
+    section, place = where("class MLP(")
+    assert "Model" in section and place == "class MLP"
+    assert where("def main(")[1] == "def main"
+
+
+def test_diff_names_the_recipe_of_each_side(tmp_path, capsys):
+    """Issue 24.9: recipe is a bookkeeping field, so the comparison of experiment fields left it out."""
+    groups = {**OUR_GROUPS, "recipe": "bookkeeping"}
+    make_our_set(tmp_path / "2025-01-01_X01", PASS_LOSSES[:1], groups=groups, recipe="x01")
+    record = make_our_set(tmp_path / "2025-02-01_Bulk", PASS_LOSSES[:1], groups=groups, recipe="bulk", muon_lr=0.015)
+    assert diff_cli.main([str(record)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(out) if line.startswith("config 2025-01-01_X01/"))
+    assert out[i + 1:] == ["  recipe: x01 -> bulk", "  muon_lr: 0.025 -> 0.015"]
+    same = make_our_set(tmp_path / "2025-03-01_Bulk", PASS_LOSSES[:1], groups=groups, recipe="bulk", muon_lr=0.015,
+                        preset="tiny")
+    assert diff_cli.main([str(same)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-3].endswith(": no difference") and out[-2:] == ["  recipe: bulk (both)", "  preset: medium -> tiny"]
+
+
 def test_diff_shows_the_config_flag_that_changed(tmp_path, capsys):
     make_our_set(tmp_path / "2025-01-01_Base", PASS_LOSSES[:2])
     record = make_our_set(tmp_path / "2025-02-01_HigherLR", PASS_LOSSES[:2], first_seed=900, muon_lr=0.03)
