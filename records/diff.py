@@ -8,15 +8,20 @@ by name); with --nearest, with the earlier record whose script differs least (fe
 OTHER may be another record folder or a .py file.
 
 Printed: the unified diff of the scripts (or, with --stat, the counts of added and removed lines per
-section of the script), then the config fields that define the experiment (records/runlogs.py: the
-groups the logs name as experiment-defining, so not the seed, names or output folders) and differ
-between the first logs of the two folders: a record may change flags alone. A warning on stderr names a folder that holds more than one distinct script and says
+section of the script: its `# ====` banners with their title line, and within a section per
+top-level class/def, or per `# ---- title` sub-banner for lines outside any class/def), then
+the config of the first logs of the two folders: the recipe each ran (`recipe: x01 -> bulk`, or
+`recipe: bulk (both)`; the presets when they differ), and the config fields that define the
+experiment (records/runlogs.py: the groups the logs name as experiment-defining, so not the seed,
+names or output folders) and differ: a record may change flags alone, a recipe is a change of
+flags. A warning on stderr names a folder that holds more than one distinct script and says
 which one was compared.
 Exit status: 0 with the comparison printed (an empty diff if the scripts are equal), 2 when there
 is no predecessor or no script to compare.
 """
 
 import argparse
+import ast
 import difflib
 import re
 import sys
@@ -165,41 +170,98 @@ def unified_diff(old: Path, new: Path) -> str:
         _lines(old_text), _lines(new_text), fromfile=old_label, tofile=new_label, lineterm=""))
 
 
-# A section starts at a banner: `# ----...` followed by a `# Title` line, or `# ---- title` on one line.
-_RULE = re.compile(r"# -{5,}\s*")
+# A section starts at a banner: a rule of `=` or `-` followed by a `# Title` line (train_gpt_medium.py's
+# numbered `# ====` sections); inside it, `# ---- title` on one line starts a sub-section.
+_RULE = re.compile(r"# [=-]{5,}\s*")
 _TITLED_RULE = re.compile(r"# -{3,} (.+)")
+TOP = "(top of file)"
 
 
-def section_names(lines: list[str]) -> list[str]:
-    """For each line, the title of the section it lies in ("(top of file)" before the first banner)."""
-    names, current = [], "(top of file)"
+def _short(title: str) -> str:
+    """A banner's title up to its first ': ', ' (' or '; ' ("4. Model", "--attention=fa3", "the model"):
+    the rest describes it."""
+    return re.split(r": | \(|; ", title.strip(), maxsplit=1)[0]
+
+
+def _units(lines: list[str], banner_lines: set[int]) -> list[str | None]:
+    """For each line, the top-level class or def it belongs to ("class MLP", "def attend"), else None.
+
+    A class/def spans its decorators and the comment lines right above it (up to a blank line or a
+    banner). A script that does not parse has no units: its lines go by banners alone."""
+    units: list[str | None] = [None] * len(lines)
+    try:
+        tree = ast.parse("\n".join(lines))
+    except (SyntaxError, ValueError):
+        return units
+    for node in tree.body:
+        if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+        while start > 0 and lines[start - 1].startswith("#") and start - 1 not in banner_lines:
+            start -= 1
+        name = f"{'class' if isinstance(node, ast.ClassDef) else 'def'} {node.name}"
+        units[start:node.end_lineno] = [name] * (node.end_lineno - start)
+    return units
+
+
+def line_sections(lines: list[str]) -> list[tuple[str, str | None]]:
+    """For each line, (its section, its place in the section or None).
+
+    The section is the title of the last rule-and-title banner above ("(top of file)" before the
+    first). The place is the top-level class/def that holds the line, else the last `# ---- title`
+    sub-banner of the section above it: a sub-banner's comment does not end, so it names only the
+    lines outside any class/def (train_gpt_medium.py's MLP class follows the fa3 sub-banner, but
+    is not part of it)."""
+    banner_lines, starts = set(), {}
     for i, line in enumerate(lines):
         titled = _TITLED_RULE.fullmatch(line)
-        if titled:
-            current = titled[1].strip()
+        if titled and not _RULE.fullmatch(line):
+            banner_lines.add(i)
+            starts[i] = ("sub", _short(titled[1]))
         elif _RULE.fullmatch(line) and i + 1 < len(lines) and lines[i + 1].startswith("# "):
-            current = lines[i + 1][2:].strip()
-        names.append(current)
-    return names
+            banner_lines.update((i, i + 1))
+            starts[i] = ("section", _short(lines[i + 1][2:]))
+    units = _units(lines, banner_lines)
+    out, section, sub = [], TOP, None
+    for i in range(len(lines)):
+        kind, title = starts.get(i, (None, None))
+        if kind == "section":
+            section, sub = title, None
+        elif kind == "sub":
+            sub = title
+        out.append((section, units[i] or sub))
+    return out
 
 
 def diff_stat(old: Path, new: Path) -> str:
-    """A summary of the script change: lines added and removed in all, and per section of the script."""
+    """A summary of the script change: lines added and removed in all, per section of the script, and
+    under each section per class/def (or sub-banner) it touches."""
     (old_text, old_label), (new_text, new_label) = read_script(old), read_script(new)
     a, b = _lines(old_text), _lines(new_text)
-    old_sections, new_sections = section_names(a), section_names(b)
+    old_sections, new_sections = line_sections(a), line_sections(b)
     per_section: dict[str, list[int]] = {}
+    per_place: dict[str, dict[str, list[int]]] = {}
+
+    def count(where: tuple[str, str | None], side: int) -> None:
+        section, place = where
+        per_section.setdefault(section, [0, 0])[side] += 1
+        if place is not None:
+            per_place.setdefault(section, {}).setdefault(place, [0, 0])[side] += 1
+
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
         if tag == "equal":
             continue
         for j in range(j1, j2):
-            per_section.setdefault(new_sections[j], [0, 0])[0] += 1
+            count(new_sections[j], 0)
         for i in range(i1, i2):
-            per_section.setdefault(old_sections[i], [0, 0])[1] += 1
+            count(old_sections[i], 1)
     added, removed = sum(v[0] for v in per_section.values()), sum(v[1] for v in per_section.values())
     out = [f"{old_label} -> {new_label}: {added} line(s) added, {removed} removed"]
-    width = max((len(f"+{v[0]} -{v[1]}") for v in per_section.values()), default=0)
-    out += [f"  {f'+{v[0]} -{v[1]}':<{width}}  {name}" for name, v in per_section.items()]
+    counts = list(per_section.values()) + [v for places in per_place.values() for v in places.values()]
+    width = max((len(f"+{v[0]} -{v[1]}") for v in counts), default=0)
+    for name, v in per_section.items():
+        out.append(f"  {f'+{v[0]} -{v[1]}':<{width}}  {name}")
+        out += [f"      {f'+{c[0]} -{c[1]}':<{width}}  {place}" for place, c in per_place.get(name, {}).items()]
     return "\n".join(out) + "\n"
 
 
@@ -232,9 +294,35 @@ def config_report(old: Path, new: Path) -> str:
     changed = runlogs.config_differences(old_log, new_log)
     rules = sorted({runlogs.rule_of(old_log), runlogs.rule_of(new_log)})
     head = f"config {old_label} -> {new_label} (compared: {'; '.join(rules)})"
+    names = name_lines(old_log, new_log)
     if not changed:
-        return f"{head}: no difference\n"
-    return "\n".join([f"{head}:"] + [f"  {k}: {a} -> {b}" for k, (a, b) in changed.items()]) + "\n"
+        return "\n".join([f"{head}: no difference"] + names) + "\n"
+    return "\n".join([f"{head}:"] + names + [f"  {k}: {a} -> {b}" for k, (a, b) in changed.items()]) + "\n"
+
+
+def _name(log: runlogs.RunLog, field: str) -> str | None:
+    """A name field's logged value without its quotes ('bulk' -> bulk), None when not logged."""
+    value = log.config.get(field)
+    if value is None:
+        return None
+    try:
+        return str(ast.literal_eval(value))
+    except (ValueError, SyntaxError):
+        return value
+
+
+def name_lines(old: runlogs.RunLog, new: runlogs.RunLog) -> list[str]:
+    """Which recipe each side ran (and the presets, when they differ): bookkeeping fields, so not in
+    the experiment comparison, but what a diff of two recipes is about. Nothing for fields neither
+    log has."""
+    out = []
+    for field in ("recipe", "preset"):
+        a, b = _name(old, field), _name(new, field)
+        if a is None and b is None or (a == b and field != "recipe"):
+            continue
+        missing = "(not logged)"
+        out.append(f"  {field}: {a} (both)" if a == b else f"  {field}: {a or missing} -> {b or missing}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

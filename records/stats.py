@@ -27,6 +27,10 @@ Exit status:
   1  the claim does not hold (including: fewer than 2 runs, so no t-test)
   2  unusable input (missing path, no finished run, a bad flag or --values entry), or logs of
      more than one experiment without --group or --pool
+  3  no verdict: the runs are not medium-track record runs, so no claim can hold (the logs show
+     CPU, non-medium-preset or synthetic-data runs, whatever --target; every run far below 2.92
+     against 2.92; --time-vs NAME for runs that record is not compared with; --time-vs PATH whose
+     runs are such runs). The figures are printed; the verdict line says why
 """
 
 import argparse
@@ -313,6 +317,8 @@ class TimeReference:
     label: str
     seconds: float | None = None
     times: list[float] | None = None
+    record: str | None = None  # the published medium-track record's name, when it is one
+    not_record_kind: str | None = None  # why the reference runs (a PATH) are not medium-track runs
 
 
 def time_test(times: list[float], ref: TimeReference, alpha: float) -> dict:
@@ -363,21 +369,62 @@ def target_hint(losses: list[float], target: float) -> str | None:
 def published_reference(record: published.PublishedRecord) -> TimeReference:
     """A published record as a time reference: its per-run times (Welch), or where fewer than two
     are published its mean, as a number (one-sample: Welch needs two runs on each side)."""
+    name = record.recipe or record.name
     if record.train_time_s is not None and len(record.train_time_s) >= 2:
-        return TimeReference(f"{record.label}, published, {len(record.train_time_s)} runs", times=list(record.train_time_s))
-    return TimeReference(f"{record.label}, published mean of {record.n_times} run{'s' if record.n_times != 1 else ''}", seconds=record.mean_train_time_s)
+        return TimeReference(f"{record.label}, published, {len(record.train_time_s)} runs",
+                             times=list(record.train_time_s), record=name)
+    return TimeReference(f"{record.label}, published mean of {record.n_times} run{'s' if record.n_times != 1 else ''}",
+                         seconds=record.mean_train_time_s, record=name)
+
+
+def not_record_kind(logs: list[RunLog]) -> str | None:
+    """Why these runs are not medium-track record runs, read from their logs (a CPU device, another
+    preset than medium, synthetic data), or None. Upstream logs, which log none of these, pass."""
+    facts = {}
+    for log in logs:
+        preset = log.config.get("preset", "'medium'").strip("'")
+        for fact, on in (("ran on the CPU", log.device == "cpu"), (f"used the {preset} preset", preset != "medium"),
+                         ("trained on synthetic data", log.config.get("synthetic_data") == "True")):
+            if on:
+                facts.setdefault(fact, set()).add(id(log))
+    if not facts:
+        return None
+    n = len(set().union(*facts.values()))
+    return f"{n} of {len(logs)} run(s) {', '.join(facts)} (not medium-track runs)"
 
 
 def not_medium_track(losses: list[float], target: float, logs: list[RunLog] = ()) -> str | None:
     """Why a set of runs is not compared with the published medium-track records, or None when it is:
-    the target must be the medium track's, the runs near it, and none of them a CPU run."""
+    the target must be the medium track's, the runs near it, and none of them a CPU, tiny or synthetic run."""
+    why = not_record_kind(logs)
+    if why:
+        return why
     if target != MEDIUM_TARGET:
         return f"--target {target} is not the medium track's {MEDIUM_TARGET}"
     if target_hint(losses, target):
         return f"the runs are far from the {MEDIUM_TARGET} target (not medium-track runs)"
-    cpu = [log for log in logs if log.device == "cpu" or log.config.get("preset") == "'tiny'"]
-    if cpu:
-        return f"{len(cpu)} run(s) ran on the CPU or with the tiny preset (not medium-track runs)"
+    return None
+
+
+def no_verdict_reason(losses: list[float], target: float, logs: list[RunLog] = (),
+                      time_vs: TimeReference | None = None) -> str | None:
+    """Why a set of runs gets no claim verdict at all, or None. A claim is a medium-track record's:
+    runs the logs show are not medium-track runs (CPU, tiny preset, synthetic data) are never one,
+    whatever --target; neither are runs far below 2.92 tested against it (another track, or synthetic
+    data), nor runs timed against a published record that it would not compare them with, nor runs
+    timed against reference runs that are not medium-track runs."""
+    why = not_record_kind(logs)
+    if why:
+        return why
+    if time_vs is not None and time_vs.not_record_kind:
+        return f"the --time-vs reference {time_vs.label}: {time_vs.not_record_kind}"
+    if target == MEDIUM_TARGET and max(losses) < target - FAR_FROM_TARGET:
+        return (f"every run is far below the {MEDIUM_TARGET} target "
+                "(not medium-track runs: synthetic data, another track?)")
+    if time_vs is not None and time_vs.record is not None:
+        why = not_medium_track(losses, target, logs)
+        if why:
+            return f"--time-vs {time_vs.record} is a medium-track record: {why}"
     return None
 
 
@@ -404,11 +451,22 @@ def analyse(losses: list[float], times: list[float | None], target: float, alpha
            "power": power_estimate(losses, target, alpha), "single_run_below": single_run_chance(losses, target),
            "train_time_s": describe(known_times) if known_times else None, "time_vs": None,
            "hint": target_hint(losses, target), "latest_record": against_latest(losses, known_times, target, alpha, logs)}
+    out["no_verdict"] = no_verdict_reason(losses, target, logs, time_vs)
     if time_vs is not None:
-        out["time_vs"] = time_test(known_times, time_vs, alpha)
-    out["holds"] = out["t_test"]["holds"] and (out["time_vs"] is None or out["time_vs"]["holds"])
-    out["verdict"] = "claim holds" if out["holds"] else "claim does not hold"
+        if out["no_verdict"] and time_vs.record is not None:  # a published record's time is no yardstick for them
+            out["time_vs"] = {"reference": time_vs.label, "level": 1 - alpha, "method": None, "t": None, "p": None,
+                              "df": None, "holds": False, "note": f"not compared: {out['no_verdict']}"}
+        else:
+            out["time_vs"] = time_test(known_times, time_vs, alpha)
+    out["holds"] = (out["no_verdict"] is None and out["t_test"]["holds"]
+                    and (out["time_vs"] is None or out["time_vs"]["holds"]))
+    out["verdict"] = ("no verdict" if out["no_verdict"] else "claim holds" if out["holds"] else "claim does not hold")
     return out
+
+
+def exit_status(a: dict) -> int:
+    """The claim's exit status: 0 holds, 1 does not hold, 3 no verdict (see the module docstring)."""
+    return 0 if a["holds"] else 3 if a["no_verdict"] else 1
 
 
 # -----------------------------------------------------------------------------
@@ -463,11 +521,13 @@ def _time_test_text(tv: dict) -> str:
             f"t={tv['t']:.4f} p={tv['p']:.4g}")
 
 
-def _time_vs_line(tv: dict) -> list[str]:
+def _time_vs_line(tv: dict, verdict: bool = True) -> list[str]:
+    """The time test's lines; its verdict line only when the set gets a verdict at all."""
     if tv["note"]:
-        return [f"time vs {tv['reference']}: not tested: {tv['note']}"]
-    return [f"time vs {tv['reference']} ({_time_test_text(tv)}",
-            f"time verdict: {'faster' if tv['holds'] else 'not shown to be faster'}"]
+        tested = "" if tv["note"].startswith("not compared") else "not tested: "
+        return [f"time vs {tv['reference']}: {tested}{tv['note']}"]
+    return [f"time vs {tv['reference']} ({_time_test_text(tv)}"] + \
+        [f"time verdict: {'faster' if tv['holds'] else 'not shown to be faster'}"] * verdict
 
 
 def _latest_line(lr: dict, time_vs: dict | None) -> str:
@@ -505,10 +565,13 @@ def analysis_lines(a: dict, target: float, alpha: float) -> list[str]:
     if a["train_time_s"]:
         out.append(_describe_line("train_time (s)", a["train_time_s"], ".3f"))
     if a["time_vs"]:
-        out.extend(_time_vs_line(a["time_vs"]))
+        out.extend(_time_vs_line(a["time_vs"], verdict=not a["no_verdict"]))
     if a.get("latest_record"):
         out.append(_latest_line(a["latest_record"], a["time_vs"]))
-    out.append(f"verdict at alpha={alpha}: {a['verdict']}")
+    if a["no_verdict"]:
+        out.append(f"verdict at alpha={alpha}: no verdict: {a['no_verdict']}")
+    else:
+        out.append(f"verdict at alpha={alpha}: {a['verdict']}")
     return out
 
 
@@ -573,7 +636,7 @@ def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
     times = [p.result.train_time_s for p in logs]
     if len(times) < 2:
         raise UnusableInput(f"--time-vs {spec}: Welch's test needs at least 2 finished reference runs, found {len(times)}")
-    return TimeReference(spec, times=times)
+    return TimeReference(spec, times=times, not_record_kind=not_record_kind(logs))
 
 
 def _command_line(args) -> str:
@@ -613,7 +676,8 @@ def _run_claim(args) -> int:
                    "skipped": [{"path": str(p.path), "reason": p.skip_reason} for p in rs.parsed if not p.finished],
                    "warnings": warnings, "duplicates": rs.duplicates, "groups": groups,
                    "pooled": len(rs.groups) > 1 and args.pool, "refused": refusal}
-        claim_keys = ("val_loss", "t_test", "power", "single_run_below", "train_time_s", "time_vs", "latest_record", "hint")
+        claim_keys = ("val_loss", "t_test", "power", "single_run_below", "train_time_s", "time_vs", "latest_record",
+                      "hint", "no_verdict")
         payload.update({k: claim[k] if claim else None for k in claim_keys})
         payload["verdict"] = claim["verdict"] if claim else "refused"
         print(json.dumps(json_safe(payload), indent=2))
@@ -640,7 +704,7 @@ def _run_claim(args) -> int:
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
-    return 0 if claim["holds"] else 1
+    return exit_status(claim)
 
 
 def parse_values(spec: str) -> list[RunResult]:
@@ -697,7 +761,7 @@ def _run_values(args) -> int:
         _print_warnings(warnings)
         print("\n".join([f"values: {args.values} ({len(runs)} run(s))"]
                         + analysis_lines(claim, args.target, args.alpha)))
-    return 0 if claim["holds"] else 1
+    return exit_status(claim)
 
 
 def table_rows(args, time_vs: TimeReference | None) -> list[dict]:
@@ -738,7 +802,8 @@ def _table_cells(row: dict, alpha: float, with_time_test: bool) -> list[str]:
     def num(x, spec):
         return "n/a" if x is None else format(x, spec)
     loss, test, time = row["val_loss"], row["t_test"], row["train_time_s"]
-    verdict = ("holds" if row["holds"] else "does not hold") if test["p"] is not None else "no t-test"
+    verdict = ("no verdict" if row["no_verdict"] else ("holds" if row["holds"] else "does not hold")
+               if test["p"] is not None else "no t-test")
     time_p = [num(row["time_vs"]["p"], ".3g")] if with_time_test else []
     return ([label, str(loss["n"]), num(loss["mean"], ".6f"), num(loss["std"], ".6f"), num(test["p"], ".3g"),
              num(test["upper_bound"], ".6f"), num(time["mean"] if time else None, ".3f")] + time_p + [verdict])

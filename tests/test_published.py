@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from scipy import stats as sps
-from test_records import PASS_LOSSES, TIMES, make_our_set, make_set, run_json
+from test_records import PASS_LOSSES, TIMES, make_our_set, make_set, make_tiny_set, run_json
 
 import train_gpt_medium as tg
 from records import published
@@ -129,6 +129,27 @@ def test_time_vs_an_unknown_name_lists_the_published_ones(tmp_path, capsys):
     assert stats_cli.main([str(make_set(tmp_path / "r", PASS_LOSSES)), "--time-vs", "bulky"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --time-vs bulky: neither") and "x01, snoo" in err and "bulk)" in err
+
+
+def test_time_vs_bulk_gives_tiny_cpu_runs_no_verdict(tmp_path, capsys):
+    """Issue 24.5: tiny CPU runs were `faster` than bulk and the claim held, below `not compared`."""
+    folder = make_tiny_set(tmp_path / "tiny")
+    code, data = run_json(capsys, folder, "--time-vs", "bulk")
+    assert code == 3 and data["verdict"] == "no verdict" and data["time_vs"]["p"] is None
+    assert data["time_vs"]["note"].startswith("not compared: 3 of 3 run(s) ran on the CPU")
+    assert stats_cli.main([str(folder), "--time-vs", "bulk"]) == 3
+    out = capsys.readouterr().out
+    assert "time verdict" not in out and "claim holds" not in out and "verdict at alpha=0.01: no verdict: " in out
+
+
+@pytest.mark.parametrize("losses, argv, why", [
+    ([3.2791, 3.2802, 3.2785], ["--target", "3.28"], "--target 3.28 is not the medium track's 2.92"),
+    ([3.5012, 3.5023, 3.5007], [], "the runs are far from the 2.92 target"),
+])
+def test_time_vs_a_published_record_gives_runs_it_is_not_compared_with_no_verdict(tmp_path, capsys, losses, argv, why):
+    code, data = run_json(capsys, make_set(tmp_path / "r", losses, FAST_TIMES), "--time-vs", "bulk", *argv)
+    assert code == 3 and data["no_verdict"].startswith(f"--time-vs bulk is a medium-track record: {why}")
+    assert data["latest_record"]["not_compared"].startswith(why)
 
 
 # ---------------------------------------------------------------- the latest record in every report

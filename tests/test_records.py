@@ -595,6 +595,62 @@ def test_time_vs_a_slower_claim_fails_even_when_the_loss_passes(tmp_path, capsys
     assert "time verdict: not shown to be faster" in out and "claim does not hold" in out
 
 
+# ---------------------------------------------------------------- runs that get no verdict
+
+TINY_LOSSES = [2.786445, 2.791768, 2.777792]  # `./run.sh --preset tiny --recipe bulk` on a CPU: far below 2.92
+TINY_TIMES = [53.087, 87.685, 81.331]
+
+
+def make_tiny_set(folder, preset="tiny", device="cpu", losses=TINY_LOSSES, times=TINY_TIMES, **config):
+    """Logs in our format of tiny CPU runs: preset, synthetic data and the trainer's device line."""
+    make_our_set(folder, losses, times, preset=preset, synthetic_data=preset == "tiny", **config)
+    for log in folder.glob("*.txt"):
+        log.write_text(log.read_text().replace("step:0/", f"world_size 1, micro-steps per rank 2, device {device}\n"
+                                               "step:0/", 1))
+    return folder
+
+
+@pytest.mark.parametrize("argv", [[], ["--time-vs", "100"], ["--target", "2.8"], ["--target", "2.8", "--alpha", "0.5"]])
+def test_tiny_cpu_runs_get_no_verdict_and_exit_3(tmp_path, capsys, argv):
+    folder = make_tiny_set(tmp_path / "tiny")
+    code, data = run_json(capsys, folder, *argv)
+    assert code == 3 and data["verdict"] == "no verdict"
+    assert "3 of 3 run(s) ran on the CPU, used the tiny preset, trained on synthetic data" in data["no_verdict"]
+    assert data["val_loss"]["n"] == 3 and data["train_time_s"]["n"] == 3  # the figures are kept
+    assert stats_cli.main([str(folder), *argv]) == 3
+    out = capsys.readouterr().out
+    assert "claim holds" not in out and "time verdict" not in out
+    assert out.splitlines()[-1].startswith("verdict at alpha=")
+    assert out.splitlines()[-1].endswith(": no verdict: " + data["no_verdict"])
+
+
+def test_runs_on_the_cpu_get_no_verdict_whatever_the_preset(tmp_path, capsys):
+    code, data = run_json(capsys, make_tiny_set(tmp_path / "r", preset="medium", losses=PASS_LOSSES[:3]))
+    assert code == 3 and data["no_verdict"].startswith("3 of 3 run(s) ran on the CPU (not medium-track runs)")
+
+
+def test_runs_far_below_the_medium_target_get_no_verdict(tmp_path, capsys):
+    code, data = run_json(capsys, make_set(tmp_path / "r", TINY_LOSSES))  # upstream-format logs: no device line
+    assert code == 3 and "far below the 2.92 target" in data["no_verdict"]
+    code, data = run_json(capsys, "--values", ",".join(map(str, TINY_LOSSES)))
+    assert code == 3 and data["verdict"] == "no verdict"
+
+
+def test_time_vs_reference_runs_that_are_not_medium_track_runs_give_no_verdict(tmp_path, capsys):
+    reference = make_tiny_set(tmp_path / "tiny", times=[1500.0, 1510.0, 1505.0])
+    code, data = run_json(capsys, make_set(tmp_path / "r", PASS_LOSSES), "--time-vs", reference)
+    assert code == 3 and data["no_verdict"].startswith(f"the --time-vs reference {reference}: 3 of 3 run(s)")
+    assert data["time_vs"]["p"] is not None  # the test is still reported, without a verdict
+
+
+def test_table_says_no_verdict_for_tiny_runs(tmp_path, capsys):
+    tiny, good = make_tiny_set(tmp_path / "tiny"), make_set(tmp_path / "good", PASS_LOSSES)
+    assert stats_cli.main([str(tiny), str(good), "--table"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith(str(tiny)) and lines[2].endswith("no verdict")
+    assert lines[3].startswith(str(good)) and lines[3].endswith("holds")
+
+
 def test_single_run_prints_its_figures(tmp_path, capsys):
     code = stats_cli.main([str(make_set(tmp_path / "r", [2.9123]))])
     out = capsys.readouterr().out
@@ -757,6 +813,80 @@ def test_diff_stat_counts_added_and_removed_lines_per_section(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "2025-01-01/train_gpt_medium.py -> 2025-02-01/train_gpt_medium.py: 2 line(s) added, 1 removed"
     assert lines[1].split() == ["+2", "-1", "Model"]
+
+
+TRAINER_LIKE = """import torch
+
+# =============================================================================
+# 1. Hyperparameters: the defaults ARE the record recipe
+
+@dataclass
+class Hyperparameters:
+    muon_lr: float = 0.025
+
+# =============================================================================
+# 4. Model
+
+# ---- --attention=fa3: FlashAttention-3's kernel (a sub-banner whose comment never ends)
+
+FA3_KERNEL = "varunneal/flash-attention-3"
+
+
+def flash_attention_3():
+    return FA3_KERNEL
+
+
+# The MLP of every block.
+class MLP(nn.Module):
+    def forward(self, x):
+        return relu(x).square()
+"""
+
+
+def test_diff_stat_finds_the_section_and_the_class_or_def_of_each_change(tmp_path, capsys):
+    """Issue 24.9: Hyperparameters counted under "(top of file)", MLP under the fa3 sub-banner."""
+    new = (TRAINER_LIKE.replace("0.025", "0.03").replace("relu(x).square()", "gelu(x)")
+           .replace("The MLP of", "The MLP in").replace("flash-attention-3", "flash-attention-4"))
+    make_record(tmp_path, "2025-01-01", script=TRAINER_LIKE)
+    record = make_record(tmp_path, "2025-02-01", script=new)
+    assert diff_cli.main([str(record), "--stat"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(None, 2) for line in lines[1:7]] == [
+        ["+1", "-1", "1. Hyperparameters"], ["+1", "-1", "class Hyperparameters"],
+        ["+3", "-3", "4. Model"], ["+1", "-1", "--attention=fa3"], ["+2", "-2", "class MLP"],
+        ["config", "not", "compared: 2025-01-01 has no log; 2025-02-01 has no log"]]
+    assert lines[2].startswith("      ")  # a class/def line is indented under its section
+
+
+def test_diff_sections_of_the_trainer_follow_its_banners_and_classes():
+    """The real script: a Hyperparameters field lies in class Hyperparameters of the Hyperparameters
+    section, the MLP class in the model section (not under the fa3 sub-banner above it)."""
+    lines = (ROOT / "train_gpt_medium.py").read_text().splitlines()
+    sections = diff_cli.line_sections(lines)
+
+    def where(prefix):
+        return sections[next(i for i, line in enumerate(lines) if line.startswith(prefix))]
+    section, place = where("    muon_lr: float")
+    assert "Hyperparameters" in section and place == "class Hyperparameters"
+    section, place = where("class MLP(")
+    assert "Model" in section and place == "class MLP"
+    assert where("def main(")[1] == "def main"
+
+
+def test_diff_names_the_recipe_of_each_side(tmp_path, capsys):
+    """Issue 24.9: recipe is a bookkeeping field, so the comparison of experiment fields left it out."""
+    groups = {**OUR_GROUPS, "recipe": "bookkeeping"}
+    make_our_set(tmp_path / "2025-01-01_X01", PASS_LOSSES[:1], groups=groups, recipe="x01")
+    record = make_our_set(tmp_path / "2025-02-01_Bulk", PASS_LOSSES[:1], groups=groups, recipe="bulk", muon_lr=0.015)
+    assert diff_cli.main([str(record)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(out) if line.startswith("config 2025-01-01_X01/"))
+    assert out[i + 1:] == ["  recipe: x01 -> bulk", "  muon_lr: 0.025 -> 0.015"]
+    same = make_our_set(tmp_path / "2025-03-01_Bulk", PASS_LOSSES[:1], groups=groups, recipe="bulk", muon_lr=0.015,
+                        preset="tiny")
+    assert diff_cli.main([str(same)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-3].endswith(": no difference") and out[-2:] == ["  recipe: bulk (both)", "  preset: medium -> tiny"]
 
 
 def test_diff_shows_the_config_flag_that_changed(tmp_path, capsys):
