@@ -2493,7 +2493,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run the trainer with command-line flags. Exit codes: 0 done, 1 stopped on a non-finite loss,
     2 bad input (flags, data files, checkpoints, output folders; found before training starts),
     3 a checkpoint, the log or the synthetic data could not be written (disk full, permissions):
-    the run stops, a half-written checkpoint is removed, earlier ones stay intact."""
+    the run stops, a half-written checkpoint is removed, earlier ones stay intact; 130 Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -2515,6 +2515,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except WriteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C (torchrun passes it on to every rank): a line, not a traceback
+        if rank == 0:
+            print("interrupted (Ctrl-C): the run stopped; its log and checkpoints so far are kept", file=sys.stderr)
+        return 130
 
 
 def run_training(config: Hyperparameters, rank: int) -> int:

@@ -1,12 +1,15 @@
 """One screen about a batch of runs, and the command that tests its claim (run.sh calls it after RUNS=N).
 
-    python records/summary.py FOLDER [--since EPOCH_SECONDS] [--asked N]
+    python records/summary.py FOLDER [--since EPOCH_SECONDS] [--asked N [--asked-at EPOCH_SECONDS]]
+                                     [--again COMMAND]
 
 Lists the logs in FOLDER (with --since, only those written at or after that time): each run's
 seed, final validation loss and training time, or why it did not finish; then the means, how
 many experiments the runs are (records/runlogs.py's rule), and the exact records/stats.py command
-for the batch. Exit status: 0 (also when nothing finished: the screen says so), 2 when FOLDER is
-not a folder.
+for the batch. A batch continued by a later call of run.sh counts the runs of both: the runs that
+finished before --asked-at add to the --asked ones. With --again, fewer finished runs than asked
+end with `continue: RUNS=<missing> COMMAND`. Exit status: 0 (also when nothing finished: the
+screen says so), 2 when FOLDER is not a folder.
 """
 
 import argparse
@@ -41,15 +44,22 @@ def stats_command(folder: Path, logs: list[runlogs.RunLog]) -> str:
     return shlex.join(["python", "records/stats.py", *targets, *extra])
 
 
-def summary(folder: Path, since: float | None = None, asked: int | None = None) -> str:
+def summary(folder: Path, since: float | None = None, asked: int | None = None, asked_at: float | None = None,
+            again: str | None = None) -> str:
     logs = batch_logs(folder, since)
     done = [log for log in logs if log.finished]
-    head = f"batch: {folder}: {len(done)} finished run(s)" + (f" of {asked} asked" if asked else "")
+    # a continued batch: its runs that finished before this call was made count as asked too
+    before = [log for log in done if asked_at is not None and log.path.stat().st_mtime < asked_at]
+    head = f"batch: {folder}: {len(done)} finished run(s)"
+    if asked:
+        head += f" of {len(before) + asked} asked" + (f" ({len(before)} of them before this call)" if before else "")
     if len(logs) > len(done):
         head += f", {len(logs) - len(done)} unfinished log(s)"
     out = [head]
+    missing = asked - (len(done) - len(before)) if asked else 0
+    go_on = [f"continue: RUNS={missing} {again}"] if again and missing > 0 else []
     if not logs:
-        return "\n".join(out + ["no logs were written (see the errors above)"])
+        return "\n".join(out + ["no logs were written (see the errors above)"] + go_on)
     out.append(f"  {'run':>3}  {'seed':>10}  {'val_loss':>9}  {'train_time':>10}  log")
     for i, log in enumerate(logs, start=1):
         seed = log.seed if log.seed is not None else "?"
@@ -69,22 +79,28 @@ def summary(folder: Path, since: float | None = None, asked: int | None = None) 
             out.append("tiny runs: the statistics are real, but the 2.92 target and the published records "
                        "belong to the medium track")
         out.append(f"next: {stats_command(folder, done)}")
-    return "\n".join(out)
+    return "\n".join(out + go_on)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--since", type=float, help="only logs modified at or after this time (seconds since the epoch)")
-    parser.add_argument("--asked", type=int, help="how many runs the batch asked for")
+    parser.add_argument("--asked", type=int, help="how many runs the batch (this call of run.sh) asked for")
+    parser.add_argument("--asked-at", type=float, help="when they were asked (seconds since the epoch): the "
+                        "batch's runs finished before then count as asked too")
+    parser.add_argument("--again", help="the command that adds runs to the batch, printed with RUNS=<missing> "
+                        "when fewer runs finished than were asked")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code
     if not args.folder.is_dir():
         print(f"error: {args.folder}: not a folder of logs (no run wrote a log there)", file=sys.stderr)
+        if args.again and args.asked:
+            print(f"continue: RUNS={args.asked} {args.again}")
         return 2
-    print(summary(args.folder, args.since, args.asked))
+    print(summary(args.folder, args.since, args.asked, args.asked_at, args.again))
     return 0
 
 
