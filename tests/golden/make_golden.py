@@ -68,9 +68,11 @@ DRY_RUNS = {
     "tiny": ["--preset=tiny"],
     "no_extra_embeds": ["--num_extra_embeds=0"],
     "four_extra_embeds_x00_at_output": ["--num_extra_embeds=4", "--x00_at_output"],
-    "lore_both_sides": ["--lore_input", "--lore_output", "--lore_init=original"],
+    "lore_both_sides": ["--untie_embed_after_step=0", "--lore_input", "--lore_output", "--lore_init=original"],
     "ve_learned_3_tables": ["--ve_mode=learned", "--ve_tables=3"],
     "ve_grouped": ["--ve_mode=grouped", "--value_embed_layout=0,1,2,2,2,-,-,-,-,-,-,0,1,2,2,2"],
+    "no_gated_skips_no_backout": ["--gated_skips=false", "--backout=false"],
+    "untied_from_the_start": ["--untie_embed_after_step=0"],
 }
 TINY_ARGV = ["--preset=tiny", "--seed=0"]
 
