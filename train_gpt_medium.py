@@ -952,6 +952,42 @@ class CautiousAdam(torch.optim.Optimizer):
 # =============================================================================
 # 4. Model
 
+# ---- parameters: each says where it belongs where it is made (declare). Its optimizer group,
+# its lr and weight-decay multipliers (both optimizers read them) and how it starts are attributes
+# of the parameter itself: parameter_groups, init_parameters and the accounting read them, so an
+# idea's parameters live in its module and nowhere else.
+
+def declare(p: nn.Parameter, group: str, init, lr_mul: float = 1.0, wd_mul: float = 1.0) -> nn.Parameter:
+    """p with its optimizer group (a name of GROUP_ORDER, or a new one), its multipliers, and
+    `init(shape, generator)` -> its fp32 initial value (drawn from a stream of its own)."""
+    p.group, p.init, p.lr_mul, p.wd_mul = group, init, lr_mul, wd_mul
+    return p
+
+
+def normal(shape, gen, std: float) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * std
+
+
+def uniform(shape, gen, bound: float) -> torch.Tensor:
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+
+
+def zeros(shape, gen) -> torch.Tensor:
+    return torch.zeros(shape)
+
+
+def normal_init(std: float):
+    return lambda shape, gen: normal(shape, gen, std)
+
+
+def uniform_init(bound: float):
+    return lambda shape, gen: uniform(shape, gen, bound)
+
+
+def constant_init(values: list[float]):
+    return lambda shape, gen: torch.tensor(values, dtype=torch.float32).view(shape)
+
+
 # With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
 # logits of 8192 tokens x 50304 are 1.6 GB instead of 13 GB for a 65,536-token sequence.
 LOSS_CHUNK_TOKENS = 8192
@@ -1215,14 +1251,10 @@ class Gate(nn.Module):
     """A gate's pre-activation: (..., outputs) = G x[..., :16], G (outputs, 16) zero at the start,
     stored in the model dtype. Callers apply the sigmoid and their scale."""
 
-    def __init__(self, outputs: int, dtype: torch.dtype, lr_mul: float, wd_mul: float):
+    def __init__(self, outputs: int, dtype: torch.dtype, lr_mul: float, wd_mul: float, group: str = "muon_gates"):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(outputs, GATE_INPUTS, dtype=dtype))
-        self.param_multipliers = dict(weight=(lr_mul, wd_mul))
-        set_multipliers(self)
-
-    def initial_value(self, name, shape, gen):
-        return torch.zeros(shape)
+        self.weight = declare(nn.Parameter(torch.empty(outputs, GATE_INPUTS, dtype=dtype)), group, zeros,
+                              lr_mul, wd_mul)
 
     def forward(self, x):
         return F.linear(x[..., :GATE_INPUTS], self.weight.type_as(x))
@@ -1243,14 +1275,15 @@ class Attention(nn.Module):
         self.rotate = apply_rotary_in_dtype if config.rotary_bf16 else apply_rotary
         # q, k, v, o merged, (4, attn_dim, model_dim); o is stored as the record stores it (rows are
         # output features: y @ o^T). Muon orthogonalizes the four matrices separately
-        self.qkvo_w = nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
-                                               dtype=torch.float32 if config.fp32_block_weights else dtype))
+        self.qkvo_w = declare(nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
+                                                       dtype=torch.float32 if config.fp32_block_weights else dtype)),
+                              "muon_attn", self.initial_qkvo)
         # gates: group muon_gates, lr multiplier 0.1, zero init
         self.output_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if config.attn_output_gate else None
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if gated_ve else None
 
-    def initial_value(self, name, shape, gen):
+    def initial_qkvo(self, shape, gen):
         value = uniform(shape, gen, 3**0.5 * self.qkv_init_std / shape[-1] ** 0.5)  # std qkv_init_std/sqrt(fan_in)
         value[3] = 0  # the output projection starts at zero
         return value
@@ -1283,19 +1316,15 @@ class MLP(nn.Module):
         super().__init__()
         hidden = config.mlp_ratio * config.model_dim
         dtype = torch.float32 if config.fp32_block_weights else dtype  # --fp32_block_weights: the master itself
-        self.fc_w = nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype))
+        wd_mul = config.mlp_weight_decay_mul
+        self.fc_w = declare(nn.Parameter(torch.empty(hidden, config.model_dim, dtype=dtype)), "muon_mlp",
+                            uniform_init(3**0.5 * 0.5 / config.model_dim**0.5), wd_mul=wd_mul)  # std 0.5/sqrt(fan_in)
         # --mlp_proj_transposed stores the output weight as the record does, (hidden, model_dim)
-        # like fc_w, which is the shape its optimizer sees; lr multiplier 2
+        # like fc_w, which is the shape its optimizer sees; lr multiplier 2. It starts at zero
         self.transposed = config.mlp_proj_transposed
         proj_shape = (hidden, config.model_dim) if self.transposed else (config.model_dim, hidden)
-        self.proj_w = nn.Parameter(torch.empty(*proj_shape, dtype=dtype))
-        self.param_multipliers = dict(proj_w=(2.0, 1.0)) if self.transposed else {}
-        set_multipliers(self)
-
-    def initial_value(self, name, shape, gen):
-        if name == "fc_w":
-            return uniform(shape, gen, 3**0.5 * 0.5 / shape[-1] ** 0.5)
-        return torch.zeros(shape)  # proj starts at zero
+        self.proj_w = declare(nn.Parameter(torch.empty(*proj_shape, dtype=dtype)), "muon_mlp", zeros,
+                              lr_mul=2.0 if self.transposed else 1.0, wd_mul=wd_mul)
 
     def forward(self, x):
         if self.transposed:
@@ -1333,15 +1362,14 @@ class Block(nn.Module):
 class LowRankEmbedding(nn.Module):
     """LoRE, input side (--lore_input): a V x r table followed by an r -> d projection."""
 
-    def __init__(self, vocab_size: int, rank: int, dim: int, init: str, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, rank: int, dim: int, init: str, dtype: torch.dtype,
+                 lr_mul: float = 1.0, wd_mul: float = 1.0):
         super().__init__()
-        self.init = init
         self.table = nn.Embedding(vocab_size, rank, dtype=dtype)
-        self.proj = nn.Parameter(torch.empty(dim, rank, dtype=dtype))  # Linear(r -> d) weight
-
-    def initial_value(self, name, shape, gen):
-        rank = shape[1]  # proj: fan_in r. `original` and `corrected` both draw it N(0, 1/r)
-        return normal(shape, gen, rank**-0.5) if self.init != "none" else uniform(shape, gen, rank**-0.5)
+        declare(self.table.weight, "embed", normal_init(1.0), lr_mul, wd_mul)
+        # Linear(r -> d) weight, fan_in r: `original` and `corrected` both draw it N(0, 1/r)
+        self.proj = declare(nn.Parameter(torch.empty(dim, rank, dtype=dtype)), "muon_lore",
+                            normal_init(rank**-0.5) if init != "none" else uniform_init(rank**-0.5))
 
     def forward(self, ids):
         return F.linear(self.table(ids), self.proj)
@@ -1352,13 +1380,11 @@ class Head(nn.Module):
     With --untie_embed_after_step it doubles as the input embedding until the split: then it is
     stored in the model dtype (it is looked up as a table) and starts N(0, 0.005^2)."""
 
-    def __init__(self, dim: int, padded_vocab: int, dtype: torch.dtype = torch.float32, init_std: float = 0.0):
+    def __init__(self, dim: int, padded_vocab: int, dtype: torch.dtype = torch.float32, init_std: float = 0.0,
+                 wd_mul: float = 1.0):
         super().__init__()
-        self.init_std = init_std
-        self.weight = nn.Parameter(torch.empty(padded_vocab, dim, dtype=dtype))
-
-    def initial_value(self, name, shape, gen):
-        return normal(shape, gen, self.init_std) if self.init_std else torch.zeros(shape)
+        self.weight = declare(nn.Parameter(torch.empty(padded_vocab, dim, dtype=dtype)), "head",
+                              normal_init(init_std) if init_std else zeros, wd_mul=wd_mul)
 
     def forward(self, x):
         return F.linear(x, self.weight.to(x.dtype))
@@ -1369,16 +1395,17 @@ class LowRankHead(nn.Module):
     Only `up` carries the vocabulary padding. Both factors start random (the --lore_init modes):
     two zero factors would never receive a gradient."""
 
-    def __init__(self, dim: int, rank: int, padded_vocab: int, init: str):
+    def __init__(self, dim: int, rank: int, padded_vocab: int, init: str, wd_mul: float = 1.0):
         super().__init__()
-        self.init = init
-        self.down = nn.Parameter(torch.empty(rank, dim, dtype=torch.float32))  # Linear(d -> r) weight
-        self.up = nn.Parameter(torch.empty(padded_vocab, rank, dtype=torch.float32))  # Linear(r -> V) weight
-
-    def initial_value(self, name, shape, gen):
-        fan_in, rank = shape[1], min(shape)
-        gaussian = (self.init, name) in {("original", "down"), ("corrected", "up")}
-        return normal(shape, gen, rank**-0.5) if gaussian else uniform(shape, gen, fan_in**-0.5)
+        # `original` draws down N(0, 1/r), `corrected` up; the other factor (both with `none`) is
+        # PyTorch's Linear default, uniform with bound 1/sqrt(fan_in)
+        factor_init = lambda name, fan_in: (normal_init(rank**-0.5) if (init, name) in {("original", "down"),
+                                                                                      ("corrected", "up")}
+                                            else uniform_init(fan_in**-0.5))
+        self.down = declare(nn.Parameter(torch.empty(rank, dim, dtype=torch.float32)), "muon_lore",
+                            factor_init("down", dim))  # Linear(d -> r) weight
+        self.up = declare(nn.Parameter(torch.empty(padded_vocab, rank, dtype=torch.float32)), "head",
+                          factor_init("up", rank), wd_mul=wd_mul)  # Linear(r -> V) weight: the head's table
 
     def forward(self, x):
         return F.linear(F.linear(x, self.down.to(x.dtype)), self.up.to(x.dtype))
@@ -1400,16 +1427,21 @@ class ValueEmbeddings(nn.Module):
         self.layout = config.value_embed_tables  # table per layer or None
         self.tables = nn.ModuleList(nn.Embedding(config.table_rows, config.model_dim, dtype=dtype)
                                     for _ in range(config.num_value_embeds))
+        # --value_embed_zero_init: zeros (the record), else N(0, 1); --table_multipliers: lr x75, wd x5
+        lr_mul, wd_mul = (75.0, 5.0) if config.table_multipliers else (1.0, 1.0)
+        for table in self.tables:
+            declare(table.weight, "value_embed", zeros if config.value_embed_zero_init else normal_init(1.0),
+                    lr_mul, wd_mul)
         coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
         if config.ve_mode == "learned":
-            self.coeffs = nn.Parameter(coeffs)
+            self.coeffs = declare(nn.Parameter(coeffs), "ve_coeff", lambda shape, gen: self.initial_coeffs())
         elif config.ve_mode == "frozen":
             self.register_buffer("coeffs", coeffs)
         else:
             self.coeffs = None
 
-    def initial_value(self, name="coeffs", shape=None, gen=None) -> torch.Tensor:
-        """The coefficients (deterministic, so `gen` is unused). canonical: the first K sites
+    def initial_coeffs(self) -> torch.Tensor:
+        """The coefficients (deterministic). canonical: the first K sites
         one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot of the layout's table. Rows of
         layers without a value embedding are zero (unused)."""
         L, K = self.config.num_layers, self.config.num_value_embeds
@@ -1449,11 +1481,8 @@ class Backout(nn.Module):
     def __init__(self, layer: int):
         super().__init__()
         self.layer = layer
-        self.weight = nn.Parameter(torch.empty(1, dtype=torch.float32))
-        self.weight.lr_mul, self.weight.wd_mul = 5.0, 0.0
-
-    def initial_value(self, name, shape, gen):
-        return torch.tensor([0.5])
+        self.weight = declare(nn.Parameter(torch.empty(1, dtype=torch.float32)), "scalar", constant_init([0.5]),
+                              lr_mul=5.0, wd_mul=0.0)
 
     def forward(self, h: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:  # (T, d) each
         return rms_norm(h - self.weight[0] * h_b)
@@ -1527,52 +1556,54 @@ class GPT(nn.Module):
         V, d, L = config.table_rows, config.model_dim, config.num_layers
         r = config.lore_rank
         self.embeds = nn.ModuleList(
-            LowRankEmbedding(V, r, d, config.lore_init, dtype) if config.lore_input else nn.Embedding(V, d, dtype=dtype)
-            for _ in range(1 + config.num_extra_embeds))
+            LowRankEmbedding(V, r, d, config.lore_init, dtype, *self.embed_multipliers(i)) if config.lore_input
+            else nn.Embedding(V, d, dtype=dtype) for i in range(1 + config.num_extra_embeds))
+        for i, embed in enumerate(self.embeds):
+            if not config.lore_input:
+                declare(embed.weight, "embed", normal_init(1.0), *self.embed_multipliers(i))
         self.value_embeds = ValueEmbeddings(config, dtype)
         self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
         self.blocks = nn.ModuleList(Block(config, i, dtype) for i in range(L))
         # --untie_embed_after_step: the head is also the input table until the split, so it is
         # stored in the model dtype and starts N(0, 0.005^2); untied from the start, fp32 and zero
         tied = untie_step(config) > 0
-        self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init) if config.lore_output
-                     else Head(d, config.padded_vocab_size, dtype, init_std=0.005) if tied
-                     else Head(d, config.padded_vocab_size))
-        # one fp32 vector of named slots (scalar_layout): residual weights, attention lambdas, ...
+        head_wd_mul = 150.0 if config.table_multipliers else 1.0
+        self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init, head_wd_mul) if config.lore_output
+                     else Head(d, config.padded_vocab_size, dtype, init_std=0.005, wd_mul=head_wd_mul) if tied
+                     else Head(d, config.padded_vocab_size, wd_mul=head_wd_mul))
+        # one fp32 vector of named slots (scalar_layout): residual weights, attention lambdas, ...;
+        # --table_multipliers: lr x5, no weight decay
         self.scalar_layout = scalar_layout(config)
-        self.scalars = nn.Parameter(torch.empty(sum(len(v) for _, v in self.scalar_layout), dtype=torch.float32))
-        # per layer the weights of x00, x01, ... at the block's input (L x (1 + extra)); Adam group
-        # x0_lambdas, lr multiplier 5, no weight decay, zero at the start
-        self.x0_lambdas = nn.Parameter(torch.empty(L * (1 + config.num_extra_embeds), dtype=torch.float32))
-        self.param_multipliers = dict(x0_lambdas=(5.0, 0.0))
-        # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream)
-        self.output_mix = nn.Parameter(torch.empty(2, dtype=torch.float32)) if config.x00_at_output else None
+        self.scalars = declare(nn.Parameter(torch.empty(sum(len(v) for _, v in self.scalar_layout),
+                                                        dtype=torch.float32)),
+                               "scalar", constant_init([v for _, values in self.scalar_layout for v in values]),
+                               *((5.0, 0.0) if config.table_multipliers else (1.0, 1.0)))
+        # per layer the weights of x00, x01, ... at the block's input (L x (1 + extra)); lr multiplier
+        # 5, no weight decay, zero at the start
+        self.x0_lambdas = declare(nn.Parameter(torch.empty(L * (1 + config.num_extra_embeds), dtype=torch.float32)),
+                                  "x0_lambdas", zeros, lr_mul=5.0, wd_mul=0.0)
+        # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream), starting as the
+        # record (x00 weighted 0)
+        self.output_mix = (declare(nn.Parameter(torch.empty(2, dtype=torch.float32)), "scalar",
+                                   constant_init([1.0, 0.0])) if config.x00_at_output else None)
         self.backout = Backout(config.backout_layer) if config.backout else None
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
-        self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) if config.smear_embed else None
-        self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0) for _ in config.skip_connections)
-                           if config.gated_skips else None)
+        self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates") if config.smear_embed else None
+        self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates")
+                                         for _ in config.skip_connections) if config.gated_skips else None)
         self.skip_index = {target: j for j, (target, _) in enumerate(config.skip_connections)}
         # rotary tables and the attention scale as buffers, rewritten in place by YaRN
         self.rotary = RotaryTables(config)
         # a Python flag: embeds[0] gets no gradient at all until the split; a compiled model
         # compiles each state once
         self.embed_tied = tied
-        if config.table_multipliers:  # the record's (lr_mul, wd_mul) per table
-            self.head.param_multipliers = dict(weight=(1.0, 150.0))
-            for i, embed in enumerate(self.embeds):  # x00's table as the head (it becomes its copy), the rest x75
-                embed.param_multipliers = dict(weight=(1.0, 150.0) if i == 0 else (75.0, 5.0))
-            for table in self.value_embeds.tables:
-                table.param_multipliers = dict(weight=(75.0, 5.0))
-            self.param_multipliers["scalars"] = (5.0, 0.0)
-        set_multipliers(self)
 
-    def initial_value(self, name, shape, gen):
-        if name == "output_mix":
-            return torch.tensor([1.0, 0.0])  # starts as the record: x00 weighted 0
-        if name == "x0_lambdas":
-            return torch.zeros(shape)
-        return torch.tensor([v for _, values in self.scalar_layout for v in values], dtype=torch.float32)
+    def embed_multipliers(self, i: int) -> tuple[float, float]:
+        """--table_multipliers: x00's table as the head (it becomes its copy), lr x1 wd x150; the
+        others lr x75 wd x5."""
+        if not self.config.table_multipliers:
+            return 1.0, 1.0
+        return (1.0, 150.0) if i == 0 else (75.0, 5.0)
 
     def scalar_slots(self) -> dict[str, torch.Tensor]:
         """Views of the scalar vector by slot name (scalar_layout)."""
@@ -1698,14 +1729,6 @@ class GPT(nn.Module):
 
 # ---- initialization: one random stream per parameter (matched init across configurations)
 
-def normal(shape, gen, std: float) -> torch.Tensor:
-    return torch.randn(shape, generator=gen) * std
-
-
-def uniform(shape, gen, bound: float) -> torch.Tensor:
-    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
-
-
 def _param_generator(seed: int, name: str) -> torch.Generator:
     """A random stream of its own for each parameter: adding or removing other modules never
     changes this parameter's initial values (matched initialization across configurations)."""
@@ -1713,30 +1736,14 @@ def _param_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def set_multipliers(model: nn.Module) -> None:
-    """The lr_mul / wd_mul attributes the record's optimizers read on each parameter (absent:
-    1), from its module's `param_multipliers` {name: (lr_mul, wd_mul)}; set again whenever the
-    parameters are made anew (to_empty)."""
-    for module in model.modules():
-        for name, (lr_mul, wd_mul) in getattr(module, "param_multipliers", {}).items():
-            p = getattr(module, name)
-            p.lr_mul, p.wd_mul = lr_mul, wd_mul
-
-
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> None:
-    """The record's init and the seed ideas': each module says how its parameters start (`initial_value`); values are
-    drawn in fp32 on the CPU from per-parameter streams, then cast and copied."""
-    for module_name, module in model.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            gen = _param_generator(seed, f"{module_name}.{name}".lstrip("."))
-            if isinstance(module, nn.Embedding):
-                zero = model.config.value_embed_zero_init and module_name.startswith("value_embeds.")
-                p.copy_(torch.zeros(p.shape) if zero else normal(p.shape, gen, 1.0))
-            else:
-                p.copy_(module.initial_value(name, p.shape, gen))
-    if model.value_embeds.coeffs is not None:
-        model.value_embeds.coeffs.copy_(model.value_embeds.initial_value())  # a buffer when frozen
+    """Every parameter starts as it declared (`declare`): drawn in fp32 on the CPU from the stream of
+    its name, then cast and copied. The frozen value-embedding coefficients are a buffer."""
+    for name, p in model.named_parameters():
+        p.copy_(p.init(p.shape, _param_generator(seed, name)))
+    if model.value_embeds.coeffs is not None and not isinstance(model.value_embeds.coeffs, nn.Parameter):
+        model.value_embeds.coeffs.copy_(model.value_embeds.initial_coeffs())
     model.rotary.changes = None
     model.rotary.set_changes(())  # the base tables
 
@@ -1763,33 +1770,20 @@ def build_model(config: Hyperparameters, device="cpu") -> GPT:
     return model
 
 
+# The optimizer groups in the order the accounting lists them. Adam: head, tables, coefficients,
+# scalars, x0 weights, small gates; Muon: the matrices in the blocks, LoRE's small dense factors,
+# the heads' gates. A new idea may declare a group of its own (it follows these).
+GROUP_ORDER = ("head", "embed", "value_embed", "ve_coeff", "scalar", "muon_attn", "muon_mlp", "muon_lore",
+               "x0_lambdas", "gates", "muon_gates")
+
+
 def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
-    """Every parameter in exactly one optimizer group, by name (groups with nothing are left out).
-    LoRE: tables join the embeddings, the head's up factor the head; the small dense factors
-    (input r -> d projections, the head's d -> r) are matrices for Muon."""
-    head = model.head
-    groups = {
-        "head": [head.up if isinstance(head, LowRankHead) else head.weight],
-        "embed": [e.table.weight if isinstance(e, LowRankEmbedding) else e.weight for e in model.embeds],
-        "value_embed": list(model.value_embeds.tables.parameters()),
-        "ve_coeff": [p for p in [model.value_embeds.coeffs] if isinstance(p, nn.Parameter)],
-        "scalar": [p for p in (model.scalars, model.output_mix) if p is not None]
-                  + ([model.backout.weight] if model.backout is not None else []),
-        "muon_attn": [b.attn.qkvo_w for b in model.blocks if b.attn is not None],
-        "muon_mlp": [p for b in model.blocks for p in b.mlp.parameters()],
-        "muon_lore": [e.proj for e in model.embeds if isinstance(e, LowRankEmbedding)]
-                     + ([head.down] if isinstance(head, LowRankHead) else []),
-        # the input embeddings' weights at each block, the (1, 16) gates of the smear and the skips
-        # (Adam), the heads' (H, 16) gates (Muon)
-        "x0_lambdas": [model.x0_lambdas],
-        "gates": ([model.smear_gate.weight] if model.smear_gate is not None else [])
-                 + ([g.weight for g in model.skip_gates] if model.skip_gates is not None else []),
-        "muon_gates": [g.weight for b in model.blocks if b.attn is not None
-                       for g in (b.attn.output_gate, b.attn.value_gate) if g is not None],
-    }
-    groups = {name: ps for name, ps in groups.items() if ps}
-    assert sum(len(ps) for ps in groups.values()) == len(list(model.parameters()))
-    return groups
+    """Every parameter in the optimizer group it declared, in GROUP_ORDER (groups with nothing are
+    left out), each group's parameters in the model's order."""
+    groups: dict[str, list[nn.Parameter]] = {name: [] for name in GROUP_ORDER}
+    for p in model.parameters():
+        groups.setdefault(p.group, []).append(p)
+    return {name: ps for name, ps in groups.items() if ps}
 
 
 # =============================================================================
@@ -2083,9 +2077,10 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     adam_groups = [dict(params=groups[name], lr=lr, name=name, betas=scalar_betas if name == "scalar" else betas)
                    for name, lr in adam_lrs.items() if name in groups]
     adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay)
-    wd_muls = dict(muon_mlp=cfg.mlp_weight_decay_mul)
-    muon_groups = [dict(params=groups[name], name=name, wd_mul=wd_muls.get(name, 1.0), **MUON_GROUP_OPTIONS.get(name, {}))
-                   for name in ("muon_attn", "muon_mlp", "muon_lore", "muon_gates") if name in groups]
+    unassigned = set(groups) - set(adam_lrs) - {name for name in groups if name.startswith("muon")}
+    assert not unassigned, f"parameter groups {unassigned} have no optimizer: give them an Adam lr or a muon_ name"
+    muon_groups = [dict(params=ps, name=name, **MUON_GROUP_OPTIONS.get(name, {}))
+                   for name, ps in groups.items() if name.startswith("muon")]
     muon_args = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                      rank=rank, world_size=world_size, compile_update=compile_muon)
     muon = Muon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
