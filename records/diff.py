@@ -1,6 +1,9 @@
-"""The change a record makes: its training script and its config against its predecessor's.
+"""The change a record makes: its training script and its config against its predecessor's; the
+change between two scripts; the values two recipes of one trainer set differently.
 
     python records/diff.py RECORD [OTHER] [--nearest] [--stat]
+    python records/diff.py OLD.py NEW.py [--stat] [--preset NAME]
+    python records/diff.py --recipes A B [--trainer SCRIPT] [--preset NAME]
 
 RECORD is a record folder named `YYYY-MM-DD`, `YYYY-MM-DD_Name` or `YYYY-MM-DD-Name`. Without
 OTHER the comparison is with the record folder just before it among its siblings (date order, ties
@@ -16,13 +19,29 @@ experiment (records/runlogs.py: the groups the logs name as experiment-defining,
 names or output folders) and differ: a record may change flags alone, a recipe is a change of
 flags. A warning on stderr names a folder that holds more than one distinct script and says
 which one was compared.
+
+Two .py files (OLD first, the older one): their unified diff (or --stat), then, when both are
+trainers (each defines make_config), the fields of their default configs (`make_config()`, or
+`make_config(PRESET)`) that differ: `field: old -> new`, or `field: only in old (value)` for a field
+one script does not have. Both scripts are imported for that (a trainer's import has no side
+effects). `x01_lineage/train_gpt_medium.py train_gpt_medium.py` is the x01 -> bulk change as code
+and as values.
+
+--recipes A B: the fields whose values differ between `make_config(PRESET, recipe=A)` and
+`make_config(PRESET, recipe=B)` of the live trainer (or of --trainer SCRIPT, a frozen one), the
+recipe field itself left out: what recipe B sets differently from recipe A.
+
 Exit status: 0 with the comparison printed (an empty diff if the scripts are equal), 2 when there
-is no predecessor or no script to compare.
+is no predecessor or no script to compare, a file is missing, or a trainer refuses a recipe or
+preset (its own message).
 """
 
 import argparse
 import ast
+import dataclasses
 import difflib
+import hashlib
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -33,10 +52,15 @@ if __name__ == "__main__":  # run as a script: the repository root instead of re
 from records import runlogs  # noqa: E402
 
 SCRIPT_NAME = "train_gpt_medium.py"
+LIVE_TRAINER = Path(__file__).resolve().parents[1] / SCRIPT_NAME
 
 
 class DiffError(Exception):
     """Nothing to diff: no predecessor, or no script in a folder."""
+
+
+class TrainerImportError(DiffError):
+    """A trainer script could not be imported to read its config (no torch, a broken script)."""
 
 
 # -----------------------------------------------------------------------------
@@ -325,19 +349,159 @@ def name_lines(old: runlogs.RunLog, new: runlogs.RunLog) -> list[str]:
     return out
 
 
+# -----------------------------------------------------------------------------
+# Configs by value: a trainer's make_config, imported (two scripts' defaults, two recipes of one)
+
+def load_trainer(path: Path):
+    """The trainer module at `path`, imported once per session. The live script is train_gpt_medium
+    (the module its tests patch); any other is imported under a name of its own, <its folder>_trainer
+    (as tests/golden/make_golden.py names the frozen one), with a digest of its path added when that
+    name is taken by another file, so that two scripts of one name never stand in for each other."""
+    path = Path(path).resolve()
+    name = "train_gpt_medium" if path == LIVE_TRAINER else f"{path.parent.name}_trainer"
+    for candidate in (name, f"{name}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"):
+        module = sys.modules.get(candidate)
+        if module is None:
+            break
+        if Path(getattr(module, "__file__", "") or "").resolve() == path:
+            return module
+    spec = importlib.util.spec_from_file_location(candidate, path)
+    if spec is None:  # no loader for the suffix
+        raise DiffError(f"{path} is not a .py script: a trainer is a train_gpt_medium.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[candidate] = module  # before running it: dataclasses look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        del sys.modules[candidate]
+        raise TrainerImportError(f"{path} cannot be imported to read its config ({type(e).__name__}: {e})") from None
+    if not callable(getattr(module, "make_config", None)):
+        raise DiffError(f"{path} has no make_config: not a trainer script")
+    return module
+
+
+def defines_make_config(text: str) -> bool:
+    """Whether a script's source defines make_config at its top level (a trainer), read without importing it."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.FunctionDef) and node.name == "make_config" for node in tree.body)
+
+
+def config_values(trainer, preset: str | None, **recipe) -> dict:
+    """{field: value} of trainer.make_config(preset, recipe=...), the trainer's own defaults where
+    not given. A ConfigError (unknown recipe or preset) becomes a DiffError with the trainer's message."""
+    try:
+        config = trainer.make_config(*([preset] if preset is not None else []), **recipe)
+    except (ValueError, TypeError) as e:  # the trainers' ConfigError is a ValueError
+        raise DiffError(str(e)) from None
+    return dataclasses.asdict(config)
+
+
+def _as_typed(trainer):
+    """A function giving a value as one would type it (the trainer's to_text); "(empty)" for an empty tuple."""
+    to_text = getattr(trainer, "to_text", repr)
+    return lambda value: to_text(value) or "(empty)"
+
+
+def value_differences(trainer_a, a: dict, trainer_b, b: dict, skip: tuple = ()) -> list[str]:
+    """`  field: a -> b` for each field in both whose values differ (the recipe first, then in a's
+    field order), then `  field: only in old (a)` and `  field: only in new (b)`; values as one would
+    type them, fields in `skip` left out."""
+    text_a, text_b = _as_typed(trainer_a), _as_typed(trainer_b)
+    a = {k: a[k] for k in sorted(a, key=lambda k: k != "recipe")}  # which recipe each side is, before its values
+    both = [f"  {k}: {text_a(a[k])} -> {text_b(b[k])}" for k in a if k in b and a[k] != b[k] and k not in skip]
+    return (both + [f"  {k}: only in old ({text_a(a[k])})" for k in a if k not in b and k not in skip]
+            + [f"  {k}: only in new ({text_b(b[k])})" for k in b if k not in a and k not in skip])
+
+
+def script_config_report(old: Path, new: Path, preset: str | None) -> str:
+    """The config section for two scripts: the fields of their default configs that differ, when
+    both are trainers; else why not."""
+    others = [str(p) for p in (old, new) if not defines_make_config(Path(p).read_text(encoding="utf-8"))]
+    if others:
+        verb = "defines" if len(others) == 1 else "define"
+        return f"config not compared: {' and '.join(others)} {verb} no make_config (not a trainer)\n"
+    try:
+        trainer_a, trainer_b = load_trainer(old), load_trainer(new)
+    except TrainerImportError as e:  # the diff above still stands
+        return f"config not compared: {e}\n"
+    a, b = config_values(trainer_a, preset), config_values(trainer_b, preset)
+    call = "make_config()" if preset is None else f"make_config({preset!r})"
+    head = f"config {old} -> {new} ({call}: each script's defaults)"
+    lines = value_differences(trainer_a, a, trainer_b, b)
+    return "\n".join([f"{head}:" if lines else f"{head}: no difference"] + lines) + "\n"
+
+
+def recipes_report(trainer_path: Path | None, recipe_a: str, recipe_b: str, preset: str | None) -> str:
+    """The fields whose values differ between two recipes of one trainer (the recipe field left out)."""
+    trainer = load_trainer(trainer_path or LIVE_TRAINER)
+    try:
+        a = config_values(trainer, preset, recipe=recipe_a)
+        b = config_values(trainer, preset, recipe=recipe_b)
+    except DiffError as e:
+        frozen = getattr(trainer, "FROZEN_SCRIPT", None)
+        if frozen and {recipe_a, recipe_b} & set(getattr(trainer, "FROZEN_RECIPES", ())):
+            raise DiffError(f"{e}; here: --trainer {frozen} --recipes {recipe_a} {recipe_b}") from None
+        raise
+    label = str(trainer_path) if trainer_path is not None else SCRIPT_NAME
+    head = f"recipes {recipe_a} -> {recipe_b} of {label} (make_config({(preset or 'medium')!r}, recipe=...))"
+    lines = value_differences(trainer, a, trainer, b, skip=("recipe",))
+    return "\n".join([f"{head}:" if lines else f"{head}: no difference"] + lines) + "\n"
+
+
+def _need_file(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise DiffError(f"no such file: {path} ({what})")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 comparison printed, 2 nothing to compare)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("record", type=Path, help="the record folder")
-    parser.add_argument("other", type=Path, nargs="?", help="record folder or .py file (default: the predecessor)")
+    parser.add_argument("record", type=Path, nargs="?",
+                        help="the record folder, or the older of two .py scripts (OLD.py NEW.py)")
+    parser.add_argument("other", type=Path, nargs="?",
+                        help="record folder or .py file (default: the predecessor); after OLD.py, the newer script")
     parser.add_argument("--nearest", action="store_true",
                         help="compare with the earlier record whose script differs least, not the previous by date")
     parser.add_argument("--stat", action="store_true", help="print added/removed line counts per section, not the diff")
+    parser.add_argument("--recipes", nargs=2, metavar=("A", "B"),
+                        help="the config values recipe B sets differently from recipe A (of the live trainer)")
+    parser.add_argument("--trainer", type=Path, help="with --recipes: the trainer script whose recipes are compared")
+    parser.add_argument("--preset", help="the preset of the compared configs (two trainers, --recipes); default: "
+                                         "each trainer's own (medium)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage errors exit 2, --help exits 0; return them instead of raising
         return e.code
     try:
+        if args.recipes:
+            if args.record or args.nearest or args.stat:
+                raise DiffError("--recipes A B compares two recipes' values: give it without RECORD, scripts, "
+                                "--nearest or --stat")
+            if args.trainer is not None:
+                _need_file(args.trainer, "--trainer: a train_gpt_medium.py")
+            sys.stdout.write(recipes_report(args.trainer, *args.recipes, args.preset))
+            return 0
+        if args.trainer is not None:
+            raise DiffError("--trainer goes with --recipes A B (two scripts: give them as OLD.py NEW.py)")
+        if args.record is None:
+            raise DiffError("give a record folder, two .py scripts (OLD.py NEW.py) or --recipes A B")
+        if args.record.suffix == ".py":  # two scripts: no logs, so their default configs stand for the config part
+            if args.other is None or args.other.suffix != ".py":
+                raise DiffError(f"{args.record} is a script: give the newer script after it (OLD.py NEW.py)")
+            if args.nearest:
+                raise DiffError("--nearest looks among record folders: it does not go with two scripts")
+            old = _need_file(args.record, "the older script")
+            new = _need_file(args.other, "the newer script")
+            config = script_config_report(old, new, args.preset)  # first: a bad --preset prints nothing else
+            sys.stdout.write(diff_stat(old, new) if args.stat else unified_diff(old, new))
+            sys.stdout.write(config)
+            return 0
+        if args.preset is not None:
+            raise DiffError("--preset goes with two scripts or --recipes A B; a record's config is its logs'")
         if args.nearest and args.other:
             raise DiffError("give OTHER or --nearest, not both")
         if not args.record.is_dir():
