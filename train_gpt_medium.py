@@ -3130,7 +3130,7 @@ def hardware_description(device: torch.device) -> str:
 
 def open_run_log(config: Hyperparameters, device: torch.device, world_size: int, notes: list[str],
                  rank: int) -> RunLog:
-    """Rank 0's log (docs/recipe.md, Training loop, timing and logs): the script's source, versions and hardware, the resolved config
+    """Rank 0's log (docs/speedrun.md, Training loop, timing and logs): the script's source, versions and hardware, the resolved config
     (seed included), then the run's notes; the other ranks get a silent log."""
     if rank != 0:
         return RunLog(None)
@@ -3589,7 +3589,7 @@ def schedule_windows(config: Hyperparameters) -> list[tuple[int, int]]:
 
 
 def flops_per_token(config: Hyperparameters, model: GPT) -> dict[str, float]:
-    """Model FLOPs per training token (docs/recipe.md, Model FLOPs): 6 x matmul weights + attention scores and values
+    """Model FLOPs per training token (docs/speedrun.md, Model FLOPs): 6 x matmul weights + attention scores and values
     (12 x attn_dim x keys per query) averaged over the run's window schedule: over its steps, or
     with a batch ramp (--batch_schedule) over its tokens (a step's weight is its batch)."""
     groups = parameter_groups(model)
