@@ -34,6 +34,7 @@ import collections
 import copy
 import dataclasses
 import difflib
+import functools
 import glob
 import hashlib
 import json
@@ -959,7 +960,8 @@ class CautiousAdam(torch.optim.Optimizer):
 
 def declare(p: nn.Parameter, group: str, init, lr_mul: float = 1.0, wd_mul: float = 1.0) -> nn.Parameter:
     """p with its optimizer group (a name of GROUP_ORDER, or a new one), its multipliers, and
-    `init(shape, generator)` -> its fp32 initial value (drawn from a stream of its own)."""
+    `init(shape, generator)` -> its fp32 initial value (drawn from a stream of its own). An init
+    is a module-level function or a functools.partial of one, so a parameter still pickles."""
     p.group, p.init, p.lr_mul, p.wd_mul = group, init, lr_mul, wd_mul
     return p
 
@@ -976,16 +978,20 @@ def zeros(shape, gen) -> torch.Tensor:
     return torch.zeros(shape)
 
 
+def constant(shape, gen, values: tuple[float, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).view(shape)
+
+
 def normal_init(std: float):
-    return lambda shape, gen: normal(shape, gen, std)
+    return functools.partial(normal, std=std)
 
 
 def uniform_init(bound: float):
-    return lambda shape, gen: uniform(shape, gen, bound)
+    return functools.partial(uniform, bound=bound)
 
 
-def constant_init(values: list[float]):
-    return lambda shape, gen: torch.tensor(values, dtype=torch.float32).view(shape)
+def constant_init(values) -> functools.partial:
+    return functools.partial(constant, values=tuple(values))
 
 
 # With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
@@ -1260,6 +1266,13 @@ class Gate(nn.Module):
         return F.linear(x[..., :GATE_INPUTS], self.weight.type_as(x))
 
 
+def qkvo_init(shape, gen, std: float) -> torch.Tensor:
+    """q, k, v uniform with std `std`/sqrt(fan_in); the output projection (the 4th) zero."""
+    value = uniform(shape, gen, 3**0.5 * std / shape[-1] ** 0.5)
+    value[3] = 0
+    return value
+
+
 class Attention(nn.Module):
     """Multi-head attention over the packed sequence, reading norm(x): q, k, v from one merged
     weight, lambda0 scaling the qkv weights (after the q/k norms, only v) and lambda1 the output
@@ -1277,16 +1290,11 @@ class Attention(nn.Module):
         # output features: y @ o^T). Muon orthogonalizes the four matrices separately
         self.qkvo_w = declare(nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
                                                        dtype=torch.float32 if config.fp32_block_weights else dtype)),
-                              "muon_attn", self.initial_qkvo)
+                              "muon_attn", functools.partial(qkvo_init, std=config.qkv_init_std))
         # gates: group muon_gates, lr multiplier 0.1, zero init
         self.output_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if config.attn_output_gate else None
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if gated_ve else None
-
-    def initial_qkvo(self, shape, gen):
-        value = uniform(shape, gen, 3**0.5 * self.qkv_init_std / shape[-1] ** 0.5)  # std qkv_init_std/sqrt(fan_in)
-        value[3] = 0  # the output projection starts at zero
-        return value
 
     def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None):
         """x = norm of the residual stream (B, T, d); ve (T, d) or None; lambdas (2,). scale: a float
@@ -1411,6 +1419,23 @@ class LowRankHead(nn.Module):
         return F.linear(F.linear(x, self.down.to(x.dtype)), self.up.to(x.dtype))
 
 
+def value_coefficients(shape, gen, layout: tuple, assignment: bool) -> torch.Tensor:
+    """The (L, K) value-embedding coefficients (deterministic, `gen` unused). canonical: the first
+    K sites one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot of the layout's table. Rows
+    of layers without a value embedding are zero (unused)."""
+    L, K = shape
+    A = torch.zeros(L, K)
+    sites = [layer for layer, table in enumerate(layout) if table is not None]
+    for s, layer in enumerate(sites):
+        if assignment:
+            A[layer, layout[layer]] = 1.0
+        elif s < K:
+            A[layer, s] = 1.0
+        else:
+            A[layer] = K**-0.5
+    return A
+
+
 class ValueEmbeddings(nn.Module):
     """The per-layer value embeddings, from K tables B_k (docs/ideas.md).
 
@@ -1434,27 +1459,18 @@ class ValueEmbeddings(nn.Module):
                     lr_mul, wd_mul)
         coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
         if config.ve_mode == "learned":
-            self.coeffs = declare(nn.Parameter(coeffs), "ve_coeff", lambda shape, gen: self.initial_coeffs())
+            self.coeffs = declare(nn.Parameter(coeffs), "ve_coeff", self.coefficient_init())
         elif config.ve_mode == "frozen":
             self.register_buffer("coeffs", coeffs)
         else:
             self.coeffs = None
 
+    def coefficient_init(self) -> functools.partial:
+        return functools.partial(value_coefficients, layout=tuple(self.layout),
+                                 assignment=self.config.ve_coeff_init == "assignment")
+
     def initial_coeffs(self) -> torch.Tensor:
-        """The coefficients (deterministic). canonical: the first K sites
-        one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot of the layout's table. Rows of
-        layers without a value embedding are zero (unused)."""
-        L, K = self.config.num_layers, self.config.num_value_embeds
-        A = torch.zeros(L, K)
-        sites = [layer for layer, table in enumerate(self.layout) if table is not None]
-        for s, layer in enumerate(sites):
-            if self.config.ve_coeff_init == "assignment":
-                A[layer, self.layout[layer]] = 1.0
-            elif s < K:
-                A[layer, s] = 1.0
-            else:
-                A[layer] = K**-0.5
-        return A
+        return self.coefficient_init()(self.coeffs.shape, None)
 
     def forward(self, ids) -> list[Optional[torch.Tensor]]:
         """One (T, d) tensor per layer, or None where the layer has no value embedding."""

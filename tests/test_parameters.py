@@ -76,3 +76,14 @@ def test_a_group_without_an_optimizer_is_refused_by_name():
         assert "mystery" in str(e)
     else:
         raise AssertionError("a group with no optimizer was accepted")
+
+
+def test_a_model_with_its_declared_parameters_pickles():
+    """The inits are module-level functions or partials of them, so a model (and a result holding
+    one) still pickles and deep-copies."""
+    import copy
+    import pickle
+    model = tg.build_model(tg.make_config("tiny", dtype="float32", ve_mode="learned"))
+    clone = pickle.loads(pickle.dumps(model))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), clone.parameters()))
+    assert copy.deepcopy(model).scalars.init(model.scalars.shape, None).equal(model.scalars.detach())
