@@ -1559,9 +1559,11 @@ class GPT(nn.Module):
         # compiles each state once
         self.embed_tied = tied
         if config.table_multipliers:  # the record's (lr_mul, wd_mul) per table
-            self.head.param_multipliers = dict(weight=(1.0, 150.0))
+            # LoRE: the vocabulary-sized factors (the head's `up`, each input's V x r table) are the tables
+            self.head.param_multipliers = {"up" if config.lore_output else "weight": (1.0, 150.0)}
             for i, embed in enumerate(self.embeds):  # x00's table as the head (it becomes its copy), the rest x75
-                embed.param_multipliers = dict(weight=(1.0, 150.0) if i == 0 else (75.0, 5.0))
+                table = embed.table if config.lore_input else embed
+                table.param_multipliers = dict(weight=(1.0, 150.0) if i == 0 else (75.0, 5.0))
             for table in self.value_embeds.tables:
                 table.param_multipliers = dict(weight=(75.0, 5.0))
             self.param_multipliers["scalars"] = (5.0, 0.0)
