@@ -1,101 +1,140 @@
-"""Slow, literal implementations of the recipe's model and masks (docs/recipe.md, "Model" and
-"Attention masks"), used as oracles by the tests (numpy / float64)."""
-import numpy as np
+"""A slow, literal implementation of the live model's forward pass (docs/bulk-model.md, and the seed
+ideas of docs/ideas.md), used as the oracle of the model tests: float64, explicit loops, written
+from the description rather than from the trainer's code."""
+import math
+
 import torch
 
 
-def literal_mask(ids: np.ndarray, window: int, block_size: int, eot: int) -> np.ndarray:
-    """The block rule of docs/recipe.md ("Attention masks") read word by word: per query block, list candidates, split full / partial, keep the
-    most recent min(n_full, W-1) full and min(n_partial, max(W - n_full, 1)) partial blocks."""
-    BS, T = block_size, ids.size
-    docs = np.cumsum(ids == eot)
-    nb = T // BS
-    blocks = [docs[b * BS:(b + 1) * BS] for b in range(nb)]
-    mask = np.zeros((T, T), dtype=bool)
-    for i in range(nb):
-        full, partial = [], []
-        for j in range(i + 1):
-            if not blocks[i][0] <= blocks[j][-1]:
-                continue  # no document in common
-            one_doc = len(set(blocks[i]) | set(blocks[j])) == 1
-            (full if j < i and one_doc else partial).append(j)
-        keep_full = sorted(full, reverse=True)[:max(min(len(full), window - 1), 0)]
-        keep_partial = sorted(partial, reverse=True)[:min(len(partial), max(window - len(full), 1))]
-        for j in keep_full:
-            mask[i * BS:(i + 1) * BS, j * BS:(j + 1) * BS] = True
-        for j in keep_partial:  # inside a partial block: key_pos <= query_pos and same document
-            q = np.arange(i * BS, (i + 1) * BS)[:, None]
-            k = np.arange(j * BS, (j + 1) * BS)[None, :]
-            mask[i * BS:(i + 1) * BS, j * BS:(j + 1) * BS] = (k <= q) & (docs[q] == docs[k])
-    return mask
-
-
-def reference_loss(model, ids: torch.Tensor, targets: torch.Tensor, window: int) -> float:
-    """The record's forward pass (docs/recipe.md, "Model", steps 1-4) in float64 with explicit loops, from the
-    model's parameters. Assumes the record's layer pattern (16 layers, skips 9<6, 10<4, 11<2,
-    no attention in layer 7, long windows at 0, 4, 11, 15, value embeddings 0..4 - 0..4)."""
+def reference_loss(model, ids, targets, long_w, short_w, mtp_weights=None):
+    """The loss of one packed sequence in float64, from the model's parameters: the input embeddings
+    (x00 from the head while tied, smeared; x01.. ; LoRE tables as table @ proj^T), residual and
+    per-embedding weights, U-net skips (gated or one weight), pre-norm attention (lambdas on the
+    weights, no v norm, value embeddings from native/grouped tables or a coefficient basis, gated
+    per head, rotary with YaRN's frequencies, key offset on the long layers, token windows, output
+    gate), the MLP, backout, x00 at the output, the LoRE or plain head, the soft cap; in training the
+    (multi-token) loss reduced as --train_loss_reduction says, in evaluation the mean."""
     cfg = model.config
     P = {name: p.detach().double() for name, p in model.named_parameters()}
-    L, H, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
-    n_embeds = 1 + cfg.num_extra_embeds
-    scalars = P["scalars"]
-    skip_w = scalars[:L]
-    lambdas = scalars[L:L + L * (n_embeds + 1)].view(L, n_embeds + 1)
-    attn_lambdas = scalars[L + L * (n_embeds + 1):].view(L, 2)
+    L, H, D, bs = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.attn_block_size
+    n_skips, n_embeds = len(cfg.skip_connections), 1 + cfg.num_extra_embeds
+
+    # the scalar vector, slot by slot in the documented order
+    scalars, at = P["scalars"], 0
+
+    def take(n):
+        nonlocal at
+        at += n
+        return scalars[at - n:at]
+
+    skip_w = None if cfg.gated_skips else take(L)
+    resid, sa = take(L), take(2 * L).view(L, 2)
+    smear_weight = take(1)[0] if cfg.smear_embed else None
+    gains = take(n_skips) if cfg.gated_skips else None
+    x0_lambdas = P["x0_lambdas"].view(L, n_embeds)
 
     def norm(x):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True))
 
+    def table(e):  # input embedding e as a (rows, d) matrix
+        if cfg.lore_input:
+            return P[f"embeds.{e}.table.weight"] @ P[f"embeds.{e}.proj"].T
+        return P[f"embeds.{e}.weight"]
+
+    head = P["head.up"] @ P["head.down"] if cfg.lore_output else P["head.weight"]
     ids_l, T = ids.long(), ids.numel()
-    x0 = [norm(P[f"embeds.{e}.weight"][ids_l]) for e in range(n_embeds)]
-    ve_table = cfg.value_embed_tables
-    masks = {w: torch.from_numpy(literal_mask(ids.numpy(), w, cfg.attn_block_size, cfg.eot_token))
-             for w in (window, window // 2)}
+    e = head[ids_l] if model.embed_tied else table(0)[ids_l]
+    if cfg.smear_embed:
+        smeared = e.clone()
+        for t in range(1, T):
+            g = torch.sigmoid(e[t, :16] @ P["smear_gate.weight"][0])
+            smeared[t] = e[t] + smear_weight * g * e[t - 1]
+        e = smeared
+    x0s = [norm(e)] + [norm(table(j)[ids_l]) for j in range(1, n_embeds)]
+
+    # value embeddings: layer i's table, or its mix of the basis tables
+    def value_embedding(i):
+        if cfg.value_embed_layout[i] is None:
+            return None
+        if cfg.ve_mode in ("native", "grouped"):
+            return P[f"value_embeds.tables.{cfg.value_embed_layout[i]}.weight"][ids_l]
+        A = model.value_embeds.coeffs.detach().double()  # a buffer when frozen
+        return sum(A[i, k] * P[f"value_embeds.tables.{k}.weight"][ids_l] for k in range(A.size(1)))
+
+    docs = torch.cumsum(ids_l == cfg.eot_token, 0)
+    q_pos, k_pos = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    masks = {w: (k_pos <= q_pos) & (docs[:, None] == docs[None, :]) & (q_pos - k_pos <= w * bs)
+             for w in (long_w, short_w)}
     quarter = D // 4
-    freqs = torch.cat([(1 / cfg.rope_base) ** torch.linspace(0, 1, quarter, dtype=torch.float64),
-                       torch.zeros(quarter, dtype=torch.float64)])
-    theta = torch.arange(T, dtype=torch.float64)[:, None] * freqs[None, :]
+    freqs = [(1 / cfg.rope_base) ** (j / (quarter - 1)) for j in range(quarter)] + [0.0] * quarter
+    scale = cfg.attn_scale
+    for old, new in model.rotary.changes:  # YaRN, one frequency at a time
+        for j, w in enumerate(freqs):
+            g = min(max((bs * old * w / (2 * math.pi) - 1) / 31, 0.0), 1.0)
+            freqs[j] = w * (old / new + g * (1 - old / new))
+        scale *= 1 + 0.2 * math.log(new / old)
+    theta = torch.arange(T, dtype=torch.float64)[:, None] * torch.tensor(freqs, dtype=torch.float64)[None, :]
     cos, sin = theta.cos()[:, None, :], theta.sin()[:, None, :]
 
-    def rotate(x):  # (T, H, D)
+    def rotate(x):
         x1, x2 = x[..., :D // 2], x[..., D // 2:]
         return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
 
-    x, outs = x0[0], []
+    stationary = [d for d in range(D) if quarter <= d < 2 * quarter or d >= 3 * quarter]
+    skips = {target: (source, j) for j, (target, source) in enumerate(cfg.skip_connections)}
+    x, outputs = x0s[0], []
     for i in range(L):
-        for target, source in ((9, 6), (10, 4), (11, 2)):
-            if i == target:
-                x = x + skip_w[source] * outs[source]
-        x = lambdas[i, 0] * x + sum(lambdas[i, 1 + e] * x0[e] for e in range(n_embeds))
-        if i != 7:
+        if i in skips:
+            source, j = skips[i]
+            if cfg.gated_skips:
+                w = torch.sigmoid(gains[j]) * 2 * torch.sigmoid(x0s[0][:, :16] @ P[f"skip_gates.{j}.weight"][0])
+                x = x + w[:, None] * outputs[source]
+            else:
+                x = x + skip_w[source] * outputs[source]
+        x = resid[i] * x + sum(x0_lambdas[i, j] * x0s[j] for j in range(n_embeds))
+        if i not in cfg.attention_free_layers:
             W = P[f"blocks.{i}.attn.qkvo_w"]
-            q, k, v = ((x @ W[j].T).view(T, H, D) for j in range(3))
-            q, k, v = norm(q), norm(k), norm(v)
-            q, k = rotate(q), rotate(k)
-            v = attn_lambdas[i, 0] * v
-            if ve_table[i] is not None:
-                v = v + attn_lambdas[i, 1] * P[f"value_embeds.tables.{ve_table[i]}.weight"][ids_l].view(T, H, D)
-            mask = masks[window if i in (0, 4, 11, 15) else window // 2]
+            xn = norm(x)
+            q, k, v = ((xn @ (sa[i, 0] * W[j]).T).view(T, H, D) for j in range(3))
+            q, k = rotate(norm(q)), rotate(norm(k))
+            if cfg.key_offset and i in cfg.long_window_layers:
+                shifted = k.clone()
+                shifted[1:, :, stationary] = k[:-1, :, stationary]
+                k = shifted
+            ve = value_embedding(i)
+            if ve is not None:
+                ve = ve.view(T, H, D)
+                if cfg.value_embed_gate:
+                    ve = 2 * torch.sigmoid(xn[:, :16] @ P[f"blocks.{i}.attn.value_gate.weight"].T)[:, :, None] * ve
+                v = v + ve
+            mask = masks[long_w if i in cfg.long_window_layers else short_w]
             y = torch.empty_like(q)
             for h in range(H):
-                scores = (q[:, h] @ k[:, h].T) * cfg.attn_scale
-                scores = scores.masked_fill(~mask, float("-inf"))
-                y[:, h] = torch.softmax(scores, dim=-1) @ v[:, h]
-            x = x + y.reshape(T, H * D) @ W[3]
+                scores = (q[:, h] @ k[:, h].T) * scale
+                y[:, h] = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v[:, h]
+            if cfg.attn_output_gate:
+                y = y * torch.sigmoid(xn[:, :16] @ P[f"blocks.{i}.attn.output_gate.weight"].T)[:, :, None]
+            x = x + y.reshape(T, H * D) @ (sa[i, 1] * W[3]).T
         hidden = torch.relu(norm(x) @ P[f"blocks.{i}.mlp.fc_w"].T) ** 2
-        x = x + hidden @ P[f"blocks.{i}.mlp.proj_w"].T
-        outs.append(x)
-    # the later records' head input (records/x01_lineage/recipes.md): backout of block backout_layer, then the smear
-    if cfg.backout == "mix":
-        a, b = P["backout.weights"]
-        x = a * norm(x) + b * norm(outs[cfg.backout_layer])
-    elif cfg.backout == "subtract":
-        x = norm(x - P["backout.weights"][0] * outs[cfg.backout_layer])
+        proj = P[f"blocks.{i}.mlp.proj_w"]
+        x = x + hidden @ (proj if cfg.mlp_proj_transposed else proj.T)
+        outputs.append(x)
+    if cfg.backout:
+        x = norm(x - P["backout.weight"][0] * outputs[cfg.backout_layer])
     else:
         x = norm(x)
-    if cfg.head_smear:
-        c = P["head_smear.weight"][0]
-        x = torch.stack([x[t] + c * x[t - 1] if t > 0 else x[t] for t in range(T)])
-    z = x @ P["head.weight"].T
-    z = 15 * z / torch.sqrt(z * z + 225)
-    return torch.nn.functional.cross_entropy(z, targets.long()).item()
+    if cfg.x00_at_output:
+        a, b = P["output_mix"]
+        x = a * x + b * x0s[0]
+    z = x @ head.T
+    if cfg.logit_softcap_form == "sigmoid":
+        z = 23 * torch.sigmoid((z + 5) / 7.5)
+    else:
+        cap = cfg.logit_softcap
+        z = cap * z / torch.sqrt(z * z + cap * cap)
+    lse = torch.logsumexp(z, dim=-1)
+    if not model.training:
+        return (lse - z[torch.arange(T), targets]).mean().item()
+    weights = [1.0] if mtp_weights is None else mtp_weights
+    total = sum(w * (lse[t] - z[t, targets[t + k]]).item() for k, w in enumerate(weights) for t in range(T - k))
+    return total if cfg.train_loss_reduction == "sum" else total / T

@@ -2,7 +2,9 @@
 
 The sweep test trains for real: a 2 x 2 grid (lore_input x lore_output) x 2 seeds of 4-step tiny runs,
 through a launcher wrapper that counts its calls and, the first time, crashes from the sixth call on.
-Expected statistics are computed here with scipy from the CSV's numbers.
+Expected statistics are computed here with scipy from the CSV's numbers. LoRE runs on the record
+untied from the start (--untie_embed_after_step=0: the record's head doubles as its input table
+until the split), so every sweep here passes that extra trainer flag.
 """
 
 import csv
@@ -32,6 +34,7 @@ from test_plot import assert_png, write_run_log  # noqa: E402
 from records import ablate, plot, stats  # noqa: E402
 
 GRID = ["--grid", "lore_input=false,true", "--grid", "lore_output=false,true"]
+UNTIED = "--untie_embed_after_step=0"  # what LoRE needs on the record
 BASE, IN, OUT, BOTH = ("lore_input-false__lore_output-false", "lore_input-true__lore_output-false",
                        "lore_input-false__lore_output-true", "lore_input-true__lore_output-true")
 
@@ -76,7 +79,7 @@ def sweep(tmp_path_factory, synthetic_dir):
     """The sweep interrupted after 5 runs, then rerun to completion; what each round left behind."""
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "out"
-    trainer = ["--num_iterations=4", "--val_every=2", "--warmup_steps=0", "--val_tokens=2048", "--synthetic_data=false",
+    trainer = [UNTIED, "--num_iterations=4", "--val_every=2", "--warmup_steps=0", "--val_tokens=2048", "--synthetic_data=false",
                f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
                f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
     argv = ["--preset", "tiny", *GRID, "--seeds", "1,2", "--out", str(out), "--band-loss", "0.01", "--band-time", "1.5"]
@@ -213,12 +216,14 @@ def test_plots_of_the_sweep(sweep, tmp_path):
 # Matched initialization, validation, dry run, reruns (no training)
 
 def test_two_arms_of_one_seed_start_with_identical_shared_tensors():
-    configs = [tg.make_config("tiny", seed=3, dtype="float32", lore_input=flag) for flag in (False, True)]
+    configs = [tg.make_config("tiny", seed=3, dtype="float32", lore_input=flag, untie_embed_after_step=0)
+               for flag in (False, True)]
     params = [dict(tg.build_model(c).named_parameters()) for c in configs]
     shared = params[0].keys() & params[1].keys()
     assert shared != params[0].keys() and shared != params[1].keys()  # the arms really differ
     assert "blocks.0.attn.qkvo_w" in shared and all(torch.equal(params[0][n], params[1][n]) for n in shared)
-    other_seed = dict(tg.build_model(tg.make_config("tiny", seed=4, dtype="float32")).named_parameters())
+    other_seed = dict(tg.build_model(tg.make_config("tiny", seed=4, dtype="float32",
+                                                    untie_embed_after_step=0)).named_parameters())
     assert not torch.equal(other_seed["blocks.0.attn.qkvo_w"], params[0]["blocks.0.attn.qkvo_w"])
 
 
@@ -226,10 +231,13 @@ def test_two_arms_of_one_seed_start_with_identical_shared_tensors():
     (["--grid", "lore_inptu=false,true"], "error: --grid lore_inptu=...: unknown field 'lore_inptu'"),
     (["--grid", "lore_init=none,sideways"], "error: arm lore_init=sideways: --lore_init: "),
     (["--grid", "seed=1,2"], "error: --grid seed=...: the sweep sets --seed itself"),
-    (["--grid", "lore_input=true,1"], "error: arms lore_input=true and lore_input=1 are the same configuration"),
+    (["--grid", "lore_input=true,1", "--", UNTIED], "error: arms lore_input=true and lore_input=1 are the same configuration"),
     (["--grid", "lore_input=false,true", "--baseline", "lore_input=maybe"], "error: --baseline 'lore_input=maybe' is not an arm"),
-    (["--grid", "lore_input=false,true", "--", "--log_dir=x"], "error: extra trainer flag '--log_dir=x': the sweep sets it"),
-    (["--grid", "lore_input=false,true", "--", "--num_iteratons=3"], "error: arm lore_input=false: unknown flag --num_iteratons"),
+    (["--grid", "lore_input=false,true", "--", UNTIED, "--log_dir=x"], "error: extra trainer flag '--log_dir=x': the sweep sets it"),
+    (["--grid", "lore_input=false,true", "--", UNTIED, "--num_iteratons=3"], "error: arm lore_input=false: unknown flag --num_iteratons"),
+    (["--grid", "lore_input=false,true"], "error: arm lore_input=true: --lore_input: the record's head doubles as the input "
+                                          "table until step 33, and a low-rank table cannot be both: add "
+                                          "--untie_embed_after_step=0 (separate tables from the start) to use LoRE\n"),
     (["--grid", "lore_input", "--seeds", "1"], "error: --grid 'lore_input': write FIELD=VALUE1,VALUE2"),
     (["--grid", "lore_input=false,true", "--seeds", "1,x"], "error: --seeds '1,x': expected comma-separated integers"),
 ])
@@ -237,20 +245,22 @@ def test_an_unusable_sweep_exits_2_before_any_run(tmp_path, capsys, argv, messag
     calls = tmp_path / "calls.txt"
     code = ablate.main(["--preset", "tiny", "--out", str(tmp_path / "out"), "--launcher", launcher(tmp_path, calls),
                         *argv])
-    assert code == 2 and capsys.readouterr().err.startswith(message)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1, err
     assert not calls.exists() and not (tmp_path / "out").exists()
 
 
 def test_dry_run_lists_every_run_in_order_and_runs_nothing(tmp_path, capsys):
     calls = tmp_path / "calls.txt"
     argv = ["--preset", "tiny", *GRID, "--seeds", "5,6", "--out", str(tmp_path / "out"), "--dry_run",
-            "--launcher", launcher(tmp_path, calls), "--", "--num_iterations=3"]
+            "--launcher", launcher(tmp_path, calls), "--", UNTIED, "--num_iterations=3"]
     assert ablate.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     heads, commands = lines[0::2], lines[1::2]
     assert heads[0] == "[run 1/8] arm lore_input=false lore_output=false, seed 5" and len(heads) == 8
     assert all("--seed=5" in c for c in commands[:4]) and all("--seed=6" in c for c in commands[4:])
-    assert commands[0].strip().endswith(f"--log_dir={tmp_path / 'out' / 'logs' / BASE / 'seed5'} --num_iterations=3")
+    assert commands[0].strip().endswith(f"--log_dir={tmp_path / 'out' / 'logs' / BASE / 'seed5'} {UNTIED} "
+                                        "--num_iterations=3")
     assert not calls.exists() and not (tmp_path / "out").exists()
 
 
@@ -275,7 +285,7 @@ def fake_sweep(tmp_path):
     script = tmp_path / "fake_trainer.py"
     script.write_text(FAKE_TRAINER.format(calls=str(calls), templates=str(templates)))
     argv = ["--preset", "tiny", "--grid", "lore_input=false,true", "--seeds", "1,2", "--out", str(tmp_path / "out"),
-            "--launcher", shlex.join([sys.executable, str(script)])]
+            "--launcher", shlex.join([sys.executable, str(script)]), "--", UNTIED]
     return argv, calls
 
 
@@ -430,7 +440,8 @@ def test_stopping_ablate_stops_the_run_it_was_making(tmp_path, sig, code):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER.format(pidfile=str(pidfile)))
     cmd = [sys.executable, str(ROOT / "records" / "ablate.py"), "--preset", "tiny", "--grid", "lore_input=false,true",
-           "--seeds", "1", "--out", str(tmp_path / "out"), "--launcher", shlex.join([sys.executable, str(script)])]
+           "--seeds", "1", "--out", str(tmp_path / "out"), "--launcher", shlex.join([sys.executable, str(script)]),
+           "--", UNTIED]
     sweep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert _wait(lambda: pidfile.exists() and pidfile.read_text(), 120), sweep.stderr.read() if sweep.poll() else ""

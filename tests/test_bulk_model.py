@@ -1,6 +1,6 @@
 """The bulk record's model switches (docs/bulk-model.md): each against a computation done another
 way (a literal mask, a float64 formula or loop, the switch's neutral value), and the whole bulk
-forward against a float64 loop-by-loop forward written here from the description of the model."""
+forward against a float64 loop-by-loop forward written from the description of the model (tests/reference.py)."""
 import math
 
 import numpy as np
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
+from reference import reference_loss as reference_bulk_loss  # the live model's float64 forward
 
 # every model switch of the bulk record, and the x01 fields the record changes
 BULK = dict(token_windows=True, yarn_window_limit=13, rotary_bf16=True, key_offset=True, prenorm_attention=True,
@@ -689,93 +690,6 @@ def test_with_every_bulk_switch_off_nothing_of_theirs_is_built():
 
 
 # ---- the whole bulk forward against a float64 loop-by-loop forward
-
-def reference_bulk_loss(model, ids, targets, long_w, short_w, mtp_weights=None):
-    """The bulk record's forward, written from its description in float64 with explicit loops:
-    the (tied) embedding smeared and normed, x01, residual and x0 weights, gated U-net skips,
-    pre-norm attention on every layer (lambdas on the weights, no v norm, gated value embedding,
-    rotary with the YaRN frequencies, key offset on the long layers, token windows, output gate),
-    the transposed MLP, the sigmoid cap and the multi-token loss summed over tokens."""
-    cfg = model.config
-    P = {name: p.detach().double() for name, p in model.named_parameters()}
-    L, H, D, bs = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.attn_block_size
-    scalars = P["scalars"]
-    resid, sa = scalars[:L], scalars[L:3 * L].view(L, 2)
-    smear_weight, gains = scalars[3 * L], scalars[3 * L + 1:3 * L + 4]
-    x0_lambdas = P["x0_lambdas"].view(L, 2)
-
-    def norm(x):
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True))
-
-    ids_l, T = ids.long(), ids.numel()
-    e = P["head.weight"][ids_l] if model.embed_tied else P["embeds.0.weight"][ids_l]
-    smeared = e.clone()
-    for t in range(1, T):
-        g = torch.sigmoid(e[t, :16] @ P["smear_gate.weight"][0])
-        smeared[t] = e[t] + smear_weight * g * e[t - 1]
-    x0, x02 = norm(smeared), norm(P["embeds.1.weight"][ids_l])
-    docs = torch.cumsum(ids_l == cfg.eot_token, 0)
-    q_pos, k_pos = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    masks = {w: (k_pos <= q_pos) & (docs[:, None] == docs[None, :]) & (q_pos - k_pos <= w * bs)
-             for w in (long_w, short_w)}
-    quarter = D // 4
-    freqs = [(1 / cfg.rope_base) ** (j / (quarter - 1)) for j in range(quarter)] + [0.0] * quarter
-    scale = cfg.attn_scale
-    for old, new in model.rotary.changes:
-        for j, w in enumerate(freqs):
-            g = min(max((bs * old * w / (2 * math.pi) - 1) / 31, 0.0), 1.0)
-            freqs[j] = w * (old / new + g * (1 - old / new))
-        scale *= 1 + 0.2 * math.log(new / old)
-    theta = torch.arange(T, dtype=torch.float64)[:, None] * torch.tensor(freqs, dtype=torch.float64)[None, :]
-    cos, sin = theta.cos()[:, None, :], theta.sin()[:, None, :]
-
-    def rotate(x):
-        x1, x2 = x[..., :D // 2], x[..., D // 2:]
-        return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
-
-    stationary = [d for d in range(D) if quarter <= d < 2 * quarter or d >= 3 * quarter]
-    skip_sources = {9: (6, 0), 10: (4, 1), 11: (2, 2)}
-    x, outputs = x0, []
-    for i in range(L):
-        if i in skip_sources:
-            source, j = skip_sources[i]
-            gate = 2 * torch.sigmoid(x0[:, :16] @ P[f"skip_gates.{j}.weight"][0])
-            x = x + (torch.sigmoid(gains[j]) * gate)[:, None] * outputs[source]
-        if i == 0:
-            x = (resid[0] + x0_lambdas[0, 0]) * x + x0_lambdas[0, 1] * x02
-        else:
-            x = resid[i] * x + x0_lambdas[i, 0] * x0 + x0_lambdas[i, 1] * x02
-        W = P[f"blocks.{i}.attn.qkvo_w"]
-        xn = norm(x)
-        q, k, v = ((xn @ (sa[i, 0] * W[j]).T).view(T, H, D) for j in range(3))
-        q, k = rotate(norm(q)), rotate(norm(k))
-        if i in (0, 4, 11, 15):
-            shifted = k.clone()
-            shifted[1:, :, stationary] = k[:-1, :, stationary]
-            k = shifted
-        table = cfg.value_embed_layout[i]
-        if table is not None:
-            ve_gate = 2 * torch.sigmoid(xn[:, :16] @ P[f"blocks.{i}.attn.value_gate.weight"].T)  # (T, H)
-            v = v + ve_gate[:, :, None] * P[f"value_embeds.tables.{table}.weight"][ids_l].view(T, H, D)
-        mask = masks[long_w if i in (0, 4, 11, 15) else short_w]
-        y = torch.empty_like(q)
-        for h in range(H):
-            scores = (q[:, h] @ k[:, h].T) * scale
-            y[:, h] = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v[:, h]
-        y = y * torch.sigmoid(xn[:, :16] @ P[f"blocks.{i}.attn.output_gate.weight"].T)[:, :, None]
-        x = x + y.reshape(T, H * D) @ (sa[i, 1] * W[3]).T
-        hidden = torch.relu(norm(x) @ P[f"blocks.{i}.mlp.fc_w"].T) ** 2
-        x = x + hidden @ P[f"blocks.{i}.mlp.proj_w"]  # stored (hidden, d)
-        outputs.append(x)
-    z = norm(x) @ P["head.weight"].T
-    z = 23 * torch.sigmoid((z + 5) / 7.5)
-    lse = torch.logsumexp(z, dim=-1)
-    if not model.training:
-        return (lse - z[torch.arange(T), targets]).mean().item()
-    weights = [1.0] if mtp_weights is None else mtp_weights
-    return sum(w * (lse[t] - z[t, targets[t + k]]).item()
-               for k, w in enumerate(weights) for t in range(T - k))
-
 
 @pytest.mark.parametrize("tied,mtp", [(True, [1.0, 0.5, 0.25]), (False, None)])
 def test_bulk_forward_matches_the_float64_reference(tied, mtp):
