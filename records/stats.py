@@ -9,7 +9,9 @@
 PATH and A, B are log files or folders of logs (every *.txt in the folder, not recursive).
 Without PATH the newest record folder under --records-dir is used (folder names `YYYY-MM-DD`,
 `YYYY-MM-DD_Name` or `YYYY-MM-DD-Name`). NAME is a published upstream record (x01, snoo,
-update_smoothing, smoothed_snoo, backout, smear, bulk; records/published.json).
+update_smoothing, smoothed_snoo, backout, smear, bulk; records/published.json) or a record claimed
+in an unmerged upstream pull request (fp8_yarn #248, bigram #252, mudd #261), which the report
+names as such.
 
 Runs are grouped into experiments before any test (records/runlogs.py: the same embedded script,
 the same step count, and the same value of every config field in the groups the log names as
@@ -319,6 +321,7 @@ class TimeReference:
     times: list[float] | None = None
     record: str | None = None  # the published medium-track record's name, when it is one
     not_record_kind: str | None = None  # why the reference runs (a PATH) are not medium-track runs
+    claim: dict | None = None  # an unmerged claim's pull request and what it is (claim_summary)
 
 
 def time_test(times: list[float], ref: TimeReference, alpha: float) -> dict:
@@ -328,7 +331,8 @@ def time_test(times: list[float], ref: TimeReference, alpha: float) -> dict:
     the mean. Against other runs: Welch's test (H1: mean < their mean) and the one-sided 1 - alpha upper
     bound of (mean - their mean), both from scipy's result.
     """
-    base = {"reference": ref.label, "level": 1 - alpha, "t": None, "p": None, "df": None, "holds": False}
+    base = {"reference": ref.label, "claim": ref.claim, "level": 1 - alpha, "t": None, "p": None, "df": None,
+            "holds": False}
     if len(times) < 2:
         return {**base, "method": None, "note": "a time test needs at least 2 runs with a train time"}
     mean = float(np.mean(times))
@@ -366,15 +370,42 @@ def target_hint(losses: list[float], target: float) -> str | None:
     return f"every run is far {where} the target {target}; did you mean another --target?"
 
 
+def claim_summary(record: published.PublishedRecord) -> dict | None:
+    """An unmerged claim's pull request and one sentence on what backs it: the README's run list and
+    what the committed logs give (a single log: n = 1, no t-test). None for a merged record."""
+    if not record.is_claim:
+        return None
+    losses = list(record.val_loss)
+    readme = f"its README lists {len(losses)} runs (mean loss {np.mean(losses):.5f}"
+    if len(losses) >= 2 and _spread(losses) is not None:
+        readme += f", p={stats.ttest_1samp(losses, MEDIUM_TARGET, alternative='less').pvalue:.3g}"
+    readme += f", mean time {record.mean_train_time_s:.3f}s)"
+    ls = record.log_stats
+    if ls is None:
+        logs = "no committed log gives figures"
+    elif ls.p is None:
+        logs = (f"its {ls.n} committed log{'s' if ls.n != 1 else ''} give{'s' if ls.n == 1 else ''} n={ls.n} "
+                f"(mean loss {ls.mean_val_loss:.5f}, mean time {ls.mean_train_time_s:.3f}s): no t-test possible "
+                f"from the logs, so the claim cannot be verified from them"
+                + (f"; {len(losses) - ls.n} of the README's runs have no log" if len(losses) > ls.n else ""))
+    else:
+        logs = (f"its {ls.n} committed logs give n={ls.n} mean loss {ls.mean_val_loss:.5f} p={ls.p:.3g} "
+                f"mean time {ls.mean_train_time_s:.3f}s")
+    text = (f"{record.recipe or record.name} is an unmerged claim (PR #{record.pr}, not merged upstream, "
+            f"{record.url}): {readme}; {logs}")
+    return {"pr": record.pr, "merged": False, "url": record.url, "text": text}
+
+
 def published_reference(record: published.PublishedRecord) -> TimeReference:
     """A published record as a time reference: its per-run times (Welch), or where fewer than two
-    are published its mean, as a number (one-sample: Welch needs two runs on each side)."""
-    name = record.recipe or record.name
+    are published its mean, as a number (one-sample: Welch needs two runs on each side). An unmerged
+    claim's reference carries what it is, which the report prints."""
+    name, claim = record.recipe or record.name, claim_summary(record)
     if record.train_time_s is not None and len(record.train_time_s) >= 2:
         return TimeReference(f"{record.label}, published, {len(record.train_time_s)} runs",
-                             times=list(record.train_time_s), record=name)
+                             times=list(record.train_time_s), record=name, claim=claim)
     return TimeReference(f"{record.label}, published mean of {record.n_times} run{'s' if record.n_times != 1 else ''}",
-                         seconds=record.mean_train_time_s, record=name)
+                         seconds=record.mean_train_time_s, record=name, claim=claim)
 
 
 def not_record_kind(logs: list[RunLog]) -> str | None:
@@ -454,8 +485,9 @@ def analyse(losses: list[float], times: list[float | None], target: float, alpha
     out["no_verdict"] = no_verdict_reason(losses, target, logs, time_vs)
     if time_vs is not None:
         if out["no_verdict"] and time_vs.record is not None:  # a published record's time is no yardstick for them
-            out["time_vs"] = {"reference": time_vs.label, "level": 1 - alpha, "method": None, "t": None, "p": None,
-                              "df": None, "holds": False, "note": f"not compared: {out['no_verdict']}"}
+            out["time_vs"] = {"reference": time_vs.label, "claim": time_vs.claim, "level": 1 - alpha, "method": None,
+                              "t": None, "p": None, "df": None, "holds": False,
+                              "note": f"not compared: {out['no_verdict']}"}
         else:
             out["time_vs"] = time_test(known_times, time_vs, alpha)
     out["holds"] = (out["no_verdict"] is None and out["t_test"]["holds"]
@@ -522,11 +554,13 @@ def _time_test_text(tv: dict) -> str:
 
 
 def _time_vs_line(tv: dict, verdict: bool = True) -> list[str]:
-    """The time test's lines; its verdict line only when the set gets a verdict at all."""
+    """The time test's lines (first, for an unmerged claim, what it is); its verdict line only when
+    the set gets a verdict at all."""
+    claim = [f"time reference: {tv['claim']['text']}"] if tv.get("claim") else []
     if tv["note"]:
         tested = "" if tv["note"].startswith("not compared") else "not tested: "
-        return [f"time vs {tv['reference']}: {tested}{tv['note']}"]
-    return [f"time vs {tv['reference']} ({_time_test_text(tv)}"] + \
+        return claim + [f"time vs {tv['reference']}: {tested}{tv['note']}"]
+    return claim + [f"time vs {tv['reference']} ({_time_test_text(tv)}"] + \
         [f"time verdict: {'faster' if tv['holds'] else 'not shown to be faster'}"] * verdict
 
 
@@ -602,6 +636,12 @@ def check_seconds(seconds: float, what: str) -> None:
                             f"milliseconds? ({seconds:.15g} ms = {seconds / 1000:.15g} s): give seconds")
 
 
+def _record_choices() -> str:
+    """The names --time-vs accepts, merged records first, e.g. `(x01, ..., bulk), an unmerged claim (mudd)`."""
+    claims = published.claim_names()
+    return f"({', '.join(published.names())})" + (f", an unmerged claim ({', '.join(claims)})" if claims else "")
+
+
 def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
     """--time-vs: a number of seconds, a published record's name, or a log file / folder whose runs'
     train times are the reference. A bare name that is both a record and a local folder means the
@@ -609,8 +649,8 @@ def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
     if spec is None:
         return None
     if not spec.strip():
-        raise UnusableInput("--time-vs is empty: give a number of seconds, a published record "
-                            f"({', '.join(published.names())}) or a log folder")
+        raise UnusableInput(f"--time-vs is empty: give a number of seconds, a published record {_record_choices()} "
+                            "or a log folder")
     try:
         seconds = float(spec)
     except ValueError:
@@ -626,8 +666,8 @@ def time_reference(spec: str | None, pool: bool) -> TimeReference | None:
             _print_warnings([f"--time-vs {spec}: the published record {record.label}; for the folder write ./{spec}"])
         return published_reference(record)
     if not Path(spec).exists():
-        raise UnusableInput(f"--time-vs {spec}: neither a number of seconds, a published record "
-                            f"({', '.join(published.names())}) nor an existing log file or folder")
+        raise UnusableInput(f"--time-vs {spec}: neither a number of seconds, a published record {_record_choices()} "
+                            "nor an existing log file or folder")
     rs = load_runs([Path(spec)])
     logs, refusal = pooled_or_refused(rs, pool, "reference")
     if refusal:
@@ -839,13 +879,16 @@ def _run_published(args) -> int:
         a = analyse(list(r.val_loss), times, args.target, args.alpha)
         if r.train_time_s is None:
             a["train_time_s"] = {"mean": r.mean_train_time_s, "n": r.n_times}
-        rows.append({"path": f"{r.recipe or '-'} {r.date} {r.name}", "group": None, "error": None, "recipe": r.recipe,
-                     "name": r.name, "date": r.date, "steps": r.steps, "source": f"{r.folder}: {r.source}", **a})
+        claim = f" (unmerged claim, PR #{r.pr})" if r.is_claim else ""
+        rows.append({"path": f"{r.recipe or '-'} {r.date} {r.name}{claim}", "group": None, "error": None,
+                     "recipe": r.recipe, "name": r.name, "date": r.date, "steps": r.steps,
+                     "source": f"{r.folder}: {r.source}", "claim": claim_summary(r), **a})
     if args.json:
         print(json.dumps(json_safe({"target": args.target, "alpha": args.alpha, "rows": rows}), indent=2))
     else:
         _print_table(rows, f"published upstream medium-track records (records/published.json), target {args.target}, "
                            f"alpha {args.alpha}", args.alpha, False)
+        print("\n".join(f"note: {r['claim']['text']}" for r in rows if r["claim"]))
     return 0
 
 
@@ -896,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--published", action="store_true", help="one row per published upstream record")
     parser.add_argument("--time-vs", metavar="SECONDS|NAME|PATH",
                         help="also test that the mean train time is below SECONDS, a published record's "
-                             "(x01 ... bulk), or the runs in PATH")
+                             "(x01 ... bulk; or an unmerged claim's: fp8_yarn, bigram, mudd), or the runs in PATH")
     parser.add_argument("--pool", action="store_true", help="test runs of different experiments as one set")
     parser.add_argument("--target", type=float, default=MEDIUM_TARGET, help="val loss the mean must be below")
     parser.add_argument("--alpha", type=float, default=0.01, help="significance level of the claim")

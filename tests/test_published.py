@@ -1,5 +1,6 @@
 """records/published.json (the upstream medium-track records as data) and how stats.py uses it:
---time-vs NAME, the report's line about the latest record, --published.
+--time-vs NAME, the report's line about the latest record, --published. The data also holds the
+records claimed in unmerged upstream pull requests (#248, #252, #261), marked as claims.
 
 The published summary figures in the data (each README's own mean, p and mean time) are checked
 against the same figures recomputed here from the per-run lists, at the precision the README printed
@@ -26,7 +27,13 @@ EXPECTED = {  # recipe: (date, steps, runs): what the upstream folders publish
     "x01": ("2025-09-11", 5690, 19), "snoo": ("2025-09-16", 5640, 30), "update_smoothing": ("2025-09-17", 5610, 160),
     "smoothed_snoo": ("2025-09-30", 5590, 160), "backout": ("2025-10-04", 5550, 22), "smear": ("2025-11-02", 5535, 26),
     "BlockMaskRedundantOp": ("2025-11-12", 5960, 1), "bulk": ("2025-12-31", 4740, 2),
+    "fp8_yarn": ("2026-03-28", 4740, 5), "bigram": ("2026-04-07", 4620, 5), "mudd": ("2026-04-27", 4150, 6),
 }
+CLAIMS = {"fp8_yarn": 248, "bigram": 252, "mudd": 261}  # recipe: its unmerged upstream pull request
+# What ../shared/FRONTIER.md (sections 1.1, 2.1, 3.1, 8) recomputed from each claim's committed logs, as
+# printed there: n, mean loss, p (None: one log, no t-test), mean time in seconds.
+FRONTIER_FROM_LOGS = {"fp8_yarn": (5, 2.91790, 1.08e-4, 1011.372), "bigram": (1, 2.9106, None, 950.425),
+                      "mudd": (6, 2.91707, 6.2e-5, 860.478)}
 
 
 def half_unit(x: float) -> float:
@@ -41,10 +48,14 @@ def half_unit(x: float) -> float:
 def test_every_record_from_x01_on_is_there_with_its_step_count_and_run_count():
     assert {k: (r["date"], r["steps"], len(r["val_loss"])) for k, r in RECORDS.items()} == EXPECTED
     for r in DATA["records"]:
-        assert r["folder"].startswith("records/track_2_medium/") and r["date"] in r["folder"] and r["source"]
+        # #261's folder is named 2026-0427-MuddFormer; a claim is faster than any merged record (860 s)
+        undash = (lambda x: x.replace("-", "")) if "claim" in r else (lambda x: x)
+        fastest = 800 if "claim" in r else 1000
+        assert r["folder"].startswith("records/track_2_medium/") and undash(r["date"]) in undash(r["folder"])
+        assert r["source"]
         if r["train_time_s"] is not None:
             assert len(r["train_time_s"]) == len(r["val_loss"])
-        assert all(2.9 < x < 2.93 for x in r["val_loss"]) and all(1000 < t < 1600 for t in r["train_time_s"] or [])
+        assert all(2.9 < x < 2.93 for x in r["val_loss"]) and all(fastest < t < 1600 for t in r["train_time_s"] or [])
 
 
 @pytest.mark.parametrize("recipe", [k for k in EXPECTED if k != "BlockMaskRedundantOp"])
@@ -71,8 +82,9 @@ def test_the_logged_runs_are_in_the_lists_where_the_data_says_so():
 
 def test_the_module_reads_the_data():
     records = published.load()
-    assert [r.recipe for r in records if r.recipe] == ["x01", "snoo", "update_smoothing", "smoothed_snoo", "backout",
-                                                       "smear", "bulk"]
+    assert [r.recipe for r in records if r.recipe and r.merged] == ["x01", "snoo", "update_smoothing", "smoothed_snoo",
+                                                                    "backout", "smear", "bulk"]
+    assert published.names() == [r.recipe for r in records if r.recipe and r.merged]
     assert published.latest().recipe == "bulk" and published.latest().mean_train_time_s == pytest.approx(1041.277)
     assert published.find("Smear-MTP") is published.find("smear") and published.find("nope") is None
 
@@ -150,6 +162,116 @@ def test_time_vs_a_published_record_gives_runs_it_is_not_compared_with_no_verdic
     code, data = run_json(capsys, make_set(tmp_path / "r", losses, FAST_TIMES), "--time-vs", "bulk", *argv)
     assert code == 3 and data["no_verdict"].startswith(f"--time-vs bulk is a medium-track record: {why}")
     assert data["latest_record"]["not_compared"].startswith(why)
+
+
+# ---------------------------------------------------------------- unmerged claims (#248, #252, #261)
+
+
+def test_each_claim_is_marked_unmerged_with_its_pull_request():
+    assert {k for k, r in RECORDS.items() if "claim" in r} == set(CLAIMS)
+    for recipe, pr in CLAIMS.items():
+        claim, record = RECORDS[recipe]["claim"], published.find(recipe)
+        assert claim["pr"] == pr and claim["merged"] is False and claim["url"].endswith(f"/pull/{pr}")
+        assert (record.pr, record.merged, record.is_claim) == (pr, False, True)
+        assert f"unmerged claim PR #{pr}" in record.label
+    assert all(r.merged and r.pr is None for r in published.load() if r.recipe not in CLAIMS)
+    assert published.claim_names() == list(CLAIMS) and not set(CLAIMS) & set(published.names())
+
+
+@pytest.mark.parametrize("recipe", list(CLAIMS))
+def test_a_claims_statistics_are_those_its_logs_give(recipe):
+    """The logs' runs give FRONTIER.md's recomputed figures, at the precision it printed them, and the
+    data's from_logs figures are the same."""
+    r = RECORDS[recipe]
+    losses, times = [x["val_loss"] for x in r["logs"]], [x["train_time_s"] for x in r["logs"]]
+    n, mean, p, mean_time = FRONTIER_FROM_LOGS[recipe]
+    got = r["claim"]["from_logs"]
+    assert len(losses) == n == got["n"] and all(x["steps"] == r["steps"] for x in r["logs"])
+    for value in (np.mean(losses), got["mean_val_loss"]):
+        assert value == pytest.approx(mean, abs=half_unit(mean) + 1e-12)
+    for value in (np.mean(times), got["mean_train_time_s"]):
+        assert value == pytest.approx(mean_time, abs=half_unit(mean_time) + 1e-9)
+    if p is None:  # one log: no t-test
+        assert n == 1 and got["p"] is None and published.find(recipe).log_stats.p is None
+    else:
+        for value in (sps.ttest_1samp(losses, 2.92, alternative="less").pvalue, got["p"]):
+            assert value == pytest.approx(p, abs=half_unit(p))
+
+
+def test_bigram_lists_5_runs_but_committed_1_log():
+    r = RECORDS["bigram"]
+    assert len(r["val_loss"]) == len(r["train_time_s"]) == 5 and len(r["logs"]) == 1 and r["logs"][0]["in_list"]
+    assert "only 1 log" in r["notes"] and "n = 1, no t-test" in r["notes"]
+
+
+def test_the_latest_record_is_the_latest_merged_one_not_a_later_claim():
+    records = published.load()
+    assert records[-1].recipe == "mudd" and records[-1].is_claim  # the claims are newer than bulk
+    assert published.latest().recipe == "bulk" and published.latest(records).merged
+    assert published.find("bigram").recipe == "bigram" and published.find("BigramFusedCEUnifiedOpt").pr == 252
+
+
+CLAIM_FAST_TIMES = [1005.1, 1006.3, 1004.8, 1005.9, 1006.0, 1005.4]
+
+
+def test_time_vs_an_unmerged_claim_tests_against_it_and_says_it_is_unmerged(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES, CLAIM_FAST_TIMES)
+    want = sps.ttest_ind(CLAIM_FAST_TIMES, RECORDS["fp8_yarn"]["train_time_s"], equal_var=False, alternative="less")
+    code, data = run_json(capsys, folder, "--time-vs", "fp8_yarn")
+    tv = data["time_vs"]
+    assert tv["claim"]["pr"] == 248 and tv["claim"]["merged"] is False and "unmerged claim PR #248" in tv["reference"]
+    assert tv["reference_n"] == 5 and tv["p"] == pytest.approx(want.pvalue, rel=1e-9)
+    assert code == (0 if want.pvalue < 0.01 else 1) and data["latest_record"]["record"] == "bulk"
+    assert stats_cli.main([str(folder), "--time-vs", "fp8_yarn"]) == code
+    lines = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in lines if x.startswith("time reference: ")]
+    assert line.startswith("time reference: fp8_yarn is an unmerged claim (PR #248, not merged upstream, ")
+    assert "its 5 committed logs give n=5 mean loss 2.91790 p=0.000108 mean time 1011.372s" in line
+    assert lines.index(line) + 1 == next(i for i, x in enumerate(lines) if x.startswith("time vs fp8_yarn"))
+
+
+def test_time_vs_a_merged_record_carries_no_claim(tmp_path, capsys):
+    _, data = run_json(capsys, make_set(tmp_path / "r", PASS_LOSSES, CLAIM_FAST_TIMES), "--time-vs", "bulk")
+    assert data["time_vs"]["claim"] is None
+    stats_cli.main([str(tmp_path / "r"), "--time-vs", "bulk"])
+    assert "time reference:" not in capsys.readouterr().out
+
+
+def test_time_vs_bigram_says_plainly_that_its_logs_give_one_run(tmp_path, capsys):
+    folder = make_set(tmp_path / "r", PASS_LOSSES, [t - 60 for t in CLAIM_FAST_TIMES])
+    assert stats_cli.main([str(folder), "--time-vs", "bigram"]) == 0  # 5 README times, Welch
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("time reference: "))
+    assert "(PR #252, not merged upstream, " in line and "its README lists 5 runs" in line
+    assert "its 1 committed log gives n=1" in line and "no t-test possible from the logs" in line
+    assert "4 of the README's runs have no log" in line
+
+
+def test_time_vs_a_claim_gives_tiny_cpu_runs_no_verdict_and_still_names_the_claim(tmp_path, capsys):
+    folder = make_tiny_set(tmp_path / "tiny")
+    code, data = run_json(capsys, folder, "--time-vs", "mudd")
+    assert code == 3 and data["verdict"] == "no verdict" and data["time_vs"]["p"] is None
+    assert data["time_vs"]["claim"]["pr"] == 261
+    assert stats_cli.main([str(folder), "--time-vs", "mudd"]) == 3
+    out = capsys.readouterr().out
+    assert "time reference: mudd is an unmerged claim (PR #261" in out and "time verdict" not in out
+
+
+def test_time_vs_an_unknown_name_lists_the_claims_too(tmp_path, capsys):
+    assert stats_cli.main([str(make_set(tmp_path / "r", PASS_LOSSES)), "--time-vs", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "(x01, snoo, update_smoothing, smoothed_snoo, backout, smear, bulk), an unmerged claim " \
+           "(fp8_yarn, bigram, mudd) nor" in err and len(err.splitlines()) == 1
+
+
+def test_the_published_table_marks_the_claims(capsys):
+    assert stats_cli.main(["--published", "--json"]) == 0
+    rows = {r["recipe"] or r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    for recipe, pr in CLAIMS.items():
+        assert rows[recipe]["path"].endswith(f"(unmerged claim, PR #{pr})") and rows[recipe]["claim"]["pr"] == pr
+    assert rows["bulk"]["claim"] is None
+    assert stats_cli.main(["--published"]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert len(notes) == 3 and "its 1 committed log gives n=1" in notes[1]
 
 
 # ---------------------------------------------------------------- the latest record in every report
