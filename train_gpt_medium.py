@@ -2798,11 +2798,19 @@ class _LastWins(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's wrapping, but a word longer than the line (a default list such as batch_schedule's)
+    moves to a line of its own whole instead of being cut mid-number ("52428" / "8")."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per Hyperparameters field, in the field's group, with its type, default and range."""
     parser = _ArgumentParser(
         prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
         description=textwrap.fill("GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium, "
                                   "--recipe bulk). Flags take --flag=value or --flag value; booleans may be bare "
                                   "(--flag means true).", HELP_WIDTH),
