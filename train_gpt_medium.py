@@ -3492,9 +3492,11 @@ def check_resume_config(meta: dict, config: Hyperparameters, dtype: torch.dtype)
     start = {"preset": config.preset, "recipe": config.recipe}
     if diffs and saved_start != start and not config.force_resume:  # another recipe: every field it sets differs
         want = " ".join(f"--{k}={v}" for k, v in saved_start.items())
+        # an x01-lineage checkpoint resumes only in its frozen script, which this one's --recipe refuses
+        how = f"python {FROZEN_SCRIPT} {want}" if saved_start["recipe"] in FROZEN_RECIPES else want
         raise CheckpointError(f"refusing to resume: the checkpoint was made with {want}, this run asks for "
                               f"{' '.join(f'--{k}={v}' for k, v in start.items())} ({len(diffs)} fields that change "
-                              f"training differ); resume it with {want} and the checkpoint's other flags")
+                              f"training differ); resume it with {how} and the checkpoint's other flags")
     listing = "".join(f"\n  --{name}: checkpoint {to_text(old)}, now {to_text(new)}"
                       for name, (old, new) in diffs.items())
     if diffs:
