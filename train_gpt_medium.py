@@ -2809,11 +2809,19 @@ class _LastWins(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's wrapping, but a word longer than the line (a default list such as batch_schedule's)
+    moves to a line of its own whole instead of being cut mid-number ("52428" / "8")."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per Hyperparameters field, in the field's group, with its type, default and range."""
     parser = _ArgumentParser(
         prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
         description=textwrap.fill("GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium, "
                                   "--recipe bulk). Flags take --flag=value or --flag value; booleans may be bare "
                                   "(--flag means true).", HELP_WIDTH),
@@ -3495,9 +3503,11 @@ def check_resume_config(meta: dict, config: Hyperparameters, dtype: torch.dtype)
     start = {"preset": config.preset, "recipe": config.recipe}
     if diffs and saved_start != start and not config.force_resume:  # another recipe: every field it sets differs
         want = " ".join(f"--{k}={v}" for k, v in saved_start.items())
+        # an x01-lineage checkpoint resumes only in its frozen script, which this one's --recipe refuses
+        how = f"python {FROZEN_SCRIPT} {want}" if saved_start["recipe"] in FROZEN_RECIPES else want
         raise CheckpointError(f"refusing to resume: the checkpoint was made with {want}, this run asks for "
                               f"{' '.join(f'--{k}={v}' for k, v in start.items())} ({len(diffs)} fields that change "
-                              f"training differ); resume it with {want} and the checkpoint's other flags")
+                              f"training differ); resume it with {how} and the checkpoint's other flags")
     listing = "".join(f"\n  --{name}: checkpoint {to_text(old)}, now {to_text(new)}"
                       for name, (old, new) in diffs.items())
     if diffs:

@@ -3,6 +3,8 @@ included), damaged or half-written checkpoints are refused naming the file, `--r
 falls back to the newest valid one, a nan stops the run without saving over the last good
 checkpoint, and a resumed config that changes training is refused unless forced. The multi-process
 resume tests are in test_distributed.py."""
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import make_golden  # tests/golden, on sys.path through tests/conftest.py
 import train_gpt_medium as tg
 from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env
-from test_training import all_state, assert_same_state, runner_and_loader
+from test_training import all_state, assert_same_state
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,82 +81,73 @@ def saved_run(pristine_run, tmp_path):
 # ---- the round trip
 
 
-def test_checkpoint_round_trip_restores_every_state_bit_for_bit_bf16(synthetic_dir, tmp_path):
-    """bf16 weights carry Muon's low 16 bits: model, Adam moments, Muon momentum and low bits, the
-    data position and the next step all come back identical."""
-    config = tg.make_config("tiny", dtype="bfloat16", train_seq_len=128, warmup_steps=0,
+def train_loader_of(config):
+    """The training loader a run of `config` reads (document-aligned for the tiny preset), at its start."""
+    return tg.train_loader(config, tg.shard_files(config.train_files, "train_files"), 0, 1, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fp32_block_weights", [True, False], ids=["fp32_blocks", "bf16_blocks"])
+def test_checkpoint_round_trip_restores_every_state_bit_for_bit_bf16(synthetic_dir, tmp_path, fp32_block_weights):
+    """bf16 tables and gates with Adam's bf16 moments, NorMuon's momentum and row statistics, and
+    (--fp32_block_weights=false) bf16 block matrices whose fp32 masters Muon keeps as low 16 bits:
+    model, optimizer states, the data position and the next step all come back identical. Saved
+    after step 3 (odd: Adam has just stepped, no gradient waits), then steps 4 and 5 (Adam's next
+    step, on the gradients of both) are the same steps."""
+    config = tg.make_config("tiny", dtype="bfloat16", warmup_steps=0, fp32_block_weights=fp32_block_weights,
                             checkpoint_dir=str(tmp_path / "ck"),
                             train_files=str(synthetic_dir / "synthetic_train_*.bin"))
-    runner, loader = runner_and_loader(config)
-    for step in range(2):
-        runner.train_step(step, loader.next_batch())
-    path = tg.save_checkpoint(runner, loader, 2, 123.0)
-    assert any("low_bits" in s for s in runner.optimizers[1].state.values())
-    resumed, resumed_loader = runner_and_loader(config)
-    assert tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path)) == (2, 123.0)
+    batch = lambda loader, step: loader.next_batch(tg.slice_tokens(step, config))
+    runner, loader = tg.Runner(config, torch.device("cpu")), train_loader_of(config)
+    for step in range(4):
+        runner.train_step(step, batch(loader, step))
+    path = tg.save_checkpoint(runner, loader, 4, 123.0)
+    assert any("low_bits" in s for s in runner.optimizers[1].state.values()) == (not fp32_block_weights)
+    assert any(p.dtype == torch.bfloat16 for p in runner.optimizers[0].state)  # Adam's moments in bf16
+    resumed, resumed_loader = tg.Runner(config, torch.device("cpu")), train_loader_of(config)
+    assert tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path)) == (4, 123.0)
     assert_same_state(all_state(resumed), all_state(runner))
     assert resumed_loader.state() == loader.state()
-    a = runner.train_step(2, loader.next_batch())
-    b = resumed.train_step(2, resumed_loader.next_batch())
-    assert torch.equal(a, b)
+    for step in (4, 5):
+        assert torch.equal(runner.train_step(step, batch(loader, step)),
+                           resumed.train_step(step, batch(resumed_loader, step)))
     assert_same_state(all_state(resumed), all_state(runner))
 
 
-def test_checkpoint_round_trip_restores_every_recipe_state_bit_for_bit(synthetic_dir, tmp_path):
-    """The smear recipe in bf16 (Snoo, ema smoothing, backout, smear) saved after step 4 of a
-    period-3 outer cycle: Snoo's counter, anchors and momentum and Muon's smoothed updates come back,
-    and the next steps, the outer step after step 6 among them, are the same steps."""
-    config = tg.make_config("tiny", "smear", dtype="bfloat16", train_seq_len=128, warmup_steps=0, snoo_period=3,
-                            checkpoint_dir=str(tmp_path / "ck"), train_files=str(synthetic_dir / "synthetic_train_*.bin"))
-    runner, loader = runner_and_loader(config)
-    for step in range(5):
-        runner.train_step(step, loader.next_batch())
-    path = tg.save_checkpoint(runner, loader, 5, 1.0)
-    resumed, resumed_loader = runner_and_loader(config)
-    tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path))
-    assert resumed.outer.counter == runner.outer.counter == 5
-    for step in range(5, 8):
-        assert torch.equal(runner.train_step(step, loader.next_batch()), resumed.train_step(step, resumed_loader.next_batch()))
-    assert_same_state(all_state(resumed), all_state(runner))
-    assert_same_state(resumed.outer.state_dict()["anchors"], runner.outer.state_dict()["anchors"])
-    assert_same_state(resumed.outer.state_dict()["momentum_buffers"], runner.outer.state_dict()["momentum_buffers"])
-    assert any("smoothed_update" in s for s in runner.optimizers[1].state.values())
-
-
-# Outer steps after steps 0, 3, 6 and 9; checkpoints at 4, 8 and 12: a resume from step 4 or 8
-# starts in the middle of an outer cycle.
-RECIPE_FLAGS = ("--recipe=smear", "--snoo_period=3", "--save_every=4", "--seed=0")
+# The live recipe on a 12-step grid (10 scheduled + 2 extension steps): batches of 256, 512, 768
+# and then 1024 tokens, the tied embeddings split after step 3, checkpoints every 2 steps: a run
+# resumed at step 2 still has the split and the last batch change ahead of it.
+RESUME_FLAGS = ("--save_every=2", "--seed=0")
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_recipe_run(synthetic_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("recipe_uninterrupted")
-    assert tg.main(run_argv(synthetic_dir, out, *RECIPE_FLAGS, N=12)) == 0
+def uninterrupted_run(synthetic_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert tg.main(run_argv(synthetic_dir, out, *RESUME_FLAGS, N=12)) == 0
     return out / "ck" / "tiny"
 
 
 @pytest.mark.slow
-def test_a_recipe_resumed_across_outer_steps_ends_bit_for_bit_where_the_uninterrupted_run_does(
-        uninterrupted_recipe_run, synthetic_dir, tmp_path):
-    saved = uninterrupted_recipe_run / "step_000004"
-    assert torch.load(saved / "main.pt", weights_only=True)["snoo"]["counter"] == 4
-    assert tg.main(run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, f"--resume={saved}", N=12)) == 0
-    assert f"resumed from {saved} at step 4/12" in log_text(tmp_path)
+def test_a_run_resumed_before_the_split_ends_bit_for_bit_where_the_uninterrupted_run_does(
+        uninterrupted_run, synthetic_dir, tmp_path):
+    saved = uninterrupted_run / "step_000002"
+    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, N=12))
+    assert tg.untie_step(config) == 3 and tg.batch_tokens(2, config) < tg.batch_tokens(3, config)
+    assert tg.main(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, f"--resume={saved}", N=12)) == 0
+    assert f"resumed from {saved} at step 2/12" in log_text(tmp_path)
     assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000012"),
-                         checkpoint_tensors(uninterrupted_recipe_run / "step_000012"))
+                         checkpoint_tensors(uninterrupted_run / "step_000012"))
 
 
 @pytest.mark.slow
-def test_a_recipe_run_killed_mid_outer_cycle_resumes_bit_for_bit(uninterrupted_recipe_run, synthetic_dir, tmp_path):
-    """SIGKILL as soon as the step-4 checkpoint exists (the run is then between the outer steps
-    after steps 3 and 6, or saving step 8); `--resume latest` finishes it exactly as the
-    uninterrupted run."""
-    first = kill_when_saved(run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, N=12), tmp_path, 4)
+def test_a_run_killed_with_sigkill_resumes_bit_for_bit(uninterrupted_run, synthetic_dir, tmp_path):
+    """SIGKILL as soon as the step-2 checkpoint exists (the run is then in step 2 or 3, or saving
+    step 4); `--resume latest` finishes it exactly as the uninterrupted run."""
+    first = kill_when_saved(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, N=12), tmp_path, 2)
     assert first.exists() and not (tmp_path / "ck" / "tiny" / "step_000012").exists()
-    assert tg.main(run_argv(synthetic_dir, tmp_path, *RECIPE_FLAGS, "--resume=latest", N=12)) == 0
-    assert resumed_step(tmp_path) in (4, 8)
+    assert tg.main(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, "--resume=latest", N=12)) == 0
+    assert resumed_step(tmp_path) in (2, 4)
     assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000012"),
-                         checkpoint_tensors(uninterrupted_recipe_run / "step_000012"))
+                         checkpoint_tensors(uninterrupted_run / "step_000012"))
 
 
 # ---- damaged and half-written checkpoints
@@ -267,7 +261,7 @@ def test_resume_with_a_config_that_changes_training_is_refused_listing_the_field
                     "--run_id=other", f"--log_dir={tmp_path / 'other_logs'}", "--val_every=1", N=6)
     assert tg.main(argv) == 2
     err = capsys.readouterr().err
-    assert "--embed_lr: checkpoint 0.3, now 0.5" in err and "--num_iterations: checkpoint 4, now 6" in err
+    assert "--embed_lr: checkpoint 0.004, now 0.5" in err and "--num_iterations: checkpoint 4, now 6" in err
     assert "--force_resume" in err
     for ignored in ("run_id", "log_dir", "val_every", "resume"):  # these don't change training
         assert f"--{ignored}:" not in err
@@ -275,14 +269,19 @@ def test_resume_with_a_config_that_changes_training_is_refused_listing_the_field
 
 
 def test_resume_with_another_recipe_is_refused_in_one_line_naming_the_checkpoints_recipe(
-        saved_run, synthetic_dir, tmp_path, capsys):
-    """Not a list of every field the other recipe sets: which recipe the checkpoint was made with,
-    and the flags that resume it."""
-    argv = run_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}", "--recipe=bulk")
+        synthetic_dir, tmp_path, capsys):
+    """A checkpoint of the x01 lineage (written by its frozen script) given to the live script: not
+    a list of every field that differs, but which recipe the checkpoint was made with and the
+    command that resumes it (the frozen script: the live one refuses --recipe=x01)."""
+    frozen = make_golden.load_trainer(make_golden.X01_LINEAGE / "train_gpt_medium.py")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert frozen.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", N=2)) == 0
+    capsys.readouterr()
+    argv = run_argv(synthetic_dir, tmp_path, f"--resume={tmp_path / 'ck/tiny/step_000002'}")
     assert tg.main(argv) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "the checkpoint was made with --preset=tiny --recipe=x01" in line and "--recipe=bulk" in line
-    assert "resume it with --preset=tiny --recipe=x01" in line
+    assert "resume it with python records/x01_lineage/train_gpt_medium.py --preset=tiny --recipe=x01" in line
 
 
 def test_force_resume_accepts_the_differences_and_says_so(saved_run, synthetic_dir, tmp_path):
@@ -290,20 +289,7 @@ def test_force_resume_accepts_the_differences_and_says_so(saved_run, synthetic_d
                                     "--embed_lr=0.5", "--force_resume", N=6))
     (path, meta), notes = tg.prepare_checkpoints(config, torch.float32, rank=0, world_size=1)
     assert path == saved_run / "step_000002"
-    assert len(notes) == 1 and "--embed_lr: checkpoint 0.3, now 0.5" in notes[0] and "num_iterations" in notes[0]
-
-
-def test_forcing_snoo_onto_a_checkpoint_without_it_anchors_at_the_restored_weights(saved_run, synthetic_dir, tmp_path):
-    """The outer steps keep their place on the step grid: the counter is the checkpoint's step."""
-    path = saved_run / "step_000002"
-    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, f"--resume={path}", "--snoo_period=3", "--force_resume"))
-    runner, loader = runner_and_loader(config)
-    tg.load_checkpoint(runner, loader, path, tg.validate_checkpoint(path))
-    assert runner.outer.counter == 2 and runner.outer.momentum_buffers == {}
-    saved = torch.load(path / "main.pt", weights_only=True)["model"]
-    assert "snoo" not in torch.load(path / "main.pt", weights_only=True)
-    for name, anchor in runner.outer.anchors.items():
-        assert torch.equal(anchor, saved[name]), name
+    assert len(notes) == 1 and "--embed_lr: checkpoint 0.004, now 0.5" in notes[0] and "num_iterations" in notes[0]
 
 
 @pytest.mark.parametrize("flag,field", [("--mlp_ratio=2", "mlp_ratio"), ("--dtype=bfloat16", "dtype")])

@@ -1,5 +1,5 @@
-"""Configuration and command line: the --dry_run accounting against the recipe's numbers
-(docs/recipe.md, "Model" and "Model FLOPs") recomputed here from the shapes, flag parsing, errors that name the flag (exit code 2), and an import
+"""Configuration and command line: the --dry_run accounting against the record's numbers
+(docs/bulk.md and docs/bulk-model.md, "Counts and FLOPs") recomputed here from the shapes, flag parsing, errors that name the flag (exit code 2), and an import
 without side effects. Everything runs in-process through tg.main / tg.parse_args."""
 import json
 import os
@@ -15,18 +15,28 @@ import train_gpt_medium as tg
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# the record model's shapes (docs/recipe.md, "Model")
-V, V_PAD, D, L, HIDDEN = 50257, 50304, 1024, 16, 4096
-ATTENTION_LAYERS = [i for i in range(L) if i != 7]
+# the record model's shapes (docs/bulk-model.md): attention on all 16 layers, every table padded to
+# 50,304 rows, value embeddings on 10 layers, 8 heads
+V_PAD, D, L, HIDDEN, HEADS, GATE_IN = 50304, 1024, 16, 4096, 8, 16
+ATTENTION_LAYERS = list(range(L))
 LONG_LAYERS = {0, 4, 11, 15}
+VALUE_EMBED_LAYERS = 10
 RECIPE_GROUPS = dict(
     head=V_PAD * D,
-    embed=2 * V * D,
-    value_embed=5 * V * D,
-    scalar=L * (1 + 3 + 2),
+    embed=2 * V_PAD * D,  # the input table x00 and the second one x01
+    value_embed=5 * V_PAD * D,
+    # residual weights, 2 attention lambdas per layer, smear, 3 skip gains, backout; padded to 56 (8 GPUs)
+    scalar=56,
     muon_attn=len(ATTENTION_LAYERS) * 4 * D * D,
     muon_mlp=L * 2 * HIDDEN * D,
+    x0_lambdas=L * 2,
+    gates=GATE_IN + 3 * GATE_IN,  # the smear gate and the three skip gates
+    muon_gates=(L + VALUE_EMBED_LAYERS) * HEADS * GATE_IN,  # attention output gates, value-embedding gates
 )
+# the record's step grid (docs/bulk-data.md): 4700 scheduled + 40 extension steps, 12 slots
+SCHEDULED, EXTENSION, BLOCK = 4700, 40, 128
+BATCHES = (131072, 262144, 393216) + (524288,) * 9
+LONG_WINDOWS = (3, 7, 11, 13, 15, 17, 19, 21, 23, 23, 23, 23)
 
 
 def dry_run_summary(capsys) -> dict:
@@ -45,37 +55,41 @@ def error_of(argv, capsys) -> str:
 
 def test_dry_run_parameter_count_is_the_recipe_total(capsys):
     summary = dry_run_summary(capsys)
-    assert summary["total_params"] == 608_885_856 == sum(RECIPE_GROUPS.values())
+    assert summary["total_params"] == 613_420_440 == sum(RECIPE_GROUPS.values())
     assert sum(summary["params_by_group"].values()) == summary["total_params"]
     assert summary["params_by_group"] == RECIPE_GROUPS
 
 
 def test_dry_run_flops_per_token_is_the_recipe_figure(capsys):
-    """docs/recipe.md ("Model FLOPs"): about 1.686e9 = 1.492e9 (6 x matmul weights) + 0.194e9 (attention)."""
+    """docs/bulk.md and docs/bulk-model.md ("Counts and FLOPs"): about 1.792e9 averaged over the run's
+    tokens = 1.5170e9 (6 x matmul weights) + 0.275e9 (attention)."""
     summary = dry_run_summary(capsys)
-    assert summary["flops_per_token"] == pytest.approx(1.686e9, rel=1e-3)
-    assert summary["flops_per_token_weights"] == pytest.approx(1.492e9, rel=1e-3)
-    assert summary["flops_per_token_attention"] == pytest.approx(0.194e9, rel=3e-3)  # 3 significant digits
+    assert summary["flops_per_token"] == pytest.approx(1.792e9, rel=1e-3)
+    assert summary["flops_per_token_weights"] == pytest.approx(1.5170e9, rel=1e-4)
+    assert summary["flops_per_token_attention"] == pytest.approx(0.275e9, rel=3e-3)  # 3 significant digits
     assert summary["flops_per_token"] == pytest.approx(
         summary["flops_per_token_weights"] + summary["flops_per_token_attention"], rel=1e-12)
 
 
 def test_dry_run_flops_equal_a_recount_from_the_shapes_and_the_window_schedule(capsys):
-    """Weights: 6 x (head + attention + MLP matrices). Attention: per step, per attention layer,
-    12 x attn_dim x (mean keys per query over the 128 offsets in a block: the window's earlier
-    blocks whole plus the own block up to the query), averaged over the 5690 steps."""
+    """Weights: 6 x (head + attention + MLP matrices + the head gates' matrices). Attention: per
+    step, per attention layer, 12 x attn_dim x keys per query (a token window of W blocks: the
+    query and the W x 128 tokens before it), averaged over the run's tokens: each step weighs its
+    batch. Slot k of the 12-slot grid holds steps with floor(12 step / 4700) = k; the 40 extension
+    steps keep the last slot's batch and windows; the short window is min(11, long // 2)."""
     summary = dry_run_summary(capsys)
-    weights = 6 * (RECIPE_GROUPS["head"] + RECIPE_GROUPS["muon_attn"] + RECIPE_GROUPS["muon_mlp"])
+    weights = 6 * (RECIPE_GROUPS["head"] + RECIPE_GROUPS["muon_attn"] + RECIPE_GROUPS["muon_mlp"]
+                   + RECIPE_GROUPS["muon_gates"])
     assert summary["flops_per_token_weights"] == weights
-    config = tg.make_config()
-    total = 0.0
-    for step in range(config.num_iterations):
-        W = tg.window_blocks(step, config)
-        for layer in ATTENTION_LAYERS:
-            w = W if layer in LONG_LAYERS else W // 2
-            keys = sum(max(w - 1, 0) * 128 + offset + 1 for offset in range(128)) / 128
-            total += 12 * D * keys
-    assert summary["flops_per_token_attention"] == pytest.approx(total / config.num_iterations, rel=1e-9)
+    total = tokens = 0
+    for step in range(SCHEDULED + EXTENSION):
+        slot = min(12 * step // SCHEDULED, 11)
+        long = LONG_WINDOWS[slot]
+        per_token = sum(12 * D * ((long if layer in LONG_LAYERS else min(11, long // 2)) * BLOCK + 1)
+                        for layer in ATTENTION_LAYERS)
+        total += BATCHES[slot] * per_token
+        tokens += BATCHES[slot]
+    assert summary["flops_per_token_attention"] == pytest.approx(total / tokens, rel=1e-9)
 
 
 # ---- errors: exit code 2 and a message naming the flag
@@ -112,14 +126,14 @@ def test_value_flag_without_a_value_exits_2(capsys):
 
 
 def test_equals_and_space_forms_are_the_same():
-    assert tg.parse_args(["--num_iterations=7"]).num_iterations == 7
-    assert tg.parse_args(["--num_iterations", "7"]).num_iterations == 7
+    assert tg.parse_args(["--num_iterations=77"]).num_iterations == 77
+    assert tg.parse_args(["--num_iterations", "77"]).num_iterations == 77
     assert tg.parse_args(["--embed_lr", "0.5", "--run_id=abc"]) == tg.parse_args(["--embed_lr=0.5", "--run_id", "abc"])
 
 
 def test_bare_boolean_flag_is_true_and_takes_no_value():
-    config = tg.parse_args(["--dry_run", "--num_iterations", "9"])
-    assert config.dry_run is True and config.num_iterations == 9
+    config = tg.parse_args(["--dry_run", "--num_iterations", "99"])
+    assert config.dry_run is True and config.num_iterations == 99
     assert tg.parse_args([]).dry_run is False
 
 
@@ -140,7 +154,7 @@ def test_overrides_apply_on_top_of_the_preset_in_any_order():
         config = tg.parse_args(argv)
         assert config.preset == "tiny" and config.num_iterations == 7
         assert config.model_dim == tiny.model_dim == 64 and config.vocab_size == 500  # the rest: the preset
-    assert tg.make_config().num_iterations == 5690 and tiny.num_iterations == 200
+    assert tg.make_config().num_iterations == 4740 and tiny.num_iterations == 190
 
 
 @pytest.mark.parametrize("override,flag", [
@@ -148,7 +162,8 @@ def test_overrides_apply_on_top_of_the_preset_in_any_order():
     (dict(val_seq_len=0), "--val_seq_len"),
     (dict(eot_token=500), "--eot_token"),
     (dict(value_embed_layout="0,1,2,3,4,-,-,-,-,-,-,0,1,2,3"), "--value_embed_layout"),
-    (dict(value_embed_layout="0,1,2,3,4,-,-,0,-,-,-,0,1,2,3,4"), "--value_embed_layout"),  # layer 7: no attention
+    (dict(attention_free_layers=(7,), value_embed_layout="0,1,2,3,4,-,-,0,-,-,-,0,1,2,3,4"),
+     "--value_embed_layout"),  # layer 7: no attention
     (dict(skip_connections="9<10"), "--skip_connections"),
     (dict(val_tokens=1000), "--val_tokens"),
 ])
@@ -200,7 +215,8 @@ def test_every_field_is_a_row_of_the_readme_switch_table():
 def test_a_shorter_sequence_is_logged_as_a_change_of_training():
     assert tg.recipe_notes(tg.make_config("tiny")) == []
     assert tg.recipe_notes(tg.make_config("tiny", activation_checkpointing=True)) == []
-    (note,) = tg.recipe_notes(tg.make_config("medium", train_seq_len=16384))
+    # the batch ramp's larger steps do not fit 8 slices of 16384 tokens: every step the full batch
+    (note,) = tg.recipe_notes(tg.make_config("medium", train_seq_len=16384, batch_schedule=()))
     assert "--train_seq_len=16384" in note and "65536" in note and "changes training" in note
     assert "131,072 tokens instead of 524,288" in note and "--activation_checkpointing" in note
 
@@ -221,13 +237,14 @@ def test_help_lists_every_field_with_its_default_and_exits_0(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for f in tg.fields(tg.Hyperparameters):
         assert f"--{f.name}" in out, f.name
-    assert "[default 5690; >= 1]" in out and "[default 0.025; >= 0]" in out
+    assert "[default 4740; >= 1]" in out and "[default 0.015; >= 0]" in out
 
 
 def test_the_log_says_when_a_choice_changes_training_and_how_many_cpu_threads(synthetic_dir, tmp_path):
     argv = ["--preset=tiny", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
-            f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=2",
-            "--val_every=0", "--val_tokens=1024", "--warmup_steps=0", "--train_seq_len=256", "--threads=1",
+            f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=3",
+            "--val_every=0", "--val_tokens=1024", "--warmup_steps=0", "--train_seq_len=256", "--batch_schedule=",
+            "--threads=1",
             f"--log_dir={tmp_path}"]
     assert tg.main(argv) == 0
     (log,) = tmp_path.glob("*.txt")

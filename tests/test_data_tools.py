@@ -341,7 +341,7 @@ def test_bad_flags_are_refused_before_the_checkpoint_is_read(flags, fragment, tm
 
 @pytest.fixture(scope="module")
 def checkpoint(synthetic_dir, tmp_path_factory):
-    """A real tiny checkpoint (vocabulary of 500, attention blocks of 128)."""
+    """A real tiny checkpoint (vocabulary of 500, attention blocks of 16)."""
     from test_inspect import saved_checkpoint
     path, _, _ = saved_checkpoint(synthetic_dir, tmp_path_factory.mktemp("checkpoint"))
     return path
@@ -357,7 +357,7 @@ def val_files(tmp_path):
 @pytest.mark.parametrize("flags, fragment", [
     (["--token=500"], "--token must be in [0, 500)"),
     (["--top_k=501"], "--top_k must be at most the vocabulary size 500, got 501"),
-    (["--seq_len=100"], "--seq_len must be a positive multiple of 128"),
+    (["--seq_len=100"], "--seq_len must be a positive multiple of 16"),  # the tiny preset's attn_block_size
     (["--val_files={tmp}/none_*.bin"], "--val_files: no files match '{tmp}/none_*.bin'"),
     (["--val_files={tmp}/folder_val_*.bin"], "{tmp}/folder_val_000000.bin is a folder"),
     (["--val_files={tmp}/short_val_*.bin", "--seq_len=128"],

@@ -25,12 +25,12 @@ def test_a_run_reads_the_byte_table_and_checks_the_world_size_once(synthetic_dir
             calls[name] += 1
             return real(*args, **kwargs)
         monkeypatch.setattr(tg, name, counted)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, N=2)) == 0
+    assert tg.main(run_argv(synthetic_dir, tmp_path, N=3)) == 0
     assert calls == {"read_token_bytes": 1, "check_world_size": 1}
 
 
 def test_the_log_gives_every_field_its_group_and_the_groups_that_make_an_experiment(synthetic_dir, tmp_path):
-    assert tg.main(run_argv(synthetic_dir, tmp_path, N=2)) == 0
+    assert tg.main(run_argv(synthetic_dir, tmp_path, N=3)) == 0
     lines = {line.split(" = ", 1)[0]: line.split(" = ", 1)[1] for line in log_text(tmp_path).splitlines()
              if line.startswith(("config_groups = ", "experiment_groups = "))}
     groups = json.loads(lines["config_groups"])
@@ -88,7 +88,7 @@ def test_a_run_that_generates_its_synthetic_data_loads_the_trainer_once(tmp_path
     generating the tiny preset's data does not import the trainer a second time as a module."""
     script = f"""
 import runpy, sys
-sys.argv = ["train_gpt_medium.py", "--preset=tiny", "--num_iterations=1", "--val_every=0", "--warmup_steps=0",
+sys.argv = ["train_gpt_medium.py", "--preset=tiny", "--num_iterations=3", "--val_every=0", "--warmup_steps=0",
             "--log_dir={tmp_path / 'logs'}"]
 try:
     runpy.run_path({str(ROOT / 'train_gpt_medium.py')!r}, run_name="__main__")

@@ -94,7 +94,7 @@ def test_same_seed_gives_bit_identical_runs(synthetic_dir):
 
 def test_too_little_training_data_is_refused_before_training(synthetic_dir):
     config = small_run_config(synthetic_dir, num_iterations=10_000)
-    with pytest.raises(tg.ShardError, match=r"--train_files: 2 shard\(s\) feed \d+ steps .* needs 10000"):
+    with pytest.raises(tg.ShardError, match=r"--train_files: 2 shard\(s\) feed at most \d+ of the run's 10000 steps"):
         tg.load_data(config)
 
 
@@ -114,11 +114,14 @@ def test_tiny_preset_learns_and_logs_in_the_documented_format(tiny_seed0_run):
     vals = [VAL_LINE.match(line) for line in step_lines if "val_loss" in line]
     trains = [TRAIN_LINE.match(line) for line in step_lines if "val_loss" not in line]
     assert all(vals) and all(trains)
-    assert [int(m[1]) for m in vals] == [0, 50, 100, 150, 200]
-    assert [int(m[1]) for m in trains] == list(range(1, 201))
+    assert [int(m[1]) for m in vals] == [0, 38, 76, 114, 152, 190]
+    assert [int(m[1]) for m in trains] == list(range(1, 191))
     assert re.fullmatch(r"peak memory allocated: \d+ MiB reserved: \d+ MiB", body.splitlines()[-1])
     first, final = float(vals[0][3]), float(vals[-1][3])
-    assert first == pytest.approx(torch.log(torch.tensor(512.0)).item(), abs=1e-4)
+    # untrained: nearly uniform over the 512 padded rows. The head starts at N(0, 0.005^2), so the
+    # capped logits spread by a few hundredths and the loss sits above ln 512 by about half their
+    # variance (measured: 1.8e-3 at --seed=0)
+    assert first == pytest.approx(torch.log(torch.tensor(512.0)).item(), abs=5e-3)
     # clearly learned: past the midpoint between "ignores context" and "perfect"
     assert final < (meta["unigram_entropy"] + meta["conditional_entropy"]) / 2, (final, meta)
     assert "final val_loss" in tiny_seed0_run["stdout"]
