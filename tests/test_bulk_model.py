@@ -136,6 +136,17 @@ def test_one_document_keeps_the_window_edge_block_as_a_partial_block():
     assert edge.any() and not edge.all()  # only part of the edge block is in reach
 
 
+def test_every_query_keeps_its_own_token_down_to_a_window_of_0():
+    """The diagonal block is always kept, as a partial block: no row is empty (no NaN), even for the
+    short window 0 of a long window of 1 block (min(11, 1 // 2)), which sees the query alone."""
+    ids = torch.from_numpy(random_ids(9, 2.0, num_blocks=8))
+    for window in (0, 1, 2):
+        dense, short = tg.token_window_masks(ids, torch.tensor(window), torch.tensor(0), MASK_CONFIG, "sdpa")
+        block_mask, _ = tg.token_window_masks(ids, torch.tensor(window), torch.tensor(0), MASK_CONFIG, "flex")
+        assert dense.diagonal().all() and torch.equal(short, torch.eye(ids.numel(), dtype=torch.bool))
+        np.testing.assert_array_equal(expand_block_mask(block_mask, ids.numpy()), dense.numpy(), f"W={window}")
+
+
 def test_a_token_window_gives_every_query_far_from_the_start_w_blocks_and_one_key():
     """Inside one document, past the first w blocks: exactly BS*w + 1 keys per query, for the long
     and the short window alike."""
