@@ -83,6 +83,7 @@ if [ "$world" -gt 1 ]; then
   "$PYTHON" -c 'import contextlib, importlib.util, io, sys
 spec = importlib.util.spec_from_file_location("trainer", sys.argv[2])
 t = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = t  # dataclasses look their module up there while the file runs
 spec.loader.exec_module(t)
 argv = sys.argv[3:]
 try:

@@ -1,7 +1,7 @@
 """The 2025-12-31 record's step grid and document-aligned batches (docs/bulk-data.md).
 
 Schedules: the values of the record's step table at every boundary, and at every step a plain
-re-derivation from the record's formulas written out here; each switch off is today's schedule.
+re-derivation from the record's formulas written out here.
 Loader: documents, cuts, targets, shard changes and the split over ranks equal a plain loop over
 end-of-text positions written here; it resumes exactly, across a batch-size change too. Wiring:
 the warm-up and the benchmark visit every batch shape, train() feeds each step its own shape, a
@@ -14,8 +14,8 @@ import torch
 
 import train_gpt_medium as tg
 
-RECORD = tg.make_config("medium", **tg.BULK_RECORD_GRID["medium"])
-TINY_GRID = tg.make_config("tiny", **tg.BULK_RECORD_GRID["tiny"])
+RECORD = tg.make_config()  # the defaults are the record
+TINY_GRID = tg.make_config("tiny")  # its grid at 1/25
 
 
 # ==== the step grid
@@ -57,11 +57,10 @@ def test_the_lr_peaks_are_exact_and_change_only_strictly_past_a_slot_boundary():
 
 
 def test_the_record_momentum_warms_up_over_300_steps_and_cools_down_over_the_last_50():
-    mu = lambda s: tg.muon_momentum_with_cooldown(s, RECORD)
+    mu = lambda s: tg.momentum_schedule(s, RECORD)
     assert mu(0) == 0.85 and mu(150) == pytest.approx(0.90, abs=1e-15) and mu(300) == mu(4690) == 0.95
     assert mu(4691) == pytest.approx(0.948, abs=1e-15)
     assert mu(4739) == pytest.approx(0.852, abs=1e-15)
-    assert tg.momentum_schedule(4739, RECORD) == mu(4739)
 
 
 def test_the_record_final_validation_uses_windows_27_and_11():
@@ -82,8 +81,8 @@ def test_the_record_splits_its_embeddings_after_the_odd_step_785():
 
 
 def test_the_record_rescales_rope_at_the_first_three_long_window_changes_only():
-    assert tg.yarn_changes(tg.make_config("medium", recipe="bulk")) == [(392, 3, 7), (784, 7, 11), (1175, 11, 13)]
-    assert tg.yarn_changes(RECORD) == []  # the grid alone: no --yarn_window_limit
+    assert tg.yarn_changes(RECORD) == [(392, 3, 7), (784, 7, 11), (1175, 11, 13)]
+    assert tg.yarn_changes(tg.make_config(yarn_window_limit=0)) == []  # YaRN off
 
 
 def test_the_record_validates_every_250_steps_and_at_the_end():
@@ -141,36 +140,6 @@ def test_every_step_of_the_record_grid_equals_the_records_formulas_bit_for_bit()
         assert got == want, s
 
 
-# ---- each switch off is today's schedule; the lr with one peak and no floor is x01's
-
-
-def test_with_the_grid_off_the_schedules_are_the_x01_ones():
-    x01 = tg.make_config("medium")
-    assert not tg.uses_step_grid(x01)
-    for s in range(0, x01.num_iterations + 1, 7):
-        assert tg.lr_schedule(s, x01) == tg.lr_multiplier(s, x01)
-        assert tg.momentum_schedule(s, x01) == tg.muon_momentum(s, x01)
-        assert tg.attention_windows(s, x01) == (tg.window_blocks(s, x01), tg.window_blocks(s, x01) // 2)
-        assert tg.batch_tokens(s, x01) == 8 * 65536 and tg.slice_tokens(s, x01) == 65536
-    assert tg.yarn_changes(x01) == [] and tg.warmup_schedule(x01) == list(range(10))
-    assert tg.bench_points(x01) == [0, 5689]
-
-
-def test_one_lr_peak_of_1_with_floor_0_and_no_extension_is_the_x01_lr_bit_for_bit():
-    config = tg.make_config("medium", lr_peaks=(1.0,))
-    assert all(tg.grid_lr_multiplier(s, config, 0.0) == tg.lr_multiplier(s, config)
-               for s in range(config.num_iterations + 1))
-
-
-def test_the_cooldown_momentum_before_its_cooldown_is_the_x01_momentum_in_float32():
-    """The two write the warm-up's interpolation differently: equal to the last bit of a float32
-    at every step (a float64 may differ in its last bit)."""
-    config = tg.make_config("medium", muon_momentum_cooldown_steps=50)
-    for s in range(config.num_iterations - 50 + 1):
-        a, b = tg.muon_momentum_with_cooldown(s, config), tg.muon_momentum(s, config)
-        assert np.float32(a) == np.float32(b) and a == pytest.approx(b, abs=1e-15), s
-
-
 # ---- the tiny form
 
 
@@ -183,7 +152,7 @@ def test_the_tiny_grid_is_the_record_grid_at_steps_divided_by_25():
         assert tg.attention_windows(t, TINY_GRID) == tg.attention_windows(s, RECORD)
         assert tg.grid_lr_multiplier(t, TINY_GRID, 0.1) == tg.grid_lr_multiplier(s, RECORD, 0.1)
         assert tg.multi_token_weights(t, TINY_GRID) == tg.multi_token_weights(s, RECORD)
-        assert tg.muon_momentum_with_cooldown(t, TINY_GRID) == tg.muon_momentum_with_cooldown(s, RECORD)
+        assert tg.momentum_schedule(t, TINY_GRID) == tg.momentum_schedule(s, RECORD)
     assert tg.attention_windows(190, TINY_GRID) == (27, 11)
 
 
@@ -194,12 +163,11 @@ def test_the_tiny_grid_runs_every_phase_within_its_steps():
     assert sorted({tg.slice_tokens(s, c) % c.attn_block_size for s in range(N)}) == [0]
     assert {len(tg.multi_token_weights(s, c)) for s in range(N)} == {1, 2, 3}
     assert tg.embedding_split_step(c) == 33 < N
-    bulk = tg.make_config("tiny", recipe="bulk")
-    assert [(old, new) for _, old, new in tg.yarn_changes(bulk)] == [(3, 7), (7, 11), (11, 13)]
-    assert tg.embedding_split_step(bulk) == tg.untie_step(bulk) == 33 and bulk.untie_embed_after_step is None
+    assert [(old, new) for _, old, new in tg.yarn_changes(c)] == [(3, 7), (7, 11), (11, 13)]
+    assert tg.untie_step(c) == 33 and c.untie_embed_after_step is None
     assert tg.embedding_split_step(tg.make_config("medium", recipe="bulk")) == 785
     assert tg.grid_lr_multiplier(N - 1, c, 0.1) == 0.1  # an extension step
-    assert tg.muon_momentum_with_cooldown(N - 1, c) < c.muon_momentum  # inside the cool-down
+    assert tg.momentum_schedule(N - 1, c) < c.muon_momentum  # inside the cool-down
     assert max(tg.attention_windows(s, c)[0] for s in range(N + 1)) * c.attn_block_size < c.train_seq_len
 
 
@@ -432,32 +400,34 @@ def test_the_warmup_runs_every_batch_shape_of_the_grid(monkeypatch):
     assert all({c - 1, c, c + 1} & steps <= {s for s, _ in seen} for c in tg.grid_changes(TINY_GRID))
 
 
-def test_without_a_window_schedule_the_warmup_skips_the_x01_window_changes():
-    """x01's window is a device tensor (no new shape): only the grid's own phases are visited."""
-    config = tg.make_config("medium", lr_peaks=(1.0, 2.0), warmup_steps=2)
+def test_the_warmup_visits_only_the_phases_the_grid_has():
+    """One window, no batch ramp, no extension: with neither multi-token prediction nor a split no
+    phase changes; with them, only their changes are visited."""
+    plain = dict(num_iterations=5690, extension_steps=0, batch_schedule=(), window_schedule=(13,),
+                 lr_peaks=(1.0, 2.0), warmup_steps=2)
+    config = tg.make_config(**plain, multi_token_prediction=False, untie_embed_after_step=0)
     assert tg.grid_changes(config) == [] and tg.warmup_schedule(config) == [0, 1]
-    config = tg.make_config("medium", lr_peaks=(1.0, 2.0), warmup_steps=2, multi_token_prediction=True,
-                            untie_embed_after_step=tg.embedding_split_step(config), pad_vocab_tables=True)
+    config = tg.make_config(**plain)
     mtp_and_split = [475, 949, 950]  # two multi-token changes (S/12, S/6) and the step after the split
-    assert tg.grid_changes(config) == mtp_and_split
+    assert tg.untie_step(config) == 949 and tg.grid_changes(config) == mtp_and_split
     assert tg.warmup_schedule(config) == [0, 1, 474, 475, 476, 948, 949, 950, 951]
 
 
 def test_the_schedules_reach_the_optimizers():
-    runner = tg.Runner(tg.make_config("tiny", **{**tg.BULK_RECORD_GRID["tiny"], "dtype": "float32"}),
-                       torch.device("cpu"))
+    runner = tg.Runner(tg.make_config("tiny", dtype="float32"), torch.device("cpu"))
     for step in (0, 20, 120, 189):
         tg.set_schedules(runner.optimizers, step, runner.config)
         for opt in runner.optimizers:
             for group in opt.param_groups:
                 assert group["lr"] == group["initial_lr"] * tg.grid_lr_multiplier(step, runner.config, 0.1)
                 if isinstance(opt, tg.Muon):
-                    assert group["momentum"] == tg.muon_momentum_with_cooldown(step, runner.config)
+                    assert group["momentum"] == tg.momentum_schedule(step, runner.config)
         assert tuple(runner.window(step).tolist()) == tg.attention_windows(step, runner.config)  # [long, short]
 
 
-def test_validation_is_the_contiguous_x01_chunks_with_aligned_batches_too():
-    plain = tg.Runner(tg.make_config("tiny", dtype="float32", seed=3), torch.device("cpu"))
+def test_validation_is_the_same_contiguous_chunks_with_aligned_batches_too():
+    plain = tg.Runner(tg.make_config("tiny", dtype="float32", seed=3, document_aligned_batches=False),
+                      torch.device("cpu"))
     aligned = tg.Runner(tg.make_config("tiny", dtype="float32", seed=3, document_aligned_batches=True),
                         torch.device("cpu"))
     val = torch.randint(0, 500, (plain.config.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
@@ -495,27 +465,29 @@ def test_train_feeds_each_step_the_aligned_slices_of_its_batch_size(synthetic_di
 def test_a_run_resumed_before_a_batch_size_change_ends_bit_identical(synthetic_dir, tmp_path):
     from test_distributed import assert_bit_identical, checkpoint_tensors
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    assert tg.main(grid_argv(synthetic_dir, whole, "--save_every=3")) == 0
-    saved = whole / "ck/tiny/step_000003"  # step 3 has 512 tokens, step 4 the next size
-    assert tg.main(grid_argv(synthetic_dir, resumed, "--save_every=3", f"--resume={saved}")) == 0
-    for step in (6, 12):
+    assert tg.main(grid_argv(synthetic_dir, whole, "--save_every=4")) == 0
+    saved = whole / "ck/tiny/step_000004"  # steps 2, 3 had 512 tokens, step 4 (the resumed run's first) has 768
+    assert tg.main(grid_argv(synthetic_dir, resumed, "--save_every=4", f"--resume={saved}")) == 0
+    for step in (8, 12):
         assert_bit_identical(checkpoint_tensors(resumed / f"ck/tiny/step_{step:06d}"),
                              checkpoint_tensors(whole / f"ck/tiny/step_{step:06d}"))
 
 
 @pytest.mark.slow
 def test_two_processes_on_the_grid_end_bit_identical_to_one(synthetic_dir, tmp_path):
-    """gloo: each process takes one of the step's two slices; one process accumulates both."""
+    """gloo: each process takes one of the step's two slices; one process accumulates both. Adam
+    every step: on odd steps only, a rank's two held gradients are added before the sum over ranks,
+    another order of the same four terms (tests/test_bulk_recipe.py compares that to its order)."""
     from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes
-    one, two = one_and_two_processes(lambda out: grid_argv(synthetic_dir, out, "--save_every=12"),
+    one, two = one_and_two_processes(lambda out: grid_argv(synthetic_dir, out, "--save_every=12",
+                                                           "--adam_odd_steps_only=false"),
                                      tmp_path / "one", tmp_path / "two")
     assert_bit_identical(checkpoint_tensors(one / "ck/tiny/step_000012"), checkpoint_tensors(two / "ck/tiny/step_000012"))
 
 
 def test_bench_times_each_batch_size_of_the_grid(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    flags = [f"--{k}={tg.to_text(v)}" for k, v in tg.BULK_RECORD_GRID["tiny"].items()]
-    assert tg.main(["--preset=tiny", *flags, "--bench_steps=1", "--warmup_steps=0",
+    assert tg.main(["--preset=tiny", "--bench_steps=1", "--warmup_steps=0",
                     f"--train_files={tmp_path}/none_*.bin", f"--val_files={tmp_path}/none_*.bin"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])
@@ -527,18 +499,19 @@ def test_bench_times_each_batch_size_of_the_grid(tmp_path, monkeypatch, capsys):
 
 
 def test_too_few_shards_for_the_grid_are_refused_naming_the_flag(synthetic_dir):
-    config = tg.make_config("tiny", **{**tg.BULK_RECORD_GRID["tiny"], "num_iterations": 10_000,
-                                       "train_files": str(synthetic_dir / "synthetic_train_*.bin"),
-                                       "val_files": str(synthetic_dir / "synthetic_val_*.bin")})
+    config = tg.make_config("tiny", num_iterations=10_000, train_files=str(synthetic_dir / "synthetic_train_*.bin"),
+                            val_files=str(synthetic_dir / "synthetic_val_*.bin"))
     with pytest.raises(tg.ShardError, match=r"--train_files: 2 shard\(s\) feed at most \d+ of the run's 10000 steps"):
         tg.load_data(config)
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("batch_schedule", "256,300", "300 must be a positive multiple of batch_slices*attn_block_size = 256"),
+    ("batch_schedule", "256,300", "300 must be a positive multiple of batch_slices*attn_block_size = 32"),
     ("batch_schedule", "2048", "at most batch_slices*train_seq_len = 1024"),
-    ("extension_steps", "200", "must be less than num_iterations=200"),
-    ("window_schedule", "3,0", "windows must be at least 1 block"),
+    ("extension_steps", "190", "must be less than num_iterations=190"),
+    ("window_schedule", "3,0", "each at least 1 block"),
+    ("window_schedule", "", "needs at least one window"),
+    ("lr_peaks", "", "needs at least one multiplier"),
     ("lr_peaks", "1,nan", "expected comma-separated numbers"),
 ])
 def test_grid_flags_out_of_range_are_refused_naming_the_flag(flag, value, message):
@@ -547,10 +520,11 @@ def test_grid_flags_out_of_range_are_refused_naming_the_flag(flag, value, messag
     assert message in str(err.value)
 
 
-def test_grid_lists_parse_from_the_command_line_and_an_empty_one_is_off():
+def test_grid_lists_parse_from_the_command_line_and_an_empty_batch_schedule_is_off():
     config = tg.parse_args(["--preset=tiny", "--lr_peaks=1,1.52,2", "--batch_schedule=256,1024"])
     assert config.lr_peaks == (1.0, 1.52, 2.0) and config.batch_schedule == (256, 1024)
-    assert tg.parse_args(["--preset=tiny", "--lr_peaks=1", "--lr_peaks="]).lr_peaks == ()
+    config = tg.parse_args(["--preset=tiny", "--batch_schedule=256", "--batch_schedule="])
+    assert config.batch_schedule == () and tg.batch_tokens(0, config) == config.batch_slices * config.train_seq_len
 
 
 @pytest.mark.parametrize("steps, extension, split", [(4740, 40, 785), (4620, 40, 765), (4150, 25, 689), (4600, 40, 761)])

@@ -11,12 +11,13 @@ import torch.nn.functional as F
 import train_gpt_medium as tg
 from reference import reference_loss as reference_bulk_loss  # the live model's float64 forward
 
-# every model switch of the bulk record, and the x01 fields the record changes
-BULK = dict(token_windows=True, yarn_window_limit=13, rotary_bf16=True, key_offset=True, prenorm_attention=True,
-            qkv_init_std=1.0, attn_output_gate=True, value_embed_gate=True, value_embed_zero_init=True,
-            residual_scale_init=1.05, separate_x0_lambdas=True, gated_skips=True, untie_embed_after_step=785,
-            smear_embed=True, mlp_proj_transposed=True, logit_softcap_form="sigmoid", train_loss_reduction="sum",
-            pad_vocab_tables=True, scalar_pad_multiple=8, attention_free_layers=(), attn_scale=0.1)
+# every model switch of the bulk record at the record's value (the defaults; token windows, pre-norm
+# attention and separate x0 weights are always on), and the fields whose x01 value differed
+BULK = dict(yarn_window_limit=13, rotary_bf16=True, key_offset=True, qkv_init_std=1.0, attn_output_gate=True,
+            value_embed_gate=True, value_embed_zero_init=True, residual_scale_init=1.05, gated_skips=True,
+            untie_embed_after_step=785, smear_embed=True, mlp_proj_transposed=True, logit_softcap_form="sigmoid",
+            train_loss_reduction="sum", pad_vocab_tables=True, scalar_pad_multiple=8, attention_free_layers=(),
+            attn_scale=0.1)
 
 
 def tiny(**overrides):
@@ -24,7 +25,11 @@ def tiny(**overrides):
 
 
 def tiny_bulk(**overrides):
-    return tiny(**{**BULK, "untie_embed_after_step": 3, "attn_block_size": 32, **overrides})
+    return tiny(**{**BULK, "untie_embed_after_step": 3, "attn_block_size": 32, "max_window_tokens": 27 * 32,
+                   **overrides})
+
+
+WINDOW = torch.tensor([3, 1])  # [long, short] in blocks: the tiny grid's first slot
 
 
 def packed(config, seed=0, docs_per_block=1.5):
@@ -56,7 +61,7 @@ def loss_of(model, config, window, **kwargs):
 # ---- B5 token-level windows: the masks
 
 BS, EOT = 64, 99
-MASK_CONFIG = tg.make_config("tiny", vocab_size=100, eot_token=EOT, attn_block_size=BS)
+MASK_CONFIG = tg.make_config("tiny", vocab_size=100, eot_token=EOT, attn_block_size=BS, max_window_tokens=27 * BS)
 # the bulk record's long windows (the final validation's 27 included); short = min(11, long // 2)
 BULK_LONG_WINDOWS = [3, 7, 11, 13, 15, 17, 19, 21, 23, 27]
 LAYOUTS = [(0, 0.05), (1, 0.6), (2, 3.0), (3, 40.0)]  # (seed, expected documents per block)
@@ -132,28 +137,27 @@ def test_one_document_keeps_the_window_edge_block_as_a_partial_block():
     assert edge.any() and not edge.all()  # only part of the edge block is in reach
 
 
-def test_token_windows_see_half_a_block_more_than_block_windows_on_average():
-    """x01's w blocks give a query 128(w-1)+1 .. 128w keys, the token window exactly 128w + 1."""
+def test_every_query_keeps_its_own_token_down_to_a_window_of_0():
+    """The diagonal block is always kept, as a partial block: no row is empty (no NaN), even for the
+    short window 0 of a long window of 1 block (min(11, 1 // 2)), which sees the query alone."""
+    ids = torch.from_numpy(random_ids(9, 2.0, num_blocks=8))
+    for window in (0, 1, 2):
+        dense, short = tg.token_window_masks(ids, torch.tensor(window), torch.tensor(0), MASK_CONFIG, "sdpa")
+        block_mask, _ = tg.token_window_masks(ids, torch.tensor(window), torch.tensor(0), MASK_CONFIG, "flex")
+        assert dense.diagonal().all() and torch.equal(short, torch.eye(ids.numel(), dtype=torch.bool))
+        np.testing.assert_array_equal(expand_block_mask(block_mask, ids.numpy()), dense.numpy(), f"W={window}")
+
+
+def test_a_token_window_gives_every_query_far_from_the_start_w_blocks_and_one_key():
+    """Inside one document, past the first w blocks: exactly BS*w + 1 keys per query, for the long
+    and the short window alike."""
     ids = np.arange(NUM_BLOCKS * BS) % (EOT - 1)
     w = 5
-    token, _ = tg.token_window_masks(torch.from_numpy(ids), torch.tensor(w), torch.tensor(2), MASK_CONFIG, "sdpa")
-    block, _ = tg.attention_masks(torch.from_numpy(ids), torch.tensor(w), MASK_CONFIG, "sdpa")
+    long_mask, short_mask = tg.token_window_masks(torch.from_numpy(ids), torch.tensor(w), torch.tensor(2),
+                                                  MASK_CONFIG, "sdpa")
     far = slice(w * BS, None)
-    assert set(token[far].sum(1).tolist()) == {w * BS + 1}
-    assert block[far].sum(1).float().mean().item() == pytest.approx((w - 1) * BS + (BS + 1) / 2)
-
-
-def test_the_window_argument_may_carry_its_own_short_window():
-    ids = torch.from_numpy(random_ids(4, 0.05))  # documents longer than the windows
-    long_mask, short_mask = tg.token_window_masks(ids, torch.tensor(13), torch.tensor(6), MASK_CONFIG, "sdpa")
-    pair = tg.long_and_short(torch.tensor([13, 6]))
-    half = tg.long_and_short(torch.tensor(13))
-    assert [int(t) for t in pair] == [13, 6] and [int(t) for t in half] == [13, 6]
-    x01_long, x01_short = tg.attention_masks(ids, torch.tensor([13, 5]), MASK_CONFIG, "sdpa")
-    want_long, want_short = tg.attention_masks(ids, torch.tensor(13), MASK_CONFIG, "sdpa")
-    assert torch.equal(x01_long, want_long)
-    assert not torch.equal(x01_short, want_short)  # 5 blocks, not 13 // 2
-    assert torch.equal(short_mask, torch.from_numpy(rule(ids.numpy(), 6 * BS)))
+    assert set(long_mask[far].sum(1).tolist()) == {w * BS + 1}
+    assert set(short_mask[far].sum(1).tolist()) == {2 * BS + 1}
 
 
 @pytest.mark.slow
@@ -181,15 +185,17 @@ def test_compiled_flex_with_token_windows_and_a_scale_tensor_equals_sdpa_with_th
 @pytest.mark.slow
 def test_past_the_recompile_limit_flex_raises_instead_of_ignoring_the_window(monkeypatch):
     """Past dynamo's recompile limit torch runs flex_attention eagerly, which ignores the BlockMask's
-    block lists: x01's block windows (whose mask_mod has no window term) silently widen. Runs with
-    flex make the limit an error; below it the window acts."""
+    block lists and evaluates the mask_mod on every (q, k): far slower (the token windows' mask_mod
+    holds the window itself, so the result stays right). Runs with flex make the limit an error;
+    below it the window acts."""
     torch._dynamo.reset()  # count this test's compilations from nothing
     monkeypatch.setattr(tg, "RECOMPILE_LIMIT", 1)
     ids = torch.from_numpy(random_ids(6, 0.05, num_blocks=6))
 
     def inputs(n):
         q, k, v = torch.randn(3, 1, n, 2, 32, generator=torch.Generator().manual_seed(n)).unbind(0)
-        block_mask, dense = (tg.attention_masks(ids[:n], torch.tensor(2), MASK_CONFIG, b)[0] for b in ("flex", "sdpa"))
+        block_mask, dense = (tg.token_window_masks(ids[:n], torch.tensor(2), torch.tensor(1), MASK_CONFIG, b)[0]
+                             for b in ("flex", "sdpa"))
         return q, k, v, block_mask, dense
 
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=False):
@@ -203,7 +209,7 @@ def test_past_the_recompile_limit_flex_raises_instead_of_ignoring_the_window(mon
         torch._dynamo.config.fail_on_recompile_limit_hit = False  # what torch does by default:
         eager = tg.compiled(tg.flex_attention)(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask,
                                                scale=0.12).transpose(1, 2)
-        assert (eager - tg.attend(q, k, v, dense, 0.12)).abs().max() > 1e-3  # silently beyond the window
+        torch.testing.assert_close(eager, tg.attend(q, k, v, dense, 0.12), atol=2e-5, rtol=1e-4)
     torch._dynamo.reset()
 
 
@@ -244,7 +250,7 @@ def yarn_by_hand(changes, head_dim=128, block=128, base=1024.0, scale=0.1):
 
 
 def medium_rotary():
-    config = tg.make_config(**BULK, train_seq_len=1024, val_seq_len=2048)  # short tables, medium heads
+    config = tg.make_config(**BULK, train_seq_len=1024, val_seq_len=2048, batch_schedule=())  # short tables, medium heads
     rotary = tg.RotaryTables(config)
     rotary.set_changes(())
     return rotary
@@ -288,16 +294,16 @@ def test_rebuilding_the_tables_for_a_step_gives_the_same_bits():
 
 
 def test_the_runner_applies_yarn_when_the_long_window_changes_up_to_the_limit():
-    config = tiny(yarn_window_limit=2, num_iterations=60)  # the tiny schedule grows 1 -> 2 -> 3 blocks
+    config = tiny(yarn_window_limit=7)  # the tiny grid's long window grows 3 -> 7 -> 11 blocks
     runner = tg.Runner(config, torch.device("cpu"))
-    windows = [tg.window_blocks(s, config) for s in range(61)]
-    first_2, first_3 = windows.index(2), windows.index(3)
-    assert runner.yarn_steps == [(first_2, 1, 2)]  # 2 -> 3 is past the limit
-    runner.window(first_2 - 1)
+    windows = [tg.attention_windows(s, config)[0] for s in range(config.num_iterations)]
+    first_7, first_11 = windows.index(7), windows.index(11)
+    assert runner.yarn_steps == [(first_7, 3, 7)]  # 7 -> 11 is past the limit
+    runner.window(first_7 - 1)
     assert runner.model.rotary.changes == () and runner.model.rotary.scale_value == config.attn_scale
-    runner.window(first_3)
-    assert runner.model.rotary.changes == ((1, 2),)
-    assert runner.model.rotary.scale_value == pytest.approx(config.attn_scale * (1 + 0.2 * math.log(2)))
+    runner.window(first_11)
+    assert runner.model.rotary.changes == ((3, 7),)
+    assert runner.model.rotary.scale_value == pytest.approx(config.attn_scale * (1 + 0.2 * math.log(7 / 3)))
 
 
 def test_bf16_rotation_rounds_like_the_bf16_formula():
@@ -327,8 +333,8 @@ def test_key_offset_takes_the_non_rotating_dims_from_the_previous_original_key()
 
 def test_key_offset_is_on_the_long_window_layers_only():
     model = tg.build_model(tiny(key_offset=True), "meta")
-    assert [b.attn.key_offset for b in model.blocks if b.attn is not None] == \
-        [i in (0, 4, 11, 15) for i in range(16) if i != 7]
+    assert [b.attn.key_offset for b in model.blocks] == [i in (0, 4, 11, 15) for i in range(16)]
+    assert not any(b.attn.key_offset for b in tg.build_model(tiny(key_offset=False), "meta").blocks)
 
 
 # ---- B8 attention rewrite and gates
@@ -343,29 +349,18 @@ def gated_pair(**switches):
     return gated, plain
 
 
-@pytest.mark.parametrize("prenorm", [False, True])
-def test_the_output_gate_at_init_halves_the_attention_output(prenorm):
-    gated, plain = gated_pair(attn_output_gate=True, prenorm_attention=prenorm)
-    with torch.no_grad():
-        attn_lambdas = plain.scalar_slots()["attn_lambdas"].view(16, 2)
-        if prenorm:  # lambda1 scales the output weights
-            attn_lambdas[:, 1] *= 0.5
-        else:
-            for b in plain.blocks:
-                if b.attn is not None:
-                    b.attn.qkvo_w[3] *= 0.5
-    assert torch.equal(loss_of(gated, gated.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
+def test_the_output_gate_at_init_halves_the_attention_output():
+    gated, plain = gated_pair(attn_output_gate=True)
+    with torch.no_grad():  # lambda1 scales the output weights
+        plain.scalar_slots()["attn_lambdas"].view(16, 2)[:, 1] *= 0.5
+    assert torch.equal(loss_of(gated, gated.config, WINDOW), loss_of(plain, plain.config, WINDOW))
 
 
-@pytest.mark.parametrize("prenorm", [False, True])
-def test_the_value_gate_at_init_adds_the_value_embedding_with_weight_one(prenorm):
-    gated, plain = gated_pair(value_embed_gate=True, prenorm_attention=prenorm)
-    if not prenorm:  # x01 form: lambda1 weights the value embedding; the gate replaces it by 1
-        with torch.no_grad():
-            plain.scalar_slots()["attn_lambdas"].view(16, 2)[:, 1] = 1.0
-    assert torch.equal(loss_of(gated, gated.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
-    assert [b.attn.value_gate is not None for b in gated.blocks if b.attn is not None] == \
-        [t is not None for i, t in enumerate(gated.config.value_embed_layout) if i != 7]
+def test_the_value_gate_at_init_adds_the_value_embedding_with_weight_one():
+    gated, plain = gated_pair(value_embed_gate=True)
+    assert torch.equal(loss_of(gated, gated.config, WINDOW), loss_of(plain, plain.config, WINDOW))
+    assert [b.attn.value_gate is not None for b in gated.blocks] == \
+        [t is not None for t in gated.config.value_embed_layout]
 
 
 def test_gates_read_the_first_16_features_of_the_normed_input():
@@ -377,14 +372,14 @@ def test_gates_read_the_first_16_features_of_the_normed_input():
     assert gate.weight.lr_mul == 0.1
 
 
-def test_prenorm_attention_lambdas_start_at_half_and_one_and_qkv_init_doubles():
-    model = tg.build_model(tiny(prenorm_attention=True, qkv_init_std=1.0, model_dim=128, head_dim=64))
+def test_attention_lambdas_start_at_half_and_one_and_qkv_init_std_1_doubles_x01s():
+    model = tg.build_model(tiny(qkv_init_std=1.0, model_dim=128, head_dim=64))
     assert model.scalar_slots()["attn_lambdas"].view(16, 2)[0].tolist() == [0.5, 1.0]
     qkvo = model.blocks[0].attn.qkvo_w
     bound = 3**0.5 / 128**0.5
     assert qkvo[:3].abs().max() <= bound and qkvo[:3].abs().max() > 0.98 * bound
     assert torch.count_nonzero(qkvo[3]) == 0
-    x01 = tg.build_model(tiny(model_dim=128, head_dim=64))  # the same stream, half the bound
+    x01 = tg.build_model(tiny(qkv_init_std=0.5, model_dim=128, head_dim=64))  # the same stream, half the bound
     torch.testing.assert_close(qkvo[:3], 2 * x01.blocks[0].attn.qkvo_w[:3], rtol=1e-6, atol=0)
 
 
@@ -404,32 +399,17 @@ def test_gated_skips_at_init_weigh_the_skip_by_sigmoid_of_the_gain():
     with torch.no_grad():
         plain.scalar_slots()["skip_w"][[6, 4, 2]] = torch.sigmoid(torch.tensor(-1.5))
     assert gated.scalar_slots()["skip_gain"].tolist() == [-1.5] * 3
-    assert torch.equal(loss_of(gated, gated.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
+    assert torch.equal(loss_of(gated, gated.config, WINDOW), loss_of(plain, plain.config, WINDOW))
 
 
-def test_separate_x0_lambdas_compute_the_block_lambdas_mix():
-    """The same weights held in (residual slot, x0_lambdas) instead of the block lambdas: the same
-    loss, up to the first block adding its two weights on x00 before multiplying."""
-    sep, x01 = (tg.build_model(tiny(separate_x0_lambdas=s)) for s in (True, False))
-    fill_random(x01)
-    fill_random(sep, names=[n for n, _ in sep.named_parameters() if n not in ("scalars", "x0_lambdas")])
-    with torch.no_grad():
-        lambdas = x01.scalar_slots()["block_lambdas"].view(16, 3)
-        sep.scalar_slots()["resid"].copy_(lambdas[:, 0])
-        sep.x0_lambdas.view(16, 2).copy_(lambdas[:, 1:])
-        sep.scalar_slots()["attn_lambdas"].copy_(x01.scalar_slots()["attn_lambdas"])
-        sep.scalar_slots()["skip_w"].copy_(x01.scalar_slots()["skip_w"])
-    got, want = (loss_of(m, m.config, torch.tensor(2)) for m in (sep, x01))
-    assert got.item() == pytest.approx(want.item(), rel=1e-5)
-    assert sep.x0_lambdas.lr_mul == 5.0 and sep.x0_lambdas.wd_mul == 0.0
-    assert tg.parameter_groups(sep)["x0_lambdas"] == [sep.x0_lambdas]
-
-
-def test_residual_scale_init_sets_the_residual_weight_of_every_block():
-    for separate in (False, True):
-        model = tg.build_model(tiny(residual_scale_init=1.05, separate_x0_lambdas=separate))
-        resid, x0 = model.mixing_weights()
-        assert resid.tolist() == pytest.approx([1.05] * 16) and not x0.any()
+def test_the_x0_weights_are_their_own_parameter_from_zero_with_the_records_multipliers():
+    """(Their use in the forward: the float64 reference forward below.)"""
+    model = tg.build_model(tiny(residual_scale_init=1.05))
+    resid, x0 = model.mixing_weights()
+    assert resid.tolist() == pytest.approx([1.05] * 16) and x0.shape == (16, 2) and not x0.any()
+    assert model.x0_lambdas.lr_mul == 5.0 and model.x0_lambdas.wd_mul == 0.0
+    assert tg.parameter_groups(model)["x0_lambdas"] == [model.x0_lambdas]
+    assert tg.build_model(tiny(residual_scale_init=0.75)).mixing_weights()[0].tolist() == [0.75] * 16
 
 
 # ---- B10 tied, then untied embedding
@@ -498,21 +478,31 @@ def test_tied_then_untied_goes_on_as_untied_from_the_start_with_the_copied_value
 
 
 def test_the_runner_splits_right_after_the_update_of_the_split_step():
-    config = tiny_bulk(untie_embed_after_step=2, warmup_steps=0)
+    """At the odd step 1 (Adam's step): the table becomes the head as updated, its Adam state a
+    copy of the head's; until then its state is the untouched initial one."""
+    config = tiny_bulk(untie_embed_after_step=1, warmup_steps=0)
     runner = tg.Runner(config, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     adam = runner.optimizers[0]
-    for step in range(3):
+    head, table = runner.model.head.weight, runner.model.embeds[0].weight
+    for step in range(4):
         runner.train_step(step, runner.random_batches(gen), mtp_weights=[1.0, 0.5])
-        assert runner.model.embed_tied == (step < 2)
-        assert (runner.model.embeds[0].weight in adam.state) == (step == 2)
+        assert runner.model.embed_tied == (step < 1)
+        state = adam.state[table]
+        if step == 0:
+            assert state["step"] == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+        if step == 1:
+            assert torch.equal(table, head) and state["step"] == adam.state[head]["step"] == 1
+            assert all(torch.equal(state[k], adam.state[head][k]) for k in ("exp_avg", "exp_avg_sq"))
+    assert state["step"] == 2 and not torch.equal(table, head)  # Adam's next step (3) trains them apart
     runner.set_embedding_tie(1)  # a restored earlier step reads the head again
     assert runner.model.embed_tied
 
 
 def test_untying_needs_padded_tables():
     with pytest.raises(tg.ConfigError, match="pad_vocab_tables"):
-        tg.make_config("tiny", untie_embed_after_step=3)
+        tg.make_config("tiny", untie_embed_after_step=3, pad_vocab_tables=False)
+    tg.make_config("tiny", untie_embed_after_step=0, pad_vocab_tables=False)
 
 
 # ---- B11 smear on the input embedding
@@ -522,7 +512,7 @@ def test_smear_with_weight_0_is_no_smear():
     fill_random(smeared, names=[n for n, _ in plain.named_parameters() if n != "scalars"] + ["smear_gate.weight"])
     fill_random(plain, names=[n for n, _ in plain.named_parameters() if n != "scalars"])
     assert smeared.scalar_slots()["smear"].item() == 0.0
-    assert torch.equal(loss_of(smeared, smeared.config, torch.tensor(2)), loss_of(plain, plain.config, torch.tensor(2)))
+    assert torch.equal(loss_of(smeared, smeared.config, WINDOW), loss_of(plain, plain.config, WINDOW))
 
 
 def test_smear_adds_the_gated_previous_row_across_documents():
@@ -541,9 +531,9 @@ def test_smear_adds_the_gated_previous_row_across_documents():
 # ---- B13 the MLP's stored shape
 
 def test_the_transposed_mlp_output_weight_computes_the_same_mlp():
-    plain, transposed = tg.MLP(tiny(), torch.float32), tg.MLP(tiny(mlp_proj_transposed=True), torch.float32)
+    plain, transposed = tg.MLP(tiny(mlp_proj_transposed=False), torch.float32), tg.MLP(tiny(), torch.float32)
     assert transposed.proj_w.shape == (256, 64) and plain.proj_w.shape == (64, 256)
-    assert transposed.proj_w.lr_mul == 2.0 and not hasattr(plain.proj_w, "lr_mul")
+    assert transposed.proj_w.lr_mul == 2.0 and plain.proj_w.lr_mul == 1.0
     with torch.no_grad():
         plain.fc_w.copy_(torch.randn(256, 64) / 8)
         transposed.fc_w.copy_(plain.fc_w)
@@ -595,21 +585,21 @@ def test_the_training_loss_is_a_sum_over_tokens_and_evaluation_stays_a_mean():
     fill_random(summed)
     fill_random(mean)
     T = summed.config.train_seq_len
-    got, want = (loss_of(m, m.config, torch.tensor(2)) for m in (summed, mean))
+    got, want = (loss_of(m, m.config, WINDOW) for m in (summed, mean))
     assert got.item() == pytest.approx(T * want.item(), rel=1e-6)
     summed.eval()
-    assert loss_of(summed, summed.config, torch.tensor(2)).item() == pytest.approx(want.item(), rel=1e-6)
+    assert loss_of(summed, summed.config, WINDOW).item() == pytest.approx(want.item(), rel=1e-6)
 
 
 def test_mtp_weights_one_and_zero_are_the_next_token_loss_in_the_model():
     model = tg.build_model(tiny(train_loss_reduction="sum"))
     fill_random(model)
-    plain = loss_of(model, model.config, torch.tensor(2))
-    mtp = loss_of(model, model.config, torch.tensor(2), mtp_weights=torch.tensor([1.0, 0.0, 0.0]))
+    plain = loss_of(model, model.config, WINDOW)
+    mtp = loss_of(model, model.config, WINDOW, mtp_weights=torch.tensor([1.0, 0.0, 0.0]))
     assert mtp.item() == pytest.approx(plain.item(), rel=1e-6)
     model.eval()  # evaluation ignores the weights
-    assert torch.equal(loss_of(model, model.config, torch.tensor(2), mtp_weights=torch.tensor([1.0, 0.5])),
-                       loss_of(model, model.config, torch.tensor(2)))
+    assert torch.equal(loss_of(model, model.config, WINDOW, mtp_weights=torch.tensor([1.0, 0.5])),
+                       loss_of(model, model.config, WINDOW))
 
 
 def test_the_runner_fills_one_mtp_buffer_in_place():
@@ -623,25 +613,28 @@ def test_the_runner_fills_one_mtp_buffer_in_place():
 # ---- B18 the scalar vector, B20 padded tables, parameter counts
 
 def test_the_bulk_scalar_vector_is_the_records_layout_without_the_backout_slot():
+    """The record's 56 scalars: the backout's weight (its own parameter here) counts in the padding."""
     model = tg.build_model(tg.make_config(**BULK), "meta")
     layout = [(name, len(values)) for name, values in model.scalar_layout]
-    assert layout == [("resid", 16), ("attn_lambdas", 32), ("smear", 1), ("skip_gain", 3), ("pad", 4)]
+    assert layout == [("resid", 16), ("attn_lambdas", 32), ("smear", 1), ("skip_gain", 3), ("pad", 3)]
     values = torch.tensor([v for _, vs in model.scalar_layout for v in vs])
     assert values[:16].tolist() == pytest.approx([1.05] * 16)
     assert values[16:48].tolist() == [0.5, 1.0] * 16 and values[48] == 0 and values[49:52].tolist() == [-1.5] * 3
-    assert model.scalars.numel() == 56 and model.x0_lambdas.numel() == 32
+    assert model.scalars.numel() + model.backout.weight.numel() == 56 and model.x0_lambdas.numel() == 32
+    no_backout = tg.build_model(tg.make_config(**BULK, backout=False), "meta")
+    assert no_backout.backout is None and no_backout.scalars.numel() == 56
 
 
-def test_the_x01_scalar_vector_is_unchanged():
-    model = tg.build_model(tiny())
-    assert [(n, len(v)) for n, v in model.scalar_layout] == [("skip_w", 16), ("block_lambdas", 48),
-                                                             ("attn_lambdas", 32)]
-    skip_w, lambdas, attn = model.scalar_views()
-    assert skip_w.eq(1).all() and lambdas[:, 0].eq(1).all() and not lambdas[:, 1:].any() and attn.eq(0.5).all()
+def test_without_gated_skips_a_skip_weight_per_layer_comes_first():
+    model = tg.build_model(tiny(gated_skips=False, smear_embed=False))
+    assert [(n, len(v)) for n, v in model.scalar_layout] == [("skip_w", 16), ("resid", 16), ("attn_lambdas", 32),
+                                                             ("pad", 7)]
+    slots = model.scalar_slots()
+    assert slots["skip_w"].eq(1).all() and slots["attn_lambdas"].view(16, 2).tolist() == [[0.5, 1.0]] * 16
 
 
 def test_padded_tables_start_with_the_unpadded_tables_rows():
-    padded, plain = (tg.build_model(tiny(pad_vocab_tables=p)) for p in (True, False))
+    padded, plain = (tg.build_model(tiny(pad_vocab_tables=p, untie_embed_after_step=0)) for p in (True, False))
     for (name, p), q in zip(padded.named_parameters(), plain.parameters()):
         if p.shape != q.shape:
             assert p.shape[0] == 512 and q.shape[0] == 500 and torch.equal(p[:500], q), name
@@ -674,19 +667,29 @@ def test_dry_run_reports_the_bulk_counts_and_flops_per_window(capsys):
     model = tg.build_model(tg.make_config(**BULK), "meta")
     matmul = sum(p.numel() for n, ps in tg.parameter_groups(model).items() if n == "head" or n.startswith("muon")
                  for p in ps)
-    long_w, short_w = 27, 13  # the last window of the x01 schedule (its short: half)
+    assert list(report["flops_per_token_by_window"]) == [  # the record's table's windows, in order
+        "3/1", "7/3", "11/5", "13/6", "15/7", "17/8", "19/9", "21/10", "23/11"]
+    long_w, short_w = 23, 11  # the last training window (the extension's: 23 and its half)
     want = 6 * matmul + 12 * 1024 * (4 * (long_w * 128 + 1) + 12 * (short_w * 128 + 1))
-    assert report["flops_per_token_by_window"]["27/13"] == want
+    assert report["flops_per_token_by_window"]["23/11"] == want
 
 
-# ---- everything off: nothing is built
+# ---- every switch off: nothing of theirs is built
 
-def test_with_every_bulk_switch_off_nothing_of_theirs_is_built():
-    model = tg.build_model(tiny())
+def test_with_every_bulk_model_switch_off_nothing_of_theirs_is_built():
+    """What stays is always on: the rotary tables (YaRN off: never rescaled) and the x0 weights."""
+    off = dict(attn_output_gate=False, value_embed_gate=False, smear_embed=False, gated_skips=False,
+               untie_embed_after_step=0, backout=False, key_offset=False, yarn_window_limit=0)
+    model = tg.build_model(tiny(**off))
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    assert not [n for n in names if "gate" in n or "x0_lambdas" in n or "rotary" in n]
-    assert model.rotary is None and not model.embed_tied and model.head.weight.dtype == torch.float32
-    assert model.x0_lambdas is None and model.smear_gate is None and model.skip_gates is None
+    assert not [n for n in names if "gate" in n or "backout" in n]
+    assert not model.embed_tied and model.head.weight.dtype == torch.float32 and not model.head.weight.any()
+    assert model.smear_gate is None and model.skip_gates is None and model.backout is None
+    assert not any(b.attn.key_offset or b.attn.output_gate or b.attn.value_gate for b in model.blocks)
+    assert "smear" not in model.scalar_slots() and "skip_gain" not in model.scalar_slots()
+    assert tg.Runner(tiny(**off), torch.device("cpu")).yarn_steps == []
+    full = tg.build_model(tiny())
+    assert full.smear_gate is not None and full.backout is not None and full.embed_tied
 
 
 # ---- the whole bulk forward against a float64 loop-by-loop forward
@@ -723,13 +726,15 @@ def test_bulk_bf16_forward_is_close_to_the_fp32_one():
 
 @pytest.mark.slow
 def test_bulk_runner_trains_through_the_split_and_the_yarn_change():
-    """A few steps of the tiny model with every bulk switch, the x01 optimizers, a YaRN change
-    and the split inside: finite, decreasing losses; after the warm-up's restore, tied again."""
+    """A few steps of the tiny model with every bulk switch, the record's optimizers, a YaRN change
+    and the split inside: finite, decreasing losses; after the warm-up's restore, tied again, the
+    input table's Adam state its initial one."""
     config = tiny_bulk(untie_embed_after_step=3, yarn_window_limit=13, num_iterations=20, warmup_steps=4,
                        train_loss_reduction="mean")
     runner = tg.Runner(config, torch.device("cpu"))
     runner.warmup()
-    assert runner.model.embed_tied and runner.model.embeds[0].weight not in runner.optimizers[0].state
+    table_state = runner.optimizers[0].state[runner.model.embeds[0].weight]
+    assert runner.model.embed_tied and table_state["step"] == 0 and not table_state["exp_avg"].any()
     gen = torch.Generator().manual_seed(1)
     batches = runner.random_batches(gen)
     losses = [runner.train_step(s, batches, mtp_weights=[1.0, 0.5] if s < 2 else None).item() for s in range(8)]

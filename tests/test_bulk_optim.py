@@ -1,9 +1,10 @@
 """The bulk record's optimizers (docs/bulk-optimizers.md), each part against a reference written
 here: Polar Express against a float64 loop, an SVD polar factor and Newton-Schulz (the same
-polynomial with Newton-Schulz's coefficients); NorMuon's momentum, row normalization and cautious
-step against plain float64 loops with the record's roundings; NorMuon with Muon's settings = Muon;
-the cautious bf16 Adam against a plain-Python loop of its formula; Adam on odd steps = one Adam step
-on the summed gradients; NorMuon sharded over 2 processes = 1 process; gradients held by a rank
+polynomial with Newton-Schulz's coefficients); Muon's momentum, row normalization and cautious
+step against plain float64 loops with the record's roundings; Muon with its switches at plain
+Muon's settings against a plain loop of plain Muon; the cautious bf16 Adam against a plain-Python
+loop of its formula; Adam on odd steps = one Adam step on the summed gradients; Muon sharded over
+2 processes = 1 process; gradients held by a rank
 until the odd step are reduced once; checkpoints of the new state; the accounting.
 
 Rounding references: `f32`/`bf16` round a Python float (float64) the way a kernel that computes in
@@ -24,12 +25,6 @@ import train_gpt_medium as tg
 from test_distributed import on_ranks
 from test_muon import with_spectrum
 from test_training import all_state, assert_same_state, runner_and_loader
-
-# every bulk-record optimizer switch on, with the record's values
-BULK_OPTIMIZERS = dict(orthogonalization="polar_express", muon_row_normalization=True, muon_cautious_weight_decay=True,
-                       muon_lr_shape="stored", muon_lr=0.015, muon_weight_decay=1.2, mlp_weight_decay_mul=1.0,
-                       adam_variant="cautious_bf16", adam_weight_decay=0.005, adam_odd_steps_only=True,
-                       adam_eps=1e-8, scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)
 
 
 # ---- rounding helpers for the references
@@ -174,7 +169,7 @@ def test_polar_express_lifts_small_singular_values_further_than_newton_schulz():
     assert min(pe) > 0.25 and min(ns) < 0.2 and min(pe) > 1.5 * min(ns)
 
 
-# ---- NorMuon's parts
+# ---- Muon's parts (NorMuon's, as the record runs it)
 
 
 def test_momentum_of_a_bf16_buffer_is_the_bf16_lerp_with_python_float_weights():
@@ -324,10 +319,10 @@ def test_cautious_decay_applies_only_where_update_and_weight_agree_in_sign():
                               rtol=1e-3)
 
 
-# ---- NorMuon, the optimizer
+# ---- Muon, the optimizer
 
-NORMUON_AS_MUON = dict(orthogonalization="newton_schulz", row_normalization=False, cautious_weight_decay=False,
-                       lr_shape="blocks")
+PLAIN_MUON = dict(orthogonalization="newton_schulz", row_normalization=False, cautious_weight_decay=False,
+                  lr_shape="blocks")
 
 
 def matrices(dtype, seed=0) -> list[torch.nn.Parameter]:
@@ -366,29 +361,48 @@ def run_optimizer(make, params, steps=3):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_normuon_with_muons_settings_is_muon_bit_for_bit(dtype):
-    """Newton-Schulz, no row normalization, plain decay, the lr factor of each block: NorMuon's own
-    code path gives Muon's parameters, momentum and low bits exactly (gates excluded: NorMuon
-    keeps those in their own dtype, Muon gives them an fp32 master like any matrix)."""
-    make = lambda cls, **kw: (lambda groups: cls(groups[:2], lr=0.02, momentum=0.9, weight_decay=0.01, **kw))
-    _, muon_params, muon_state = run_optimizer(make(tg.Muon), matrices(dtype))
-    _, nor_params, nor_state = run_optimizer(make(tg.NorMuon, **NORMUON_AS_MUON), matrices(dtype))
-    for a, b in zip(muon_params, nor_params):
-        assert torch.equal(a, b)
-    assert muon_state.keys() == nor_state.keys() == {0, 1, 2}
-    for i in muon_state:
-        assert_same_state(muon_state[i], nor_state[i])
-    assert not torch.equal(nor_params[0], matrices(dtype)[0])  # the steps did move the weights
+def test_muon_at_plain_muons_settings_is_a_plain_loop_of_muon_bit_for_bit(dtype):
+    """Newton-Schulz, no row normalization, decoupled decay, the lr factor of each block: Muon's
+    parameters, momentum and low bits against plain Muon written out here matrix by matrix with the
+    same fp32 primitives (so the same roundings): b <- lerp(b, g, 1-m); u = orthogonalize(lerp(g, b, m))
+    of each block, iterating in the weight's dtype; w <- w * (1 - lr*wd*wd_mul), then
+    w - lr*lr_mul*sqrt(max(1, rows/cols)) u in one fused multiply-add on the fp32 master (a bf16
+    weight's: its bits and low bits). The attention's blocks are 16 x 16 (factor 1; its stored
+    64 x 16 would give 2); the MLP group has wd_mul 2. Gates excluded: Muon keeps those in their
+    own dtype, without a master (tested below with the record's settings)."""
+    lr, m, wd = 0.02, 0.9, 0.01
+    params = matrices(dtype)
+    groups = groups_of(params)[:2]
+    groups[1]["wd_mul"] = 2.0
+    opt = tg.Muon(groups, lr=lr, momentum=m, weight_decay=wd, **PLAIN_MUON)
+    plan = {0: ((4, 16, 16), 1.0, 1.0), 1: ((64, 16), 1.0, 2.0), 2: ((64, 16), 2.0, 2.0)}  # blocks, lr_mul, wd_mul
+    master = {i: params[i].detach().float().reshape(shape).clone() for i, (shape, _, _) in plan.items()}
+    buf = {i: torch.zeros(shape) for i, (shape, _, _) in plan.items()}
+    for step in range(3):
+        set_grads(params, step)
+        opt.step()
+        for i, (shape, lr_mul, wd_mul) in plan.items():
+            g = params[i].grad.float().reshape(shape)
+            buf[i] = torch.lerp(buf[i], g, 1 - m)
+            u = tg.orthogonalize(torch.lerp(g, buf[i], m), dtype)
+            step_size = -lr * lr_mul * math.sqrt(max(1.0, shape[-2] / shape[-1]))
+            master[i] = (master[i] * (1 - lr * wd * wd_mul)).add(u.float(), alpha=step_size)
+            state, weight = opt.state[params[i]], params[i].detach()
+            assert set(state) == ({"momentum_buffer", "low_bits"} if dtype == torch.bfloat16 else {"momentum_buffer"})
+            got = tg.fp32_from_halves(weight, state["low_bits"]) if dtype == torch.bfloat16 else weight
+            assert torch.equal(got.reshape(shape).view(torch.int32), master[i].view(torch.int32)), (step, i)
+            assert torch.equal(state["momentum_buffer"].reshape(shape), buf[i]), (step, i)
+    assert not torch.equal(params[0], matrices(dtype)[0])  # the steps did move the weights
 
 
-def test_normuon_lr_and_decay_factors_are_the_records_fp32_products():
+def test_muon_lr_and_decay_factors_are_the_records_fp32_products():
     """lr_factor = lr * lr_mul * sqrt(max(1, rows/cols)) and wd_factor = wd_mul * wd * lr, each
     product rounded to fp32. Stored shape: the (4, 16, 16) attention counts as 64 x 16 (factor 2),
     fc 64 x 16 (2), proj stored transposed 64 x 16 with lr_mul 2 (4), gates 8 x 16 with lr_mul 0.1
     (0.1). Each block: attention 16 x 16 (1)."""
     lr, params = 0.015 * 1.73, matrices(torch.float32)
     for lr_shape, factors in [("stored", [2.0, 2.0, 4.0, 0.1]), ("blocks", [1.0, 2.0, 4.0, 0.1])]:
-        opt = tg.NorMuon(groups_of(params), lr=0.015, momentum=0.95, weight_decay=1.2, lr_shape=lr_shape)
+        opt = tg.Muon(groups_of(params), lr=0.015, momentum=0.95, weight_decay=1.2, lr_shape=lr_shape)
         got = {}
         for group, scalars in zip(opt.param_groups, opt.scalars):
             group["lr"], group["momentum"] = lr, 0.95
@@ -399,7 +413,7 @@ def test_normuon_lr_and_decay_factors_are_the_records_fp32_products():
             assert got[id(p)] == (f32(f32(factor) * f32(lr)), f32(f32(f32(1.0) * f32(1.2)) * f32(lr))), lr_shape
 
 
-def test_normuon_step_of_a_gate_and_a_matrix_equals_the_records_steps_composed():
+def test_muon_step_of_a_gate_and_a_matrix_equals_the_records_steps_composed():
     """Two steps of every part, against the record's sequence built from the references above:
     momentum (bf16 for the gate: the bf16 lerps with Python floats), Polar Express, the row
     normalization, the cautious loop with the fp32 factors. Gates: bf16 state, no low bits."""
@@ -409,7 +423,7 @@ def test_normuon_step_of_a_gate_and_a_matrix_equals_the_records_steps_composed()
         g.lr_mul = 0.1
     reference = [p.detach().clone() for p in params]
     ref_state = {i: dict(buf=torch.zeros_like(p), rows=None) for i, p in enumerate(params)}
-    opt = tg.NorMuon(groups_of(params), lr=0.015, momentum=0.95, weight_decay=1.2)
+    opt = tg.Muon(groups_of(params), lr=0.015, momentum=0.95, weight_decay=1.2)
     lr, m = 0.015 * 1.52, 0.87
     shapes = {0: 2.0, 1: 2.0, 2: 4.0, 3: 0.1, 4: 0.1}
     for step in range(2):
@@ -439,15 +453,15 @@ def test_normuon_step_of_a_gate_and_a_matrix_equals_the_records_steps_composed()
     assert opt.state[params[0]]["row_mean_square"].shape == (4, 16, 1)  # one value per stored row
 
 
-def test_normuon_keeps_the_fp32_master_of_bf16_matrices_but_not_of_gates():
+def test_muon_keeps_the_fp32_master_of_bf16_matrices_but_not_of_gates():
     params = matrices(torch.bfloat16)
-    opt = tg.NorMuon(groups_of(params), lr=0.015, momentum=0.95, weight_decay=1.2)
+    opt = tg.Muon(groups_of(params), lr=0.015, momentum=0.95, weight_decay=1.2)
     assert all("low_bits" in opt.state[p] and opt.state[p]["momentum_buffer"].dtype == torch.float32
                for p in params[:3])
     assert all("low_bits" not in opt.state[p] for p in params[3:])
 
 
-# NorMuon sharded over processes: groups of 1 (attention), 2 (fc, proj: one each, split by lr_mul)
+# Muon sharded over processes: groups of 1 (attention), 2 (fc, proj: one each, split by lr_mul)
 # and 3 gates, plus a second attention so that one group has fewer matrices than processes.
 def sharded_params():
     params = matrices(torch.float32, seed=7)
@@ -456,7 +470,7 @@ def sharded_params():
     return params + [extra]
 
 
-def run_normuon(rank: int = 0, world_size: int = 1):
+def run_muon(rank: int = 0, world_size: int = 1):
     params = sharded_params()
     params[3:] = [torch.nn.Parameter(g.detach().bfloat16()) for g in params[3:]]
     for g in params[3:]:
@@ -465,7 +479,7 @@ def run_normuon(rank: int = 0, world_size: int = 1):
     groups = [dict(params=[attn], name="muon_attn", blocks=4),
               dict(params=[fc, proj], name="muon_mlp", split_last_product=True),
               dict(params=gates, name="muon_gates", gate=True)]
-    opt = tg.NorMuon(groups, lr=0.015, momentum=0.95, weight_decay=1.2, rank=rank, world_size=world_size)
+    opt = tg.Muon(groups, lr=0.015, momentum=0.95, weight_decay=1.2, rank=rank, world_size=world_size)
     for step in range(3):
         set_grads(params, step)
         opt.step()
@@ -474,9 +488,9 @@ def run_normuon(rank: int = 0, world_size: int = 1):
 
 
 @pytest.mark.slow
-def test_normuon_sharded_over_two_processes_equals_one_process_bit_for_bit(tmp_path):
-    results = on_ranks(run_normuon, 2, tmp_path)
-    want_params, want_state = run_normuon()
+def test_muon_sharded_over_two_processes_equals_one_process_bit_for_bit(tmp_path):
+    results = on_ranks(run_muon, 2, tmp_path)
+    want_params, want_state = run_muon()
     owners = {}
     for rank, (params, state) in enumerate(results):
         for i, (got, want) in enumerate(zip(params, want_params)):
@@ -547,7 +561,7 @@ def test_cautious_adam_moments_have_the_dtypes_the_records_warmup_restore_leaves
     tensor to its weight's dtype. Here that round trip is done on an optimizer holding bf16
     moments for the bulk model's Adam weights (bf16 tables, head and gates; fp32 scalars, backout
     weight and x0 weights): the cautious Adam's moments must have the dtypes it leaves."""
-    config = tg.make_config("tiny", recipe="bulk", dtype="bfloat16")
+    config = tg.make_config("tiny", dtype="bfloat16")
     model = tg.build_model(config)
     adam = tg.build_optimizers(model, config, 0, 1)[0]
     params = [p for g in adam.param_groups for p in g["params"]]
@@ -565,7 +579,7 @@ def test_cautious_adam_moments_have_the_dtypes_the_records_warmup_restore_leaves
     want = {names[p]: (s["exp_avg"].dtype, s["exp_avg_sq"].dtype) for p, s in record_like.state.items()}
     got = {names[p]: (adam.state[p]["exp_avg"].dtype, adam.state[p]["exp_avg_sq"].dtype) for p in params}
     assert got == want
-    assert want["scalars"] == want["x0_lambdas"] == want["backout.weights"] == (torch.float32, torch.float32)
+    assert want["scalars"] == want["x0_lambdas"] == want["backout.weight"] == (torch.float32, torch.float32)
     assert want["head.weight"] == want["value_embeds.tables.0.weight"] == (torch.bfloat16, torch.bfloat16)
 
 
@@ -602,9 +616,8 @@ def random_step(runner: tg.Runner, seed: int):
     return runner.random_batches(torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("variant", ["torch", "cautious_bf16"])
-def test_on_an_even_step_adam_waits_and_its_gradients_stay(variant):
-    runner = tg.Runner(tiny(adam_odd_steps_only=True, adam_variant=variant), torch.device("cpu"))
+def test_on_an_even_step_adam_waits_and_its_gradients_stay():
+    runner = tg.Runner(tiny(adam_odd_steps_only=True), torch.device("cpu"))
     adam, muon = runner.optimizers
     adam_params = [p for g in adam.param_groups for p in g["params"]]
     muon_params = [p for g in muon.param_groups for p in g["params"]]
@@ -612,23 +625,27 @@ def test_on_an_even_step_adam_waits_and_its_gradients_stay(variant):
     runner.train_step(0, random_step(runner, 0))
     after = all_state(runner)
     names = {p: n for n, p in runner.model.named_parameters()}
+    unread = runner.model.embeds[0].weight  # the input table: the head stands in for it until the split
+    assert runner.model.embed_tied and unread.grad is None
     for p in adam_params:
-        assert torch.equal(after[f"param/{names[p]}"], before[f"param/{names[p]}"]) and p.grad is not None
+        assert torch.equal(after[f"param/{names[p]}"], before[f"param/{names[p]}"])
+        assert p is unread or p.grad is not None
         assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(before[k])) for k, v in after.items()
                    if k.startswith(f"opt0/{names[p]}/"))
     assert all(p.grad is None for p in muon_params)
     assert any(not torch.equal(after[f"param/{names[p]}"], before[f"param/{names[p]}"]) for p in muon_params)
-    assert runner.model.head.weight.grad.abs().sum() > 0  # the head (zero at init) has a gradient to wait with
+    assert runner.model.head.weight.grad.abs().sum() > 0  # the head (also the input table) has a gradient to wait with
     runner.train_step(1, random_step(runner, 1))
     assert all(p.grad is None for p in runner.model.parameters())
     assert not torch.equal(runner.model.head.weight, before["param/head.weight"])
 
 
-@pytest.mark.parametrize("variant", ["torch", "cautious_bf16"])
-def test_adam_on_odd_steps_equals_one_adam_step_on_the_two_steps_summed_gradients(variant):
+def test_adam_on_odd_steps_equals_one_adam_step_on_the_two_steps_summed_gradients():
     """The reference steps Muon at steps 0 and 1 and Adam once at step 1, on gradient(step 0) +
-    gradient(step 1) added by hand. One micro-step per step, so the sums are the same two terms."""
-    config = tiny(batch_slices=1, adam_odd_steps_only=True, adam_variant=variant)
+    gradient(step 1) added by hand (the step's multi-token loss, the tied head as input table; the
+    unread input table has no gradient). One micro-step per step (1024-token slices, the batch
+    ramp's largest step), so the sums are the same two terms."""
+    config = tiny(batch_slices=1, train_seq_len=1024, adam_odd_steps_only=True)
     runner = tg.Runner(config, torch.device("cpu"))
     reference = tg.Runner(dataclasses.replace(config, adam_odd_steps_only=False), torch.device("cpu"))
     adam, muon = reference.optimizers
@@ -638,12 +655,15 @@ def test_adam_on_odd_steps_equals_one_adam_step_on_the_two_steps_summed_gradient
         batches = random_step(runner, step)
         runner.train_step(step, batches)
         (inputs, targets), = batches
-        reference.forward(inputs, targets, reference.window(step)).backward()
+        reference.set_embedding_tie(step)
+        mtp = reference.mtp_input(tg.multi_token_weights(step, config))
+        reference.forward(inputs, targets, reference.window(step), mtp_weights=mtp).backward()
         tg.set_schedules(reference.optimizers, step, config)
         if step == 0:
-            waiting = {p: p.grad.clone() for p in adam_params}
+            waiting = {p: p.grad.clone() for p in adam_params if p.grad is not None}
         else:
-            for p in adam_params:
+            assert waiting.keys() == {p for p in adam_params if p.grad is not None}
+            for p in waiting:
                 p.grad = waiting[p] + p.grad
             adam.step()
         muon.step()
@@ -703,19 +723,24 @@ def test_held_gradients_are_summed_on_each_rank_and_reduced_once(tmp_path):
 
 
 def test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit(synthetic_dir, tmp_path):
-    """bf16 weights (NorMuon keeps their low bits), NorMuon's row statistics, the bf16 Adam
-    moments with their step counts; saved after an odd step (nothing waits for Adam), resumed,
-    then an even and an odd step on both runs."""
-    config = tg.make_config("tiny", dtype="bfloat16", train_seq_len=128, warmup_steps=0,
-                            checkpoint_dir=str(tmp_path / "ck"), train_files=str(synthetic_dir / "synthetic_train_*.bin"),
-                            **BULK_OPTIMIZERS)
+    """bf16 matrices (--fp32_block_weights off: Muon keeps their low bits), the gates' bf16 state,
+    the row statistics, the bf16 Adam moments with their step counts; saved after an odd step
+    (nothing waits for Adam), resumed, then an even and an odd step on both runs. 128-token
+    slices every step (no batch ramp) keep it small."""
+    config = tg.make_config("tiny", dtype="bfloat16", train_seq_len=128, batch_schedule=(), warmup_steps=0,
+                            fp32_block_weights=False, checkpoint_dir=str(tmp_path / "ck"),
+                            train_files=str(synthetic_dir / "synthetic_train_*.bin"))
     runner, loader = runner_and_loader(config)
     for step in range(2):
         runner.train_step(step, loader.next_batch())
     adam, muon = runner.optimizers
-    assert isinstance(adam, tg.CautiousAdam) and isinstance(muon, tg.NorMuon)
-    assert all("row_mean_square" in s and "low_bits" in s for s in muon.state.values())
-    assert {s["step"] for s in adam.state.values()} == {1}
+    assert isinstance(adam, tg.CautiousAdam) and isinstance(muon, tg.Muon)
+    gates = {p for g in muon.param_groups if g.get("gate") for p in g["params"]}
+    assert gates and all("row_mean_square" in s and ("low_bits" in s) == (p not in gates)
+                         and s["momentum_buffer"].dtype == (torch.bfloat16 if p in gates else torch.float32)
+                         for p, s in muon.state.items())
+    unread = runner.model.embeds[0].weight  # tied: no gradient, no Adam step before the split
+    assert {s["step"] for p, s in adam.state.items() if p is not unread} == {1} and adam.state[unread]["step"] == 0
     path = tg.save_checkpoint(runner, loader, 2, 1.0)
     resumed, resumed_loader = runner_and_loader(config)
     tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path))
@@ -724,74 +749,99 @@ def test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit(synthetic_d
         assert torch.equal(runner.train_step(step, loader.next_batch()),
                            resumed.train_step(step, resumed_loader.next_batch()))
     assert_same_state(all_state(resumed), all_state(runner))
-    assert {s["step"] for s in resumed.optimizers[0].state.values()} == {2}
+    assert {s["step"] for p, s in resumed.optimizers[0].state.items() if p is not resumed.model.embeds[0].weight} == {2}
 
 
 def test_an_odd_save_every_is_refused_with_adam_on_odd_steps():
     with pytest.raises(tg.ConfigError, match="--save_every: 3 is odd"):
         tg.make_config("tiny", adam_odd_steps_only=True, save_every=3)
+    with pytest.raises(tg.ConfigError, match="--save_every: 3 is odd"):
+        tg.make_config("tiny", save_every=3)  # the record's default
     tg.make_config("tiny", adam_odd_steps_only=True, save_every=4)
-    tg.make_config("tiny", save_every=3)
-
-
-def test_adam_weight_decay_needs_the_cautious_adam():
-    with pytest.raises(tg.ConfigError, match="--adam_weight_decay"):
-        tg.make_config("tiny", adam_weight_decay=0.005)
+    tg.make_config("tiny", adam_odd_steps_only=False, save_every=3)
 
 
 # ---- wiring: which optimizers a config builds, multipliers, schedules
 
 
-def test_the_default_builds_pytorchs_adam_and_muon_and_any_normuon_part_builds_normuon():
+MUON_SWITCHES = {"orthogonalization": "orthogonalization", "muon_row_normalization": "row_normalization",
+                 "muon_row_beta2": "row_beta2", "muon_cautious_weight_decay": "cautious_weight_decay",
+                 "muon_lr_shape": "lr_shape"}
+
+
+def test_the_default_builds_the_cautious_adam_and_the_records_muon_and_each_muon_field_reaches_muon():
     model = tg.build_model(tiny())
     adam, muon = tg.build_optimizers(model, tiny(), 0, 1)
-    assert type(adam) is torch.optim.Adam and type(muon) is tg.Muon
-    for field, value in [("orthogonalization", "polar_express"), ("muon_row_normalization", True),
-                         ("muon_cautious_weight_decay", True), ("muon_lr_shape", "stored")]:
+    assert type(adam) is tg.CautiousAdam and type(muon) is tg.Muon
+    assert {attr: getattr(muon, attr) for attr in MUON_SWITCHES.values()} == dict(
+        orthogonalization="polar_express", row_normalization=True, row_beta2=0.95, cautious_weight_decay=True,
+        lr_shape="stored")
+    for field, value in [("orthogonalization", "newton_schulz"), ("muon_row_normalization", False),
+                         ("muon_row_beta2", 0.9), ("muon_cautious_weight_decay", False), ("muon_lr_shape", "blocks")]:
         config = tiny(**{field: value})
         adam, muon = tg.build_optimizers(tg.build_model(config), config, 0, 1)
-        assert type(muon) is tg.NorMuon and getattr(muon, {"muon_row_normalization": "row_normalization",
-                                                          "muon_cautious_weight_decay": "cautious_weight_decay"}
-                                                    .get(field, field.removeprefix("muon_"))) == value
+        assert getattr(muon, MUON_SWITCHES[field]) == value, field
 
 
 def test_scalar_betas_parse_as_auto_or_a_number():
-    assert tg.parse_args(["--preset=tiny"]).scalar_adam_beta1 is None
+    defaults = tg.parse_args(["--preset=tiny"])
+    assert (defaults.scalar_adam_beta1, defaults.scalar_adam_beta2) == (0.9, 0.99)  # the record's
     assert tg.parse_args(["--preset=tiny", "--scalar_adam_beta1=auto"]).scalar_adam_beta1 is None
-    assert tg.parse_args(["--preset=tiny", "--scalar_adam_beta2=0.99"]).scalar_adam_beta2 == 0.99
+    assert tg.parse_args(["--preset=tiny", "--scalar_adam_beta2=0.97"]).scalar_adam_beta2 == 0.97
     with pytest.raises(tg.ConfigError, match="--scalar_adam_beta1"):
         tg.parse_args(["--preset=tiny", "--scalar_adam_beta1=1.5"])
 
 
 def test_the_scalar_group_has_its_own_betas_when_given():
-    config = tiny()
+    config = tiny(scalar_adam_beta1=None, scalar_adam_beta2=None)  # auto: adam_beta1, adam_beta2
     adam, _ = tg.build_optimizers(tg.build_model(config), config, 0, 1)
     assert {g["name"]: g["betas"] for g in adam.param_groups}["scalar"] == (0.8, 0.95)
-    config = tiny(scalar_adam_beta1=0.9, scalar_adam_beta2=0.99, adam_variant="cautious_bf16")
+    config = tiny()  # the record's: 0.9, 0.99
     adam, _ = tg.build_optimizers(tg.build_model(config), config, 0, 1)
     betas = {g["name"]: g["betas"] for g in adam.param_groups}
     assert betas.pop("scalar") == (0.9, 0.99) and set(betas.values()) == {(0.8, 0.95)}
 
 
 def test_lr_mul_and_wd_mul_attributes_reach_every_optimizer():
-    """PyTorch's Adam gets a group of its own per multiplier; Muon groups matrices by multiplier."""
+    """The cautious Adam reads each parameter's multipliers when it steps (its group keeps the base
+    lr); Muon groups matrices by multiplier and forms its factors from the group's."""
     config = tiny()
     model = tg.build_model(config)
     ve = list(model.value_embeds.tables.parameters())
-    ve[0].lr_mul = 75.0
+    ve[0].lr_mul, ve[0].wd_mul = 3.0, 7.0  # the other tables keep the record's 75 and 5
     proj = model.blocks[0].mlp.proj_w
-    proj.lr_mul, proj.wd_mul = 2.0, 3.0
+    proj.lr_mul, proj.wd_mul = 2.5, 3.0
     adam, muon = tg.build_optimizers(model, config, 0, 1)
-    lrs = {(g["name"], len(g["params"])): g["lr"] for g in adam.param_groups}
-    assert lrs[("value_embed", 1)] == config.embed_lr * 75.0 and lrs[("value_embed", len(ve) - 1)] == config.embed_lr
-    (group,) = [g for g in muon.param_groups if any(q is proj for q in g["params"])]
-    assert len(group["params"]) == 1 and group["lr_mul"] == 2.0 and group["wd_mul"] == 3.0 * config.mlp_weight_decay_mul
-    scalars = muon.scalars[muon.param_groups.index(group)]
-    group["lr"], group["momentum"] = 0.02, 0.9
-    muon._fill_scalars(group, scalars)
-    rows, cols = proj.shape
-    assert scalars["step_size"].item() == f32(-0.02 * 2.0 * max(1.0, rows / cols) ** 0.5)
-    assert scalars["decay"].item() == f32(1 - 0.02 * config.muon_weight_decay * 6.0)
+    (group,) = [g for g in adam.param_groups if g["name"] == "value_embed"]
+    assert group["lr"] == config.embed_lr and len(group["params"]) == len(ve)
+    gen = torch.Generator().manual_seed(13)
+    want = []
+    for p in ve[:2]:
+        with torch.no_grad():  # nonzero weights (the tables start at zero), so that the decay acts
+            p.copy_(torch.randn(p.shape, generator=gen))
+        p.grad = torch.randn(p.shape, generator=gen)
+        w, state = p.detach().clone(), dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        tg.cautious_adam_step(w, p.grad, state, config.embed_lr * p.lr_mul, config.adam_beta1, config.adam_beta2,
+                              config.adam_eps, config.adam_weight_decay, p.wd_mul)
+        want.append(w)
+    adam.step()
+    assert torch.equal(ve[0].detach(), want[0]) and torch.equal(ve[1].detach(), want[1])
+    assert (ve[1].lr_mul, ve[1].wd_mul) == (75.0, 5.0)
+    for cautious in (True, False):
+        config = tiny(muon_cautious_weight_decay=cautious)
+        adam, muon = tg.build_optimizers(model, config, 0, 1)
+        (group,) = [g for g in muon.param_groups if any(q is proj for q in g["params"])]
+        assert len(group["params"]) == 1 and group["lr_mul"] == 2.5 and group["wd_mul"] == 3.0 * config.mlp_weight_decay_mul
+        scalars = muon.scalars[muon.param_groups.index(group)]
+        group["lr"], group["momentum"] = 0.02, 0.9
+        muon._fill_scalars(group, scalars)
+        rows, cols = proj.shape  # stored (hidden, model_dim): factor 2 either way
+        if cautious:
+            assert scalars["lr_factor"].item() == f32(f32(2.5 * max(1.0, rows / cols) ** 0.5) * f32(0.02))
+            assert scalars["wd_factor"].item() == f32(f32(f32(3.0) * f32(config.muon_weight_decay)) * f32(0.02))
+        else:
+            assert scalars["step_size"].item() == f32(-0.02 * 2.5 * max(1.0, rows / cols) ** 0.5)
+            assert scalars["decay"].item() == f32(1 - 0.02 * config.muon_weight_decay * 3.0)
 
 
 def test_set_schedules_gives_muon_the_momentum_of_the_momentum_schedule():
@@ -807,26 +857,49 @@ def test_set_schedules_gives_muon_the_momentum_of_the_momentum_schedule():
 
 
 def test_the_accounting_counts_moments_in_the_weights_dtype_gate_state_and_row_statistics():
-    config = tg.make_config(**BULK_OPTIMIZERS)
-    model = tg.build_model(config, "meta")  # bf16 weights, as on a GPU
-    head, attn = model.head.weight, model.blocks[0].attn.qkvo_w
-    assert tg.optimizer_state_parts("head", head, config) == {"adam moments float32": 2 * head.numel() * 4}
-    bulk = tg.make_config(recipe="bulk")
-    bulk_model = tg.build_model(bulk, "meta")
-    head, scalars = bulk_model.head.weight, bulk_model.scalars  # the bulk head is bf16 (a tied table)
-    assert tg.optimizer_state_parts("head", head, bulk) == {"adam moments bfloat16": 2 * head.numel() * 2}
-    assert tg.optimizer_state_parts("scalar", scalars, bulk) == {"adam moments float32": 2 * scalars.numel() * 4}
+    config = tg.make_config()
+    model = tg.build_model(config, "meta")  # bf16 tables and head, fp32 block weights, as on a GPU
+    head, scalars, attn = model.head.weight, model.scalars, model.blocks[0].attn.qkvo_w
+    assert tg.optimizer_state_parts("head", head, config) == {"adam moments bfloat16": 2 * head.numel() * 2}
+    assert tg.optimizer_state_parts("scalar", scalars, config) == {"adam moments float32": 2 * scalars.numel() * 4}
+    assert attn.dtype == torch.float32
     assert tg.optimizer_state_parts("muon_attn", attn, config) == {
+        "muon momentum float32": attn.numel() * 4, "normuon row statistics float32": 4 * 1024 * 4}
+    bf16_blocks = tg.make_config(fp32_block_weights=False)
+    attn16 = tg.build_model(bf16_blocks, "meta").blocks[0].attn.qkvo_w
+    assert attn16.dtype == torch.bfloat16
+    assert tg.optimizer_state_parts("muon_attn", attn16, bf16_blocks) == {
         "muon momentum float32": attn.numel() * 4, "muon low bits int16": attn.numel() * 2,
         "normuon row statistics float32": 4 * 1024 * 4}
     gate = torch.nn.Parameter(torch.empty(8, 16, dtype=torch.bfloat16, device="meta"))
     assert tg.optimizer_state_parts("muon_gates", gate, config) == {
         "muon momentum bfloat16": 128 * 2, "normuon row statistics bfloat16": 8 * 2}
-    assert tg.optimizer_state_parts("muon_gates", gate, tg.make_config()) == {
-        "muon momentum float32": 128 * 4, "muon low bits int16": 128 * 2}
+    no_rows = tg.make_config(muon_row_normalization=False)
+    assert tg.optimizer_state_parts("muon_gates", gate, no_rows) == {"muon momentum bfloat16": 128 * 2}
+    assert tg.optimizer_state_parts("muon_attn", attn, no_rows) == {"muon momentum float32": attn.numel() * 4}
     lines = tg.accounting_lines(model, config)
     (kinds,) = [line for line in lines if line.startswith("optimizer state by kind:")]
-    assert "adam moments bfloat16" in kinds and "normuon row statistics float32" in kinds
+    assert "adam moments bfloat16" in kinds and "adam moments float32" in kinds
+    assert "normuon row statistics float32" in kinds and "normuon row statistics bfloat16" in kinds
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(fp32_block_weights=False), dict(muon_row_normalization=False)])
+def test_the_accounting_is_the_bytes_of_the_optimizers_own_state(overrides):
+    """Against the state tensors the optimizers create (tiny, bf16 as on a GPU), parameter by parameter."""
+    config = tg.make_config("tiny", dtype="bfloat16", **overrides)
+    model = tg.build_model(config)
+    for opt in tg.build_optimizers(model, config, 0, 1):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                held = {}
+                for v in opt.state[p].values():
+                    if torch.is_tensor(v):
+                        held[str(v.dtype)] = held.get(str(v.dtype), 0) + v.numel() * v.element_size()
+                by_dtype = {}
+                for kind, nbytes in tg.optimizer_state_parts(group["name"], p, config).items():
+                    dtype = "torch." + kind.rsplit(" ", 1)[1]
+                    by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+                assert by_dtype == held, (group["name"], tuple(p.shape))
 
 
 # Two processes against one with two micro-steps, every bulk optimizer on: tests/test_bulk_recipe.py

@@ -1,15 +1,15 @@
-"""Muon (docs/recipe.md, "Optimizers and schedules"): Newton-Schulz orthogonalization against an SVD, the per-matrix treatment of the
-merged attention weight, the bf16 + low-16-bit storage of the fp32 master value, the update
-arithmetic against references written here, and the three schedules."""
+"""Muon's shared pieces (docs/bulk-optimizers.md): Newton-Schulz orthogonalization against an SVD,
+the per-matrix treatment of the merged attention weight, the bf16 + low-16-bit storage of the fp32
+master value, and Muon with its four switches at plain Muon's settings (Newton-Schulz, no row
+normalization, decoupled decay, the lr factor of each block) against references written here.
+The record's setting of each switch is tested in tests/test_bulk_optim.py, its schedules in
+tests/test_bulk_data.py."""
 import math
-from fractions import Fraction
 
 import pytest
 import torch
 
 import train_gpt_medium as tg
-
-RECORD = tg.make_config()
 
 # Singular values of orthogonalize(G) for matrices whose singular values span a factor of at most
 # 100 (so every singular value of G / ||G||_F is >= 0.003; measured 0.0030 for 96x96).
@@ -137,8 +137,14 @@ def test_bf16_half_is_the_truncated_fp32_value_not_the_rounded_one():
 # ---- the update
 
 
+# Muon's four switches at plain Muon's settings (the record's defaults are the other settings)
+PLAIN_MUON = dict(orthogonalization="newton_schulz", row_normalization=False, cautious_weight_decay=False,
+                  lr_shape="blocks")
+
+
 def muon_for(p: torch.nn.Parameter, lr: float, momentum: float, weight_decay: float, wd_mul: float) -> tg.Muon:
-    return tg.Muon([dict(params=[p], wd_mul=wd_mul)], lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return tg.Muon([dict(params=[p], wd_mul=wd_mul)], lr=lr, momentum=momentum, weight_decay=weight_decay,
+                   **PLAIN_MUON)
 
 
 ROWS, COLS = 96, 32  # tall: effective lr = lr * sqrt(3)
@@ -255,49 +261,3 @@ def test_step_leaves_the_gradient_unchanged():
             p.grad = g.clone()
             opt.step()
             assert torch.equal(p.grad, g), f"{dtype}: step modified p.grad"
-
-
-# ---- schedules (the record configuration: 5690 steps)
-
-
-def test_muon_momentum_warms_up_from_085_to_095_over_300_steps():
-    assert tg.muon_momentum(0, RECORD) == pytest.approx(0.85, abs=1e-12)
-    assert tg.muon_momentum(150, RECORD) == pytest.approx(0.90, abs=1e-12)
-    assert tg.muon_momentum(300, RECORD) == pytest.approx(0.95, abs=1e-12)
-    for step in (301, 1000, 5689, 5690):
-        assert tg.muon_momentum(step, RECORD) == pytest.approx(0.95, abs=1e-12)
-
-
-def test_lr_multiplier_is_flat_for_30_percent_then_linear_to_zero():
-    N = RECORD.num_iterations
-    flat_end = math.ceil(0.3 * N)  # first step with step/N >= 0.3: 1707
-    assert all(tg.lr_multiplier(s, RECORD) == 1.0 for s in range(flat_end))
-    assert tg.lr_multiplier(flat_end, RECORD) == pytest.approx(1.0, abs=1e-3)
-    for s in (2000, 3983, 5000):
-        assert tg.lr_multiplier(s, RECORD) == pytest.approx((1 - s / N) / 0.7, rel=1e-12)
-    slope = 1 / (0.7 * N)
-    for s in range(flat_end, N - 1, 97):  # a straight line: constant decrement per step
-        assert tg.lr_multiplier(s, RECORD) - tg.lr_multiplier(s + 1, RECORD) == pytest.approx(slope, rel=1e-9)
-    last = tg.lr_multiplier(N - 1, RECORD)
-    assert 0 < last < 1e-3
-    assert tg.lr_multiplier(N, RECORD) == 0.0
-
-
-def test_window_blocks_at_start_middle_and_end():
-    """x = 0.5: factor 0.5 -> 1728 tokens -> 13.5 blocks, rounded up to 14."""
-    assert tg.window_blocks(0, RECORD) == 1
-    assert tg.window_blocks(2845, RECORD) == 14
-    assert tg.window_blocks(5690, RECORD) == 27
-
-
-def test_window_blocks_equals_exact_rational_schedule_and_never_shrinks():
-    """Every step of the run against the schedule computed in exact fractions."""
-    N, previous = RECORD.num_iterations, 0
-    for step in range(N + 1):
-        x = Fraction(step, N)
-        factor = 4 * x**3 - 6 * x**2 + 3 * x
-        want = max(math.ceil(3456 * factor / 128), 1)
-        got = tg.window_blocks(step, RECORD)
-        assert got == want, f"step {step}"
-        assert got >= previous, f"window shrank at step {step}"
-        previous = got

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
 
 import train_gpt_medium as tg
 from test_checkpoint import log_text, run_argv
