@@ -2703,6 +2703,8 @@ def with_num_iterations(config: Hyperparameters, steps: int) -> Hyperparameters:
               if f.metadata.get("counts_steps") and getattr(config, f.name)}
     if "extension_steps" in scaled:
         scaled["extension_steps"] = min(scaled["extension_steps"], steps - 1)
+    if "untie_embed_after_step" in scaled and config.adam_odd_steps_only:
+        scaled["untie_embed_after_step"] |= 1  # on an Adam step
     if "muon_momentum_cooldown_steps" in scaled:
         scaled["muon_momentum_cooldown_steps"] = min(scaled["muon_momentum_cooldown_steps"], steps)
     return check_config(dataclasses.replace(config, num_iterations=steps, **scaled))
@@ -2788,6 +2790,9 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
              "cannot be both: add --untie_embed_after_step=0 (separate tables from the start) to use LoRE")
         need(cfg.pad_vocab_tables, "untie_embed_after_step",
              "the input table becomes a copy of the head: pass --pad_vocab_tables so both have the head's rows")
+    need(not (cfg.adam_odd_steps_only and cfg.untie_embed_after_step) or cfg.untie_embed_after_step % 2 == 1,
+         "untie_embed_after_step", f"{cfg.untie_embed_after_step} is even; with --adam_odd_steps_only the split copies the "
+         "head's Adam state right after an Adam step, which falls on odd steps: choose an odd step (or auto)")
     need(not cfg.adam_odd_steps_only or cfg.save_every % 2 == 0, "save_every",
          f"{cfg.save_every} is odd; with --adam_odd_steps_only checkpoints must fall after odd steps, when no "
          "gradients wait for Adam: choose an even number")

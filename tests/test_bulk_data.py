@@ -543,7 +543,15 @@ def test_an_explicit_split_step_is_kept_and_0_means_untied_from_the_start():
 
 
 def test_a_split_beyond_the_runs_last_step_is_said_once():
-    short = tg.make_config("tiny", recipe="bulk", untie_embed_after_step=50, num_iterations=40, extension_steps=1)
+    short = tg.make_config("tiny", recipe="bulk", untie_embed_after_step=51, num_iterations=40, extension_steps=1)
     (note,) = [n for n in tg.recipe_notes(short) if "split" in n]
-    assert "after step 50" in note and "last training step 39" in note
+    assert "after step 51" in note and "last training step 39" in note
     assert not [n for n in tg.recipe_notes(tg.make_config("tiny", recipe="bulk")) if "split" in n]
+
+
+def test_an_even_split_step_with_odd_step_adam_is_refused():
+    """The split copies the head's Adam state right after an Adam step: with Adam on odd steps only,
+    an even split would copy it while the head still holds an unapplied gradient."""
+    with pytest.raises(tg.ConfigError, match="--untie_embed_after_step: 50 is even"):
+        tg.make_config("tiny", untie_embed_after_step=50)
+    assert tg.make_config("tiny", untie_embed_after_step=50, adam_odd_steps_only=False).untie_embed_after_step == 50
