@@ -261,3 +261,73 @@ def test_step_leaves_the_gradient_unchanged():
             p.grad = g.clone()
             opt.step()
             assert torch.equal(p.grad, g), f"{dtype}: step modified p.grad"
+
+
+# ---- the Newton-Schulz input (--orthogonalization=newton_schulz) as the x01 records' compiled update computed it
+
+
+def records_newton_schulz_input(G):
+    """The records' Newton-Schulz opens with these lines (for torch.compile): the momentum cast to
+    bf16, transposed if it has more rows than columns, then divided by its Frobenius norm + 1e-7."""
+    X = G.bfloat16()
+    if G.size(-2) > G.size(-1):
+        X = X.mT
+    return X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+
+
+def exact_norm_momentum(shape, seed):
+    """A momentum whose squared Frobenius norm every summation order computes exactly: integers,
+    mostly |k| <= 63 (bf16 holds them), one in ~128 an odd 257..511 (9 significant bits: bf16 rounds
+    it), each matrix's sum of squares below 2**24 (fp32 holds every partial sum)."""
+    gen = torch.Generator().manual_seed(seed)
+    G = torch.randint(-63, 64, shape, generator=gen).float()
+    wide = torch.rand(shape, generator=gen) < 1 / 128
+    sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
+    G[wide] = (sign * (torch.randint(128, 256, shape, generator=gen) * 2 + 1))[wide]
+    assert G.double().square().sum(dim=(-2, -1)).max() < 2**24 and not torch.equal(G.bfloat16().float(), G)
+    return G
+
+
+def compiled_and_eager_normalization(G, monkeypatch):
+    """(the records' compiled normalization, orthogonalize's with no iteration), the same way round."""
+    want = torch.compile(records_newton_schulz_input, dynamic=False)(G)
+    if G.size(-2) > G.size(-1):
+        want = want.mT  # orthogonalize returns the matrix the right way round
+    monkeypatch.setattr(tg, "NEWTON_SCHULZ_COEFFS", ())  # no iteration: orthogonalize returns its input
+    return want, tg.orthogonalize(G, torch.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(4, 64, 64), (48, 24)])
+def test_newton_schulz_input_is_what_the_records_compiled_update_normalizes(shape, monkeypatch):
+    """The records cast the momentum to bf16 before dividing by its norm, inside a compiled update,
+    where Inductor keeps the cast's value in fp32: they divide the fp32 momentum by its fp32 norm
+    and round once, as orthogonalize does eagerly. Bit for bit on every CPU kind for a momentum
+    whose norm is exact in any summation order (then every step is one correctly rounded IEEE
+    operation: sqrt, + 1e-7, the division, the cast); the same lines run eagerly round the momentum
+    and its norm to bf16 first and differ in a quarter to a third of the elements."""
+    G = exact_norm_momentum(shape, seed=3)
+    want, got = compiled_and_eager_normalization(G, monkeypatch)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    numerator_rounded = (G.bfloat16().float() / (G.norm(dim=(-2, -1), keepdim=True) + 1e-7)).bfloat16()
+    assert numerator_rounded.ne(want).any()  # the compiled update divides the unrounded momentum
+    eager = records_newton_schulz_input(G)
+    assert (eager.mT if shape[0] > shape[1] else eager).ne(want).float().mean() > 0.2  # rounded before the norm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(4, 64, 64), (48, 24)])
+def test_newton_schulz_input_of_a_random_momentum_differs_only_by_the_norms_summation_order(shape, monkeypatch):
+    """A random momentum: Inductor's norm and aten's sum the squares in different orders, which
+    differ by CPU kind (vector width), so the fp32 norms can differ by a few ulps and a quotient
+    near a bf16 rounding boundary can round the other way. Measured over 40 seeds on an Intel Xeon
+    under ATEN_CPU_CAPABILITY=avx512 / avx2 / default: at most 1, 2, 4 of the 16,384 elements of
+    (4, 64, 64) and 0, 0, 1 of the 1,152 of (48, 24) differ, each by 1 bf16 ulp. Allowed: 1 ulp in
+    1/256 of the elements (64 and 4: 16 and 4 times the most seen); rounding first differs in > 1/5."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(9))
+    want, got = compiled_and_eager_normalization(G, monkeypatch)
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()  # same sign: bit distance
+    assert ulps.max() <= 1 and got.ne(want).sum() <= got.numel() / 256
+    eager = records_newton_schulz_input(G)
+    assert (eager.mT if shape[0] > shape[1] else eager).ne(want).float().mean() > 0.2  # rounded before the norm

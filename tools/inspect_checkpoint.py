@@ -13,6 +13,10 @@ Prints, on the CPU in fp32:
    true next token) read from x at each layer's input and after the last layer;
 3. an embedding lens for one token id: its input embeddings, its value embeddings, and each
    value embedding passed through the o-projection of every layer that uses it.
+The model runs as the trainer ran it at the checkpoint's step (its saved config): the attention
+windows of that step, the rotary tables after the YaRN changes made so far, the input embedding
+still tied to the head before --untie_embed_after_step; the sequence is at most as long as the
+longest the run used (train_seq_len or val_seq_len), 2048 tokens by default.
 GPT-2 tokens are printed as text when data/gpt2_tokens.bin is present, other vocabularies as ids.
 torch and the trainer are imported inside the functions that use them, so a mistyped argument is
 refused at once, before they load.
@@ -84,7 +88,27 @@ def lens(model: tg.GPT, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     return probs, probs.topk(k, dim=-1).indices
 
 
-def layer_inputs(model: tg.GPT, ids: torch.Tensor, window: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def at_step(model: tg.GPT, config: tg.Hyperparameters, step: int) -> torch.Tensor:
+    """Set `model` as the trainer's Runner sets it for `step` (Runner.window, set_embedding_tie):
+    rotary tables after the YaRN changes up to `step`, the input embedding tied to the head up to
+    --untie_embed_after_step. Returns the forward's window argument: the long window in blocks
+    (0-d), or [long, short] with a window_schedule."""
+    import torch
+    import train_gpt_medium as tg
+    if model.rotary is not None and config.yarn_window_limit:
+        model.rotary.set_changes(tuple((old, new) for s, old, new in tg.yarn_changes(config) if s <= step))
+    if config.untie_embed_after_step:
+        model.embed_tied = step <= config.untie_embed_after_step
+    long, short = tg.attention_windows(step, config)
+    return torch.tensor([long, short] if config.window_schedule else long, dtype=torch.int32)
+
+
+def longest_sequence(config: tg.Hyperparameters) -> int:
+    """The longest sequence the run trained or validated on (the rotary tables' length)."""
+    return max(config.train_seq_len, config.val_seq_len)
+
+
+def layer_inputs(model: tg.GPT, ids: torch.Tensor, window: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """x entering each block (after its skip), and x after the last block: each (T, d)."""
     import torch
     seen = []
@@ -92,7 +116,7 @@ def layer_inputs(model: tg.GPT, ids: torch.Tensor, window: int) -> tuple[list[to
     hooks.append(model.blocks[-1].register_forward_hook(lambda m, args, out: seen.append(out[0])))
     try:
         with torch.no_grad():
-            model(ids[:-1].to(torch.int32), ids[1:].to(torch.int64), torch.tensor(window), reduction="none")
+            model(ids[:-1].to(torch.int32), ids[1:].to(torch.int64), window, reduction="none")
     finally:
         for h in hooks:
             h.remove()
@@ -110,11 +134,12 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
     import torch
     import train_gpt_medium as tg
     vocab, out = Vocabulary(config.vocab_size), []
+    window = at_step(model, config, step)
     x0_weights = model.mixing_weights()[1].detach()  # (L, input embeddings)
     inputs = None
     if val_tokens is not None:
         ids = val_tokens[:seq_len + 1].long()
-        inputs, final = layer_inputs(model, ids, tg.attention_windows(step, config)[0])
+        inputs, final = layer_inputs(model, ids, window)
     out.append(f"== lambdas per layer (step {step}); /rms: the embedding's lambda over the RMS of x at the layer's input")
     for i, line in enumerate(tg.learned_scalars_lines(model)[:config.num_layers]):  # as the run log ends
         if inputs is not None:
@@ -133,8 +158,8 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
     with torch.no_grad():
         t = torch.tensor([token])
         out.append(f"== embedding lens for token {token} {vocab(token)}")
-        for e, embed in enumerate(model.embeds):
-            out.append(f"x0{e}: {describe(model, tg.rms_norm(embed(t))[0], k, vocab)}")
+        for e, x0 in enumerate(model.input_embeddings(t)):  # x00 reads the head while tied
+            out.append(f"x0{e}: {describe(model, x0[0, 0], k, vocab)}")
         tables = model.value_embeds(t)
         for layer, ve in enumerate(tables):
             if ve is None:
@@ -169,8 +194,10 @@ def main(argv=None) -> int:
     parser.add_argument("--position", type=int, default=100, help="position of the logit lens in the first sequence")
     parser.add_argument("--top_k", type=int, default=5, help="tokens shown per lens, 1..vocab_size")
     parser.add_argument("--token", type=int, default=262, help="token id of the embedding lens (262 is ' the')")
-    parser.add_argument("--seq_len", type=int, default=2048,
-                        help="tokens of the first validation sequence to run (a multiple of 128; the CPU's dense mask is seq_len^2)")
+    parser.add_argument("--seq_len", type=int,
+                        help="tokens of the first validation sequence to run, a multiple of the checkpoint's "
+                             "attn_block_size, at most its longest sequence (default: 2048 or that; the "
+                             "CPU's dense mask is seq_len^2)")
     args = parser.parse_args(argv)
     if args.top_k < 1:
         parser.error(f"--top_k must be at least 1, got {args.top_k}")
@@ -189,8 +216,15 @@ def main(argv=None) -> int:
         parser.error(f"--token must be in [0, {config.vocab_size})")
     if args.top_k > config.vocab_size:
         parser.error(f"--top_k must be at most the vocabulary size {config.vocab_size}, got {args.top_k}")
+    longest = longest_sequence(config)
+    if args.seq_len is None:
+        bs = config.attn_block_size  # longest is a multiple of it (the trainer checks)
+        args.seq_len = min(max(2048 // bs, 1) * bs, longest)
     if args.seq_len <= 0 or args.seq_len % config.attn_block_size:
         parser.error(f"--seq_len must be a positive multiple of {config.attn_block_size}")
+    if args.seq_len > longest:  # the rotary tables (and what the model was trained on) end there
+        parser.error(f"--seq_len must be at most {longest}, the longest sequence this checkpoint's run "
+                     f"used (train_seq_len {config.train_seq_len}, val_seq_len {config.val_seq_len})")
     val_tokens = None
     try:
         val_tokens = read_val_tokens(args.val_files or config.val_files, args.seq_len + 1)
