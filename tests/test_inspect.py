@@ -31,13 +31,14 @@ def test_report_shows_the_lambdas_and_a_lens_that_agrees_with_the_model(syntheti
     out = capsys.readouterr().out
     layer_lines = [line for line in out.splitlines() if line.startswith("lambdas layer ")]
     assert len(layer_lines) == 16
-    lam = model.scalar_views()[1][4].tolist()
+    resid, x0_weights = model.mixing_weights()
+    lam = [resid[4].item()] + x0_weights[4].tolist()
     assert layer_lines[4].startswith(f"lambdas layer 4: x:{lam[0]:.4f} x00:{lam[1]:.4f} x01:{lam[2]:.4f}")
     # the lens after the last layer is the model's own prediction: p(next) = exp(-that token's loss)
     ids = tg.read_shard(synthetic_dir / "synthetic_val_000000.bin")[:513].long()
     model.eval()
     with torch.no_grad():
-        losses = model(ids[:-1].to(torch.int32), ids[1:], torch.tensor(tg.window_blocks(3, config)), reduction="none")
+        losses = model(ids[:-1].to(torch.int32), ids[1:], torch.tensor(tg.attention_windows(3, config), dtype=torch.int32), reduction="none")
     (final,) = [line for line in out.splitlines() if line.startswith("after last layer")]
     p_next = float(re.search(r"p\(next=<\d+>\)=(\d\.\d+)", final)[1])
     assert p_next == pytest.approx(math.exp(-losses[77].item()), abs=2e-6)  # printed with 6 decimals
@@ -96,7 +97,7 @@ def test_a_bulk_checkpoint_runs_with_its_own_sequence_length_and_windows(synthet
     assert printed == pytest.approx(trainer_lens(runner, step, ids, 425), abs=1e-6)  # printed with 6 decimals
     # the embedding lens reads x00 from the head while the embedding is tied
     (x00,) = [line for line in lines if line.startswith("x00: ")]
-    table = runner.model.head.weight if step <= config.untie_embed_after_step else runner.model.embeds[0].weight
+    table = runner.model.head.weight if step <= tg.untie_step(config) else runner.model.embeds[0].weight
     top = ic.lens(runner.model, tg.rms_norm(table[5].detach().float())[None], 3)[1][0].tolist()
     assert [int(t) for t in re.findall(r"<(\d+)>", x00)] == top
 

@@ -78,29 +78,28 @@ class Vocabulary:
         return repr(raw.decode("utf-8", errors="backslashreplace")) if raw else "<|endoftext|>"
 
 
-def lens(model: tg.GPT, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities over the real vocabulary of rows h (n, d) read through the final norm, the head
-    and the softcap, as the model reads its last layer. Returns (probs (n, V), top-k ids (n, k))."""
+def lens(model: tg.GPT, h: torch.Tensor, k: int, normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities over the real vocabulary of rows h (n, d) read through the final norm (unless
+    `normed`: h is what the head reads), the head and the softcap, as the model reads its last
+    layer. Returns (probs (n, V), top-k ids (n, k))."""
     import torch
     import train_gpt_medium as tg
     with torch.no_grad():
-        probs = torch.softmax(model.logits(tg.rms_norm(h)), dim=-1)[:, :model.config.vocab_size]
+        probs = torch.softmax(model.logits(h if normed else tg.rms_norm(h)), dim=-1)[:, :model.config.vocab_size]
     return probs, probs.topk(k, dim=-1).indices
 
 
 def at_step(model: tg.GPT, config: tg.Hyperparameters, step: int) -> torch.Tensor:
     """Set `model` as the trainer's Runner sets it for `step` (Runner.window, set_embedding_tie):
     rotary tables after the YaRN changes up to `step`, the input embedding tied to the head up to
-    --untie_embed_after_step. Returns the forward's window argument: the long window in blocks
-    (0-d), or [long, short] with a window_schedule."""
+    --untie_embed_after_step. Returns the forward's window argument, [long, short] in blocks."""
     import torch
     import train_gpt_medium as tg
-    if model.rotary is not None and config.yarn_window_limit:
+    if config.yarn_window_limit:
         model.rotary.set_changes(tuple((old, new) for s, old, new in tg.yarn_changes(config) if s <= step))
-    if config.untie_embed_after_step:
-        model.embed_tied = step <= config.untie_embed_after_step
-    long, short = tg.attention_windows(step, config)
-    return torch.tensor([long, short] if config.window_schedule else long, dtype=torch.int32)
+    if tg.untie_step(config):
+        model.embed_tied = step <= tg.untie_step(config)
+    return torch.tensor(tg.attention_windows(step, config), dtype=torch.int32)
 
 
 def longest_sequence(config: tg.Hyperparameters) -> int:
@@ -109,11 +108,14 @@ def longest_sequence(config: tg.Hyperparameters) -> int:
 
 
 def layer_inputs(model: tg.GPT, ids: torch.Tensor, window: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """x entering each block (after its skip), and x after the last block: each (T, d)."""
+    """x entering each block (after its skip), and what the head reads: each (T, d). The head reads
+    the backout's output where the model has one (already normed), else the last block's output
+    (the lens norms it)."""
     import torch
     seen = []
     hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(args[0][0])) for b in model.blocks]
-    hooks.append(model.blocks[-1].register_forward_hook(lambda m, args, out: seen.append(out[0])))
+    last = model.backout if model.backout is not None else model.blocks[-1]
+    hooks.append(last.register_forward_hook(lambda m, args, out: seen.append(out if out.dim() == 2 else out[0])))
     try:
         with torch.no_grad():
             model(ids[:-1].to(torch.int32), ids[1:].to(torch.int64), window, reduction="none")
@@ -123,8 +125,8 @@ def layer_inputs(model: tg.GPT, ids: torch.Tensor, window: torch.Tensor) -> tupl
     return seen[:-1], seen[-1]
 
 
-def describe(model, h, k, vocab, target=None) -> str:
-    probs, top = lens(model, h[None], k)
+def describe(model, h, k, vocab, target=None, normed: bool = False) -> str:
+    probs, top = lens(model, h[None], k, normed)
     words = " ".join(f"{vocab(t)}:{probs[0, t]:.3f}" for t in top[0].tolist())
     return words + (f"   p(next={vocab(target)})={probs[0, target]:.6f}" if target is not None else "")
 
@@ -154,7 +156,7 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
         out.append(f"== logit lens at position {position}: ... {context} -> next {vocab(target)}")
         for i, x in enumerate(inputs):
             out.append(f"input of layer {i:2d}: {describe(model, x[position], k, vocab, target)}")
-        out.append(f"after last layer:   {describe(model, final[position], k, vocab, target)}")
+        out.append(f"after last layer:   {describe(model, final[position], k, vocab, target, model.backout is not None)}")
     with torch.no_grad():
         t = torch.tensor([token])
         out.append(f"== embedding lens for token {token} {vocab(token)}")
@@ -164,9 +166,9 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
         for layer, ve in enumerate(tables):
             if ve is None:
                 continue
-            o = model.blocks[layer].attn.qkvo_w[3]  # (attn_dim, d): the layer's output projection
+            o = model.blocks[layer].attn.qkvo_w[3]  # (d, attn_dim): rows are output features, used as y @ o^T
             out.append(f"value embedding of layer {layer:2d}: {describe(model, ve[0], k, vocab)}")
-            out.append(f"  through its o-projection:  {describe(model, ve[0] @ o, k, vocab)}")
+            out.append(f"  through its o-projection:  {describe(model, ve[0] @ o.T.to(ve.dtype), k, vocab)}")
     return out
 
 
