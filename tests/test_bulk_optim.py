@@ -8,7 +8,8 @@ loop of its formula; Adam on odd steps = one Adam step on the summed gradients; 
 until the odd step are reduced once; checkpoints of the new state; the accounting.
 
 Rounding references: `f32`/`bf16` round a Python float (float64) the way a kernel that computes in
-fp32 stores fp32/bf16 (round to nearest even); `fma32` rounds an exact a*b + c once to fp32. The
+fp32 stores fp32/bf16 (round to nearest even); `fma32` rounds an exact a*b + c once to fp32
+(`add32`: as this CPU's add with alpha does, fused on the CPUs with AVX2 or AVX512). The
 references compute each operation exactly (or in float64) and round where the record's operation
 stores its result, with its scalars in fp32, as PyTorch's CUDA kernels take them."""
 import copy
@@ -47,6 +48,24 @@ def fma32(a: float, b: float, c: float) -> float:
     x = np.float32(f32(float(exact)))
     candidates = [x, np.nextafter(x, np.float32(-np.inf)), np.nextafter(x, np.float32(np.inf))]
     return float(min(candidates, key=lambda y: (abs(Fraction(float(y)) - exact), int(y.view(np.uint32)) & 1)))
+
+
+def add_with_alpha_is_fused() -> bool:
+    """Whether torch's fp32 t.add_(other, alpha=a) on this CPU rounds t + a*other once, as CUDA's
+    kernel does: aten's kernels built for a vector instruction set (AVX2, AVX512) use a fused
+    multiply-add; its kernels without vectors (ATEN_CPU_CAPABILITY=default) round a*other first.
+    Probed on a whole vector's worth: -1 + (1 + 2^-23)(1 - 2^-23) is -2^-46 fused, 0 rounded first."""
+    t = torch.full((64,), -1.0)
+    t.add_(torch.full((64,), 1 + 2**-23), alpha=1 - 2**-23)
+    return bool((t == -2**-46).all())
+
+
+ADD_IS_FUSED = add_with_alpha_is_fused()
+
+
+def add32(a: float, b: float, c: float) -> float:
+    """c + a*b in fp32 as this CPU's t.add_(b, alpha=a) stores it: fma32, or the product rounded first."""
+    return fma32(a, b, c) if ADD_IS_FUSED else f32(f32(a * b) + c)
 
 
 def elementwise(fn, *tensors) -> list:
@@ -88,8 +107,8 @@ def test_polar_express_in_float64_is_the_records_iteration(shape, split):
 def polar_express_bf16_reference(G: torch.Tensor, coeffs, split: bool) -> torch.Tensor:
     """The record's bf16 iteration with every rounding where its operations store bf16: the
     cast, the norm, norm*1.02, +1e-6, the division, A = X X^T, B = b A + c A A^T (one rounding),
-    a X + B X (one rounding; split: B X, then + a X). Products and sums exact (float64) between
-    roundings; scalars in fp32."""
+    a X + B X (one rounding; split: B X, then + a X, as this CPU's add with alpha rounds it: add32).
+    Products and sums exact (float64) between roundings; scalars in fp32."""
     rnd = lambda t: t.float().bfloat16().double()
     s = lambda v: f32(v)
     X = rnd(G.double())
@@ -101,7 +120,8 @@ def polar_express_bf16_reference(G: torch.Tensor, coeffs, split: bool) -> torch.
     for a, b, c in coeffs:
         A = rnd(X @ X.mT)
         B = rnd(s(b) * A + s(c) * (A @ A.mT))
-        X = rnd(rnd(B @ X) + s(a) * X) if split else rnd(s(a) * X + B @ X)
+        aX = s(a) * X if ADD_IS_FUSED else X.mul(s(a)).float().double()  # add_as_cuda_(BX, X, alpha=a)
+        X = rnd(rnd(B @ X) + aX) if split else rnd(s(a) * X + B @ X)
     return X.mT if tall else X
 
 
@@ -510,8 +530,9 @@ def adam_loop(p: torch.Tensor, grads: list[torch.Tensor], lr: float, betas, eps:
     (the record's timed run: see the dtype test below), eps added to sqrt(v), the bias corrections
     in the step size, cautious decay lr^2 * wd * wd_mul where the update and the weight agree in
     sign (strictly), each operation rounded as its kernel stores it (scalars fp32; a*b + c in one
-    rounding where the kernel's expression is that). The square roots are torch's fp32 ones of
-    the whole vector (its vectorized fp32 sqrt is not always correctly rounded on every CPU)."""
+    rounding where the kernel's expression is that and this CPU's kernel fuses it: add32). The
+    square roots are torch's fp32 ones of the whole vector (its vectorized fp32 sqrt is not always
+    correctly rounded on every CPU)."""
     b1, b2 = betas
     r = bf16 if p.dtype == torch.bfloat16 else f32  # the weight's, the moments' and the update's rounding
     weights, m, v = p.double().flatten().tolist(), [0.0] * p.numel(), [0.0] * p.numel()
@@ -519,14 +540,14 @@ def adam_loop(p: torch.Tensor, grads: list[torch.Tensor], lr: float, betas, eps:
         step_size = f32(lr * ((1 - b2 ** t) ** 0.5 / (1 - b1 ** t)))
         decay = f32(lr * wd * wd_mul * lr)
         for j, g in enumerate(grad.double().flatten().tolist()):
-            m[j] = r(fma32(f32(1 - b1), g, r(m[j] * f32(b1))))
-            v[j] = r(fma32(f32(1 - b2), f32(g * g), r(v[j] * f32(b2))))
+            m[j] = r(add32(f32(1 - b1), g, r(m[j] * f32(b1))))
+            v[j] = r(add32(f32(1 - b2), f32(g * g), r(v[j] * f32(b2))))
         roots = torch.tensor(v, dtype=torch.float32).sqrt().tolist()
         for j in range(len(v)):
             denom = r(r(roots[j]) + f32(eps))
             u = r(r(m[j] / denom) * step_size)
             same_sign = u * weights[j] > 0
-            u = r(fma32(decay, weights[j] if same_sign else 0.0, u))
+            u = r(add32(decay, weights[j] if same_sign else 0.0, u))
             weights[j] = r(weights[j] - u)
     return torch.tensor(weights, dtype=torch.float64).reshape(p.shape), m, v
 
