@@ -14,7 +14,6 @@ sample of that chain, so the entropies below are exact for the stream:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil

@@ -2,7 +2,7 @@
 
 tests/golden/make_golden.py recorded them; its docstring says what a machine kind is, when to
 regenerate and how the tolerance was measured. The tiny run is compared bit for bit on a machine
-kind that has a golden entry, and within make_golden.TOLERANCE of every entry elsewhere; the test
+kind that has a golden entry, and within the file's tolerance (make_golden.tolerance_of) of every entry elsewhere; the test
 says which (its assertion message, the `golden_comparison` property, and a line at the end of the
 pytest run)."""
 import copy
@@ -43,7 +43,7 @@ def test_the_recorded_machine_kinds_agree_within_the_tolerance():
         assert set(e["machine_kind"]) == set(make_golden.MACHINE_KIND_FIELDS)
         assert [h["step"] for h in e["val_history"]] == TINY_GOLDEN["steps"]
         for other in entries:
-            assert max(make_golden.differences(e, other).values()) <= make_golden.TOLERANCE
+            assert max(make_golden.differences(e, other).values()) <= make_golden.tolerance_of(TINY_GOLDEN)
 
 
 def nudged(entry: dict, ulps: int = 0, by: float = 0.0) -> dict:
@@ -72,9 +72,10 @@ def test_on_a_recorded_machine_kind_one_ulp_fails():
 def test_on_another_machine_kind_the_tolerance_decides():
     entry = known_entry()
     elsewhere = {**entry["machine_kind"], "cpu_model": "a CPU never recorded"}
-    what, failures = make_golden.compare(nudged(entry, by=make_golden.TOLERANCE / 10), TINY_GOLDEN, elsewhere)
-    assert what.startswith(f"within {make_golden.TOLERANCE:g}") and "a CPU never recorded" in what and failures == []
-    _, failures = make_golden.compare(nudged(entry, by=3 * make_golden.TOLERANCE), TINY_GOLDEN, elsewhere)
+    tolerance = make_golden.tolerance_of(TINY_GOLDEN)
+    what, failures = make_golden.compare(nudged(entry, by=tolerance / 10), TINY_GOLDEN, elsewhere)
+    assert what.startswith(f"within {tolerance:g}") and "a CPU never recorded" in what and failures == []
+    _, failures = make_golden.compare(nudged(entry, by=3 * tolerance), TINY_GOLDEN, elsewhere)
     assert len(failures) == len(TINY_GOLDEN["entries"])
 
 

@@ -19,10 +19,10 @@ What is pinned:
   (MACHINE_KIND_FIELDS: the CPU vendor and model name from /proc/cpuinfo, the instruction set
   torch uses, torch.backends.cpu.get_cpu_capability(), the machine architecture, the torch
   version, and any MKL/oneDNN setting that changes kernels). tests/test_golden.py compares bit for bit against the
-  entry of the kind it runs on, and within TOLERANCE of every entry on a kind that has none. A
+  entry of the kind it runs on, and within the file's tolerance of every entry on a kind that has none. A
   field recorded as null (unknown) matches no machine, so such an entry is only ever compared
   within the tolerance.
-- tests/golden/dry_run.json: the --dry_run JSON of the record and of six switch combinations.
+- tests/golden/dry_run.json: the --dry_run JSON of the record and of eight switch combinations.
   Parameter counts are integers, and the FLOPs come from integer window sizes and counts through
   IEEE double additions, multiplications and one division, which round alike on every machine:
   compared bit for bit everywhere.
@@ -38,9 +38,9 @@ When to regenerate:
 - After a torch upgrade every entry is of another kind (the version is part of it): rerun on each
   kind you have, with --only_this_machine on the first.
 
-TOLERANCE was measured with --spread: the tiny run on one machine under every kernel choice that
+The tolerances were measured with --spread: the tiny run on one machine under every kernel choice that
 differs between CPU kinds (torch's AVX512 / AVX2 / default kernels via ATEN_CPU_CAPABILITY, MKL's
-code paths via MKL_CBWR, 1 or 2 threads); see SPREAD_SETTINGS and the comment at TOLERANCE.
+code paths via MKL_CBWR, 1 or 2 threads); see SPREAD_SETTINGS and the comment at LIVE_TOLERANCE.
 """
 from __future__ import annotations
 
@@ -202,18 +202,38 @@ def history_record(result: dict, log: Path) -> dict:
 
 # ---- comparing a run with the golden entries
 
-# Measured with --spread on the AMD EPYC (2 cores, torch 2.13.0+cpu), largest |difference| of any
-# logged value (val_loss; val_bpb is about 0.4 times that; the step-0 loss never moved):
+# The tolerance of a golden file is in the file ("tolerance"); a file without one (the frozen x01
+# lineage's) has X01_TOLERANCE.
+#
+# X01_TOLERANCE, for the x01 lineage's tiny run. Measured with --spread on the AMD EPYC (2 cores,
+# torch 2.13.0+cpu), largest |difference| of any logged value (val_loss; val_bpb is about 0.4
+# times that; the step-0 loss never moved):
 #   torch's kernels AVX512 (its choice here) vs AVX2:                       3.0e-7
 #   MKL's default path vs MKL_CBWR=COMPATIBLE:                              6.0e-8 (MKL_CBWR=AVX2: 0)
 #   AVX512 vs torch's unvectorized DEFAULT kernels:                         8.7e-6
 #   AVX2 + MKL AVX2 vs DEFAULT + MKL COMPATIBLE (the widest pair):          1.76e-5
 #   1 vs 2 threads:                                                         0
 #   this AMD EPYC vs the Intel Xeon entry (recorded there):                 1.16e-5 (final val_loss: 9.5e-6)
-# No setting here reproduced the Intel entry's bits. TOLERANCE is 5.7 times the widest spread seen
+# No setting here reproduced the Intel entry's bits. 1e-4 is 5.7 times the widest spread seen
 # (8.6 times the Intel-AMD gap), for kernel choices not tried here. A deliberate change of training
 # is far larger: --cooldown_frac=0.69 instead of 0.7 moved the final val_loss by 4.1e-3 (41 times it).
-TOLERANCE = 1e-4
+X01_TOLERANCE = 1e-4
+# LIVE_TOLERANCE, for the current record's tiny run (the live script's golden file). Its run moves
+# far more with the kernels than x01's: the optimizer's Polar Express and the sigmoid cap of the
+# training logits run in bf16, and its loss is a token sum. Measured with --spread on an Intel Xeon
+# (2 cores, torch 2.13.0+cpu, AVX512 its choice), largest |difference| of any logged value:
+#   AVX512 vs AVX2:                                  3.3e-4     vs DEFAULT:               5.3e-4
+#   MKL's default path vs MKL_CBWR=COMPATIBLE:       6.5e-4     vs MKL_CBWR=AVX2:         6.2e-4
+#   1 vs 2 threads:                                  3.6e-5
+#   the widest pair of all nine settings:            1.1e-3 (final val_loss: 6.5e-4 at most)
+# 3e-3 is 2.7 times the widest spread. A deliberate change of training still exceeds it:
+# --cooldown_frac=0.69 instead of 0.7 moves the final val_loss by 8.7e-3 (2.9 times it). Runs on
+# a kind without an entry are compared this loosely; a kind with an entry, bit for bit.
+LIVE_TOLERANCE = 3e-3
+
+
+def tolerance_of(golden_file: dict) -> float:
+    return golden_file.get("tolerance", X01_TOLERANCE)
 
 
 def differences(record: dict, golden: dict) -> dict[str, float]:
@@ -233,7 +253,7 @@ def differences(record: dict, golden: dict) -> dict[str, float]:
 def compare(record: dict, golden_file: dict, here: dict) -> tuple[str, list[str]]:
     """How `record` (a tiny run on a machine of kind `here`) compares with the golden entries:
     (what was compared, the failures). Bit for bit against the entry of this kind if there is one;
-    otherwise every value within TOLERANCE of every entry."""
+    otherwise every value within the file's tolerance of every entry."""
     if [h["step"] for h in record["val_history"]] != golden_file["steps"]:
         return "validation steps", [f"validated at steps {[h['step'] for h in record['val_history']]}, "
                                     f"golden {golden_file['steps']}"]
@@ -247,13 +267,14 @@ def compare(record: dict, golden_file: dict, here: dict) -> tuple[str, list[str]
         found = differences(record, golden)
         return what, [f"differs from the entry of this kind by up to {found} (a change of training? see "
                       "tests/golden/make_golden.py for when to regenerate)"]
-    what = (f"within {TOLERANCE:g} of each of {len(entries)} golden entries (no golden entry for this machine kind: "
+    tolerance = tolerance_of(golden_file)
+    what = (f"within {tolerance:g} of each of {len(entries)} golden entries (no golden entry for this machine kind: "
             f"{describe_kind(here)}; recorded: {'; '.join(describe_kind(e['machine_kind']) for e in entries)})")
     failures = []
     for e in entries:
         found = differences(record, e)
-        if max(found.values()) > TOLERANCE:
-            failures.append(f"{describe_kind(e['machine_kind'])}: differences {found} exceed {TOLERANCE:g}")
+        if max(found.values()) > tolerance:
+            failures.append(f"{describe_kind(e['machine_kind'])}: differences {found} exceed {tolerance:g}")
     return what, failures
 
 
@@ -330,7 +351,8 @@ def spread(names: list[str], jobs: int) -> None:
             same = {k: r[k] for k in ("step0_train_loss_line", "val_history")} == \
                    {k: e[k] for k in ("step0_train_loss_line", "val_history")}
             print(f"  {name}: " + ", ".join(f"{v:.2e}" for v in d.values()) + ("  (bit for bit)" if same else ""))
-    print(f"\nlargest difference seen: {overall:.2e}; TOLERANCE = {TOLERANCE:g} ({TOLERANCE / overall:.1f}x)"
+    print(f"\nlargest difference seen: {overall:.2e}; LIVE_TOLERANCE = {LIVE_TOLERANCE:g} "
+          f"({LIVE_TOLERANCE / overall:.1f}x)"
           if overall else "\nall bit for bit")
 
 
@@ -362,6 +384,8 @@ def write_tiny_golden(only_this_machine: bool, trainer: Path = LIVE_TRAINER) -> 
                          f"{steps}: training changed, so rerun with --only_this_machine")
     entries = [e for e in (old or {}).get("entries", []) if e["machine_kind"] != here]
     golden = dict(argv=TINY_ARGV, threads=1, steps=steps, entries=entries + [record])
+    if trainer == LIVE_TRAINER:
+        golden["tolerance"] = LIVE_TOLERANCE
     tiny_file.parent.mkdir(parents=True, exist_ok=True)
     tiny_file.write_text(json.dumps(golden, indent=1) + "\n")
     print(f"{tiny_file}: {len(golden['entries'])} machine kind(s); this one: {describe_kind(here)}")
