@@ -270,6 +270,29 @@ def test_yarn_multipliers_and_scales_equal_the_formula_at_each_change():
     assert rotary.freqs[32:].eq(0).all()  # the non-rotating half stays at frequency 0
 
 
+# the claimed record of PR #248 (2026-03-28, FP8YaRNTuning) applies YaRN at all eight changes of the
+# long window; its attention scale after the fourth to the eighth and its final multipliers
+PR248_SCALES = [0.135549, 0.138943, 0.142033, 0.144876, 0.147512]
+PR248_MULTIPLIERS = [1, 1, 1, .9862, .8707, .7785, .6573, .5261, .3744, .2798, .2285, .1972, .1766, .1624, .1522,
+                     .1447, .1391, .1348, .1315] + [3 / 23] * 13
+
+
+def test_a_yarn_limit_of_23_blocks_applies_yarn_at_all_eight_changes_of_the_window():
+    """--yarn_window_limit=23: the changes at steps 392, 784, 1175, 1567, 1959, 2350, 2742, 3134 (3 -> 7 ->
+    ... -> 23 blocks) and none at the final validation's 27; the scales and multipliers PR #248 computes."""
+    config = tg.make_config(yarn_window_limit=23)
+    changes = tg.yarn_changes(config)
+    assert [s for s, _, _ in changes] == [392, 784, 1175, 1567, 1959, 2350, 2742, 3134]
+    assert [(old, new) for _, old, new in changes][3:] == [(13, 15), (15, 17), (17, 19), (19, 21), (21, 23)]
+    rotary = medium_rotary()
+    base = rotary.freqs.double()
+    rotary.set_changes(tuple((old, new) for _, old, new in changes))
+    scales = [scale for _, scale in yarn_by_hand([(old, new) for _, old, new in changes])]
+    assert scales[4:] == pytest.approx(PR248_SCALES, abs=5e-7)
+    assert rotary.scale_value == pytest.approx(PR248_SCALES[-1], abs=5e-7)
+    assert (rotary.freqs.double()[:32] / base[:32]).tolist() == pytest.approx(PR248_MULTIPLIERS, abs=5e-5)
+
+
 def test_yarn_tables_are_cos_and_sin_of_position_times_frequency_in_bf16():
     rotary = medium_rotary()
     rotary.set_changes(tuple(CHANGES))
