@@ -2175,6 +2175,7 @@ class Runner:
         # the [long, short] windows in blocks, one device tensor refilled in place
         self.window_blocks = torch.ones(2, dtype=torch.int32, device=device)
         self.yarn_steps = yarn_changes(config)  # --yarn_window_limit: where the rotary tables are rescaled
+        self.split_step = untie_step(config)  # 0: the input embedding is its own table from the start
         # multi-token prediction weights: one small device buffer, refilled in place (mtp_input)
         self.mtp_buffer = torch.zeros(0, device=device)
         # the first step whose loss was nan/inf, kept on the device: checking it costs a host sync,
@@ -2196,8 +2197,8 @@ class Runner:
 
     def set_embedding_tie(self, step: int) -> None:
         """--untie_embed_after_step: whether step `step` reads the input embedding from the head."""
-        if untie_step(self.config):
-            self.model.embed_tied = step <= untie_step(self.config)
+        if self.split_step:
+            self.model.embed_tied = step <= self.split_step
 
     def mtp_input(self, weights) -> Optional[torch.Tensor]:
         """The forward's mtp_weights for a step's list of weights: None for the next-token loss (no
@@ -2241,7 +2242,7 @@ class Runner:
                 p.grad = None
         else:
             self.model.zero_grad(set_to_none=True)
-        if step == untie_step(self.config) > 0:  # the split: right after this step's update
+        if step == self.split_step > 0:  # the split: right after this step's update
             self.model.untie_embedding(self.optimizers)
         return total
 
