@@ -172,6 +172,11 @@ class Hyperparameters:
     fp32_block_weights: bool = recipe(True, "attention and MLP matrices stored in fp32 (the optimizer's master) and "
                                       "rounded to the model dtype where used (off: stored in the model dtype, Muon "
                                       "keeping the low 16 bits of a bf16 weight's fp32 master)")
+    fp8: bool = recipe(False, "training's head matmul in FP8: e4m3 inputs h/s_x and H/s_w, e5m2 gradient G/s_g, "
+                       "fp32 accumulation (CUDA: torch._scaled_mm; CPU: emulated, one rounding from fp32); "
+                       "validation stays bf16")
+    fp8_ranges: tuple[float, ...] = recipe((100.0, 1.6, 0.75), "with --fp8: 448 x (s_x, s_w, s_g), i.e. the |h| and "
+                                           "|H| that fill e4m3's range (448), and the gradient scale's numerator")
     table_multipliers: bool = recipe(True, "the record's lr and weight-decay multipliers of the tables, head and "
                                      "scalars: second input table and value embeddings lr x75 wd x5, head and input "
                                      "table wd x150, scalars lr x5 and no decay (off: 1)")
@@ -1381,6 +1386,36 @@ class LowRankEmbedding(nn.Module):
 
     def forward(self, ids):
         return F.linear(self.table(ids), self.proj)
+
+
+# ---- FP8 matmuls (--fp8): the head product of the claims after bulk. Each operand is quantized
+# with a fixed scale (fp8_ranges / 448): codes = fp8(t / scale), rounded once from fp32 (the records
+# divide and cast inside compiled code, which does not round the quotient to bf16 first).
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_scales(config: Hyperparameters) -> tuple[float, float, float]:
+    """(s_x, s_w, s_g): the scales of the head's input, weight and output gradient."""
+    return tuple(r / FP8_E4M3_MAX for r in config.fp8_ranges)
+
+
+def to_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """FP8 codes of t / scale, one round-to-nearest-even from fp32 (e4m3fn saturates at 448; on a
+    CPU e5m2 overflows to inf, at gradient sizes 300x below its range)."""
+    return (t.float() / scale).to(dtype)
+
+
+def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: float, out_dtype: torch.dtype,
+               fast_accum: bool = False) -> torch.Tensor:
+    """(a8 @ b8) * scale_a * scale_b, (m, k) @ (k, n), accumulated in fp32 and rounded once to
+    out_dtype. CUDA: torch._scaled_mm (fast_accum: Hopper's faster, less often renormalized fp32
+    accumulation, as the records' forward); elsewhere the same product of the codes' exact values
+    in fp32 (an FP8 code is exact in fp32)."""
+    if a8.is_cuda:
+        scale = lambda s: torch.tensor(s, dtype=torch.float32, device=a8.device)
+        return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=scale(scale_a),
+                                scale_b=scale(scale_b), out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return ((a8.float() @ b8.float()) * (scale_a * scale_b)).to(out_dtype)
 
 
 class Head(nn.Module):

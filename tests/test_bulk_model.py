@@ -781,3 +781,27 @@ def test_bulk_model_on_flex_equals_sdpa_in_evaluation():
         with torch.no_grad():
             losses.append(model(inputs, targets, torch.tensor([6, 2]), reduction="none"))
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+
+
+# ---- FP8 primitives (--fp8)
+
+def test_fp8_codes_round_once_from_fp32_not_through_bf16():
+    # a bf16 h divided in bf16 is rounded twice; the records divide in fp32 inside compiled code
+    torch.manual_seed(0)
+    h = torch.randn(4096).bfloat16()
+    scale = 100 / 448
+    codes = tg.to_fp8(h, scale)
+    once = (h.double() / scale).float().to(torch.float8_e4m3fn)  # fp64 quotient: one rounding in effect
+    assert torch.equal(codes.float(), once.float())
+    twice = (h / scale).to(torch.float8_e4m3fn)
+    assert not torch.equal(codes.float(), twice.float())  # the difference this guards against exists here
+
+
+def test_fp8_matmul_on_the_cpu_is_the_scaled_mm_product():
+    gen = torch.Generator().manual_seed(1)
+    a8 = tg.to_fp8(torch.randn(32, 64, generator=gen), 32 / 448)
+    b8 = tg.to_fp8(torch.randn(64, 48, generator=gen) * 0.01, 2.25 / 448)
+    ours = tg.fp8_matmul(a8, b8, 32 / 448, 2.25 / 448, torch.bfloat16)
+    theirs = torch._scaled_mm(a8, b8.t().contiguous().t(), scale_a=torch.tensor(32 / 448),
+                              scale_b=torch.tensor(2.25 / 448), out_dtype=torch.bfloat16)
+    assert torch.equal(ours, theirs)
