@@ -930,7 +930,8 @@ def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: flo
 class CautiousAdam(torch.optim.Optimizer):
     """The bulk record's Adam (cautious_adam_step for each parameter with a gradient), replicated
     on every rank. A parameter's `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's
-    lr and weight decay. State per parameter as PyTorch's Adam names it: step (a Python int,
+    lr and weight decay; its `betas` attribute (absent: the group's) replaces the group's betas.
+    State per parameter as PyTorch's Adam names it: step (a Python int,
     counting this parameter's steps), exp_avg and exp_avg_sq, created at construction in the
     weight's dtype. That is the dtype the record's timed run steps with: its optimizer creates bf16
     moments for every weight, but after its compile warm-up it restores the initial optimizer state
@@ -951,8 +952,9 @@ class CautiousAdam(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is not None:  # no gradient, no step (the untied embedding before the split)
-                    cautious_adam_step(p, p.grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), beta1,
-                                       beta2, group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
+                    b1, b2 = getattr(p, "betas", (beta1, beta2))  # a parameter's own betas (declare) win
+                    cautious_adam_step(p, p.grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), b1, b2,
+                                       group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
 
 
 # =============================================================================
@@ -963,11 +965,15 @@ class CautiousAdam(torch.optim.Optimizer):
 # of the parameter itself: parameter_groups, init_parameters and the accounting read them, so an
 # idea's parameters live in its module and nowhere else.
 
-def declare(p: nn.Parameter, group: str, init, lr_mul: float = 1.0, wd_mul: float = 1.0) -> nn.Parameter:
-    """p with its optimizer group (a name of GROUP_ORDER, or a new one), its multipliers, and
-    `init(shape, generator)` -> its fp32 initial value (drawn from a stream of its own). An init
-    is a module-level function or a functools.partial of one, so a parameter still pickles."""
+def declare(p: nn.Parameter, group: str, init, lr_mul: float = 1.0, wd_mul: float = 1.0,
+            betas: Optional[tuple[float, float]] = None) -> nn.Parameter:
+    """p with its optimizer group (a name of GROUP_ORDER, or a new one), its multipliers, its own
+    Adam betas (None: its group's), and `init(shape, generator)` -> its fp32 initial value (drawn
+    from a stream of its own). An init is a module-level function or a functools.partial of one,
+    so a parameter still pickles."""
     p.group, p.init, p.lr_mul, p.wd_mul = group, init, lr_mul, wd_mul
+    if betas is not None:
+        p.betas = tuple(betas)
     return p
 
 

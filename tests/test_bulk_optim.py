@@ -926,3 +926,25 @@ def test_the_accounting_is_the_bytes_of_the_optimizers_own_state(overrides):
 # Two processes against one with two micro-steps, every bulk optimizer on: tests/test_bulk_recipe.py
 # runs the whole recipe that way (bit for bit with Adam every step; odd-step Adam to the order of a
 # four-term sum, which a chaotic few steps amplify past any fixed per-tensor tolerance).
+
+
+def test_a_parameters_own_betas_replace_its_groups_in_adam():
+    """declare(..., betas=...) gives one parameter its own Adam betas; its neighbours in the group
+    keep the group's."""
+    config = tiny()
+    model = tg.build_model(config)
+    tables = list(model.value_embeds.tables.parameters())
+    tables[0].betas = (0.75, 0.95)
+    adam, _ = tg.build_optimizers(model, config, 0, 1)
+    gen = torch.Generator().manual_seed(5)
+    want = []
+    for p, betas in zip(tables[:2], [(0.75, 0.95), (config.adam_beta1, config.adam_beta2)]):
+        p.grad = torch.randn(p.shape, generator=gen)
+        w, state = p.detach().clone(), dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        tg.cautious_adam_step(w, p.grad, state, config.embed_lr * p.lr_mul, *betas, config.adam_eps,
+                              config.adam_weight_decay, p.wd_mul)
+        want.append(state["exp_avg"])
+    adam.step()
+    assert torch.equal(adam.state[tables[0]]["exp_avg"], want[0])
+    assert torch.equal(adam.state[tables[1]]["exp_avg"], want[1])
+    assert not torch.equal(want[0], want[1])
