@@ -241,6 +241,18 @@ class Hyperparameters:
     muon_lr_shape: str = recipe("stored", "Muon's lr factor sqrt(max(1, rows/cols)) from the matrix as stored, leading "
                                 "dims counted as rows (attention 2), or from each orthogonalized block (attention 1, "
                                 "MLP in 2, MLP out 1)", choices=("blocks", "stored"))
+    # #252's unified optimizer (docs/unified-optimizer.md): each of its changes to the update, a switch
+    gates_optimizer: str = recipe("muon", "the attention output and value-embedding gates: muon (group muon_gates) "
+                                  "or adam (#252: Adam group gates, lr x0.1, wd x1)", choices=("adam", "muon"))
+    small_params_betas: str = recipe("adam", "Adam betas of the x0 weights and the gates Adam steps: adam = "
+                                     "adam_beta1/2, scalar = scalar_adam_beta1/2 (#252: 0.9/0.99)",
+                                     choices=("adam", "scalar"))
+    muon_scalar_rounding: str = recipe("bulk", "Muon's per-step fp32 scalars: bulk (the record's fp32 products) or "
+                                       "pr252 (lr and decay factors rounded once from float64, 1 - momentum "
+                                       "computed in fp32)", choices=("bulk", "pr252"))
+    adam_fp32_moments: bool = recipe(False, "Adam's moments in fp32 for every weight and its step computed in fp32, "
+                                     "the weight rounded once to its dtype (#252; off: moments in the weight's "
+                                     "dtype, each operation rounded to it)")
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -781,6 +793,15 @@ def decoupled_step(master: torch.Tensor, update: torch.Tensor, decay: torch.Tens
     master.addcmul_(update.float(), step_size)
 
 
+def muon_shape_factor(p: torch.Tensor, group: dict, lr_shape: str) -> float:
+    """Muon's lr factor sqrt(max(1, rows/cols)): of the matrix as stored, leading dims counted as
+    rows (lr_shape "stored": the merged attention weight 4096 x 1024 gets 2), or of each block
+    Muon orthogonalizes ("blocks": q, k, v, o 1024 x 1024 each get 1, as #252's banks)."""
+    rows, cols = ((p.numel() // p.shape[-1], p.shape[-1]) if lr_shape == "stored"
+                  else orthogonalized_shape(p, group)[-2:])
+    return max(1.0, rows / cols) ** 0.5
+
+
 class Muon(torch.optim.Optimizer):
     """Muon as the record runs it (NorMuon), for the matrices inside the blocks and the heads'
     gates. Per matrix: Nesterov momentum (EMA form), orthogonalization (Polar Express, or
@@ -808,7 +829,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
                  rank: int = 0, world_size: int = 1, compile_update: bool = False, *,
                  orthogonalization: str = "polar_express", row_normalization: bool = True, row_beta2: float = 0.95,
-                 cautious_weight_decay: bool = True, lr_shape: str = "stored"):
+                 cautious_weight_decay: bool = True, lr_shape: str = "stored", scalar_rounding: str = "bulk"):
         groups = []
         for group in param_groups:  # split each group by shape (a gather moves one shape) and by multipliers
             params = sorted(group["params"], key=lambda p: p.numel(), reverse=True)
@@ -819,7 +840,7 @@ class Muon(torch.optim.Optimizer):
         self.rank, self.world_size = rank, world_size
         self.orthogonalization, self.lr_shape = orthogonalization, lr_shape
         self.row_normalization, self.row_beta2 = row_normalization, row_beta2
-        self.cautious_weight_decay = cautious_weight_decay
+        self.cautious_weight_decay, self.scalar_rounding = cautious_weight_decay, scalar_rounding
         part = (lambda fn: compiled(fn, fullgraph=True)) if compile_update else (lambda fn: fn)
         self.orthogonalize = part(polar_express if orthogonalization == "polar_express" else orthogonalize)
         self.row_normalize, self.cautious_step, self.decoupled_step = (
@@ -888,18 +909,23 @@ class Muon(torch.optim.Optimizer):
     def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
         """Momentum, and the step's factors, computed in Python floats and rounded once to fp32.
         Cautious: lr_factor = lr * lr_mul * shape factor and wd_factor = wd_mul * weight_decay * lr,
-        each product rounded to fp32 as the record's fp32 multiplier vectors round it. Otherwise
-        the decay 1 - lr*wd*wd_mul and the step size -lr * lr_mul * shape factor."""
-        m, lr, p = group["momentum"], group["lr"], group["params"][0]
-        rows, cols = ((p.numel() // p.shape[-1], p.shape[-1]) if self.lr_shape == "stored"
-                      else orthogonalized_shape(p, group)[-2:])
-        shape_factor = max(1.0, rows / cols) ** 0.5
+        each product rounded to fp32 as the record's fp32 multiplier vectors round it (scalar_rounding
+        "pr252": each float64 product rounded once, and 1 - momentum formed in fp32 from the fp32
+        momentum, as #252's compiled steps take them). Otherwise the decay 1 - lr*wd*wd_mul and the
+        step size -lr * lr_mul * shape factor."""
+        m, lr = group["momentum"], group["lr"]
+        shape_factor = muon_shape_factor(group["params"][0], group, self.lr_shape)
         values = dict(momentum=m, one_minus_momentum=1 - m)
-        if self.cautious_weight_decay:
-            f32 = np.float32
+        f32 = np.float32
+        if self.scalar_rounding == "pr252":  # #252: each factor's float64 product rounded once; 1 - m in fp32
+            values.update(one_minus_momentum=f32(1) - f32(m))
+            if self.cautious_weight_decay:
+                values.update(lr_factor=f32(shape_factor * group["lr_mul"] * lr),
+                              wd_factor=f32(group["wd_mul"] * group["weight_decay"] * lr))
+        elif self.cautious_weight_decay:
             values.update(lr_factor=f32(f32(shape_factor * group["lr_mul"]) * f32(lr)),
                           wd_factor=f32(f32(f32(group["wd_mul"]) * f32(group["weight_decay"])) * f32(lr)))
-        else:
+        if not self.cautious_weight_decay:
             values.update(decay=1 - lr * group["weight_decay"] * group["wd_mul"],
                           step_size=-lr * group["lr_mul"] * shape_factor)
         for name, value in values.items():
@@ -927,6 +953,27 @@ def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: flo
     p.add_(update, alpha=-1.0)
 
 
+def fp32_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
+                   eps: float, weight_decay: float, wd_mul: float) -> None:
+    """The same Adam as #252 computes it (--adam_fp32_moments): fp32 moments, every operation in
+    fp32 in its compiled step's order, the weight rounded to its dtype once at the end. With
+    c = lr * sqrt(1 - beta2^t) / (1 - beta1^t) and d = lr^2 * wd * wd_mul, each a Python float
+    rounded once to fp32: m = m*b1 + g*(1-b1); v = v*b2 + (1-b2)*(g*g); u = m / (sqrt(v) + eps) * c;
+    u += d * p where u*p > 0; p = p - u. Each multiply and add is rounded separately (the GPU's
+    compiled kernel may fuse some into FMAs, one rounding fewer: not reproduced here)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    t = state["step"]
+    g, w = grad.float(), p.float()
+    step_size = np.float32(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))
+    decay = np.float32(lr * lr * weight_decay * wd_mul)  # #252's order of the product
+    m.mul_(beta1).add_(g * (1 - beta1))
+    v.mul_(beta2).add_(g.square().mul_(1 - beta2))
+    update = m.div(v.sqrt().add_(eps)).mul_(float(step_size))
+    update.add_((w * ((update * w) > 0)).mul_(float(decay)))
+    p.copy_(w.sub_(update))
+
+
 class CautiousAdam(torch.optim.Optimizer):
     """The bulk record's Adam (cautious_adam_step for each parameter with a gradient), replicated
     on every rank. A parameter's `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's
@@ -936,14 +983,16 @@ class CautiousAdam(torch.optim.Optimizer):
     weight's dtype. That is the dtype the record's timed run steps with: its optimizer creates bf16
     moments for every weight, but after its compile warm-up it restores the initial optimizer state
     with load_state_dict, which casts each state tensor to its weight's dtype, so its fp32 scalars
-    and x0 weights train with fp32 moments and its bf16 tables, head and gates with bf16 ones."""
+    and x0 weights train with fp32 moments and its bf16 tables, head and gates with bf16 ones.
+    With fp32_moments (#252) every weight has fp32 moments and steps by fp32_adam_step."""
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float):
+                 weight_decay: float, fp32_moments: bool = False):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.adam_step = fp32_adam_step if fp32_moments else cautious_adam_step
         for group in self.param_groups:
             for p in group["params"]:
-                moment = torch.zeros_like(p)
+                moment = torch.zeros_like(p, dtype=torch.float32 if fp32_moments else p.dtype)
                 self.state[p] = dict(step=0, exp_avg=moment, exp_avg_sq=torch.zeros_like(moment))
 
     @torch.no_grad()
@@ -953,8 +1002,8 @@ class CautiousAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:  # no gradient, no step (the untied embedding before the split)
                     b1, b2 = getattr(p, "betas", (beta1, beta2))  # a parameter's own betas (declare) win
-                    cautious_adam_step(p, p.grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), b1, b2,
-                                       group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
+                    self.adam_step(p, p.grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), b1, b2,
+                                   group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
 
 
 # =============================================================================
@@ -1302,10 +1351,12 @@ class Attention(nn.Module):
         self.qkvo_w = declare(nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
                                                        dtype=torch.float32 if config.fp32_block_weights else dtype)),
                               "muon_attn", functools.partial(qkvo_init, std=config.qkv_init_std))
-        # gates: group muon_gates, lr multiplier 0.1, zero init
-        self.output_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if config.attn_output_gate else None
+        # gates: group muon_gates (--gates_optimizer=adam: the Adam group gates), lr multiplier 0.1, zero init
+        group = "gates" if config.gates_optimizer == "adam" else "muon_gates"
+        self.output_gate = (Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group)
+                            if config.attn_output_gate else None)
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
-        self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0) if gated_ve else None
+        self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group) if gated_ve else None
 
     def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None):
         """x = norm of the residual stream (B, T, d); ve (T, d) or None; lambdas (2,). scale: a float
@@ -2131,9 +2182,13 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (
         cfg.adam_beta1 if cfg.scalar_adam_beta1 is None else cfg.scalar_adam_beta1,
         cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
-    adam_groups = [dict(params=groups[name], lr=lr, name=name, betas=scalar_betas if name == "scalar" else betas)
+    group_betas = dict(scalar=scalar_betas)
+    if cfg.small_params_betas == "scalar":  # #252: the x0 weights and small gates step like the scalars
+        group_betas.update(x0_lambdas=scalar_betas, gates=scalar_betas)
+    adam_groups = [dict(params=groups[name], lr=lr, name=name, betas=group_betas.get(name, betas))
                    for name, lr in adam_lrs.items() if name in groups]
-    adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay)
+    adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
+                        fp32_moments=cfg.adam_fp32_moments)
     unassigned = set(groups) - set(adam_lrs) - {name for name in groups if name.startswith("muon")}
     assert not unassigned, f"parameter groups {unassigned} have no optimizer: give them an Adam lr or a muon_ name"
     muon_groups = [dict(params=ps, name=name, **MUON_GROUP_OPTIONS.get(name, {}))
@@ -2142,7 +2197,8 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
                      rank=rank, world_size=world_size, compile_update=compile_muon)
     muon = Muon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
                 row_normalization=cfg.muon_row_normalization, row_beta2=cfg.muon_row_beta2,
-                cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape)
+                cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape,
+                scalar_rounding=cfg.muon_scalar_rounding)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -3687,7 +3743,8 @@ def flops_by_window(config: Hyperparameters, model: GPT) -> dict[str, float]:
 
 
 def optimizer_state_parts(group: str, p: nn.Parameter, config: Optional[Hyperparameters] = None) -> dict[str, int]:
-    """Bytes of one parameter's optimizer state by kind. Adam: two moments in the parameter's dtype.
+    """Bytes of one parameter's optimizer state by kind. Adam: two moments in the parameter's dtype
+    (fp32 with adam_fp32_moments).
     Muon: an fp32 momentum, plus the 16 low bits of the fp32 master for bf16 weights; the gates keep
     momentum and statistic in their own dtype and have no low bits; with row normalization one
     statistic per row. Each counted once: Muon's is held by the rank that owns the matrix, Adam's is
@@ -3695,7 +3752,8 @@ def optimizer_state_parts(group: str, p: nn.Parameter, config: Optional[Hyperpar
     cfg = config or Hyperparameters()
     dtype_name = lambda dt: str(dt).removeprefix("torch.")
     if not group.startswith("muon"):
-        return {f"adam moments {dtype_name(p.dtype)}": 2 * p.numel() * p.element_size()}
+        moments = torch.float32 if cfg.adam_fp32_moments else p.dtype
+        return {f"adam moments {dtype_name(moments)}": 2 * p.numel() * torch.finfo(moments).bits // 8}
     options = MUON_GROUP_OPTIONS.get(group, {})
     own_dtype = options.get("gate", False)
     state = p.dtype if own_dtype else torch.float32
