@@ -386,6 +386,8 @@ class Recipe:
     p_value: float  # one-sided test of mean val loss < 2.92
     peak_mib: int  # "peak memory allocated" in its log (8xH100)
     time_note: str = ""
+    # an unmerged upstream pull request's claim (records/published.json marks it so): its number
+    claim_pr: Optional[int] = None
     # under another preset, the recipe's values for fields the preset does not set; these replace them
     at_preset: dict = field(default_factory=dict)
 
@@ -401,6 +403,11 @@ RECIPES: dict[str, Recipe] = {
                    "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, "
                    "tied->untied embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam "
                    "on odd steps", 1041.28, 2, 0.0046, 57_397),
+    # p and time recomputed from its 5 committed logs (its README rounds p to 0.0001)
+    "fp8_yarn": Recipe(dict(fp8=True, fp8_ranges=(32.0, 2.25, 1.5), head_transposed=True, yarn_window_limit=23,
+                            muon_lr=0.012), "2026-03-28", "2026-03-28_FP8YaRNTuning",
+                       "bulk plus an FP8 head matmul in training, the head stored transposed, YaRN at every window "
+                       "change, Muon lr 0.012", 1011.372, 5, 1.08e-4, 63_702, claim_pr=248),
 }
 
 
@@ -2989,7 +2996,8 @@ def recipe_facts(name: str) -> str:
     """What recipe `name`'s record published: mean time, runs, p-value (and where it was timed)."""
     r = RECIPES[name]
     where = f", {r.time_note}" if r.time_note else ""
-    return f"{r.mean_time_s:.2f} s mean over {r.runs} runs{where}, p={r.p_value:g}"
+    claim = f", unmerged claim PR #{r.claim_pr}" if r.claim_pr else ""
+    return f"{r.mean_time_s:.2f} s mean over {r.runs} runs{where}, p={r.p_value:g}{claim}"
 
 
 def recipe_summary(config: Hyperparameters) -> str:
@@ -3821,13 +3829,15 @@ def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) ->
 # (state_bytes_per_gpu) and by the activation the backout keeps for the backward pass, a (T, d)
 # bf16 tensor of a rank's sequence (the difference it normalizes).
 BACKOUT_KEPT_ACTIVATIONS = 1
+# --fp8 keeps the head's e4m3 codes for backward, one byte each: the rank's input (T, d) and the
+# weight (d, V). Transients of the loss's backward (the gradient's e5m2 codes) are not modelled.
 # Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
 # accounted above: a configuration that differs from the record only in these gets a prediction.
 PEAK_NEUTRAL_FIELDS = {
     "num_iterations", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
     "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
     "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
-    "lr_floor", "backout", "backout_layer"}
+    "lr_floor", "backout", "backout_layer", "fp8", "fp8_ranges", "head_transposed", "yarn_window_limit"}
 PEAK_WORLD_SIZE = 8
 
 
@@ -3843,7 +3853,7 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
     None for a configuration whose shapes or execution differ from the record's in other ways. The
     prediction moves the logged peak by what this configuration holds more per GPU
     (state_bytes_per_gpu; the record sharded its Adam state over the GPUs, which this trainer
-    replicates) and by the activation the backout keeps."""
+    replicates), by the activation the backout keeps and by --fp8's codes."""
     base_name = "bulk"
     base = make_config(recipe=base_name)
     differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
@@ -3865,7 +3875,8 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
                                               - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
     tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
     activations = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS * tokens * config.model_dim * 2
-    extra = per_gpu(config, model) - base_state + activations
+    fp8_codes = (config.fp8 - base.fp8) * (tokens + config.padded_vocab_size) * config.model_dim
+    extra = per_gpu(config, model) - base_state + activations + fp8_codes
     return RECIPES[base_name].peak_mib + round(extra / 2**20)
 
 
@@ -3881,9 +3892,11 @@ def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
         lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
                      f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
     else:
+        # the prediction always starts from bulk's log; another recipe's own logged peak is for comparison
+        start = "" if config.recipe == "bulk" else f"; the prediction starts from bulk's {RECIPES['bulk'].peak_mib:,} MiB"
         lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
-                     f"record logged {logged:,} MiB (plus the state and kept activations this configuration adds: this "
-                     "trainer holds Adam's state whole on every GPU, the record sharded it)")
+                     f"record logged {logged:,} MiB{start} (plus the state and kept activations this configuration adds: "
+                     "this trainer holds Adam's state whole on every GPU, the record sharded it)")
     return lines
 
 
