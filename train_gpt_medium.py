@@ -174,9 +174,13 @@ class Hyperparameters:
                                       "keeping the low 16 bits of a bf16 weight's fp32 master)")
     fp8: bool = recipe(False, "training's head matmul in FP8: e4m3 inputs h/s_x and H/s_w, e5m2 gradient G/s_g, "
                        "fp32 accumulation (CUDA: torch._scaled_mm; CPU: emulated, one rounding from fp32); "
-                       "validation stays bf16")
+                       "the product comes out in the model dtype (bf16; fp32 on a float32 CPU run, from the "
+                       "same codes); validation stays the plain product")
     fp8_ranges: tuple[float, ...] = recipe((100.0, 1.6, 0.75), "with --fp8: 448 x (s_x, s_w, s_g), i.e. the |h| and "
                                            "|H| that fill e4m3's range (448), and the gradient scale's numerator")
+    head_transposed: bool = recipe(False, "head stored (model_dim, padded vocab) and used as x @ H (the exact "
+                                   "transpose of the usual head, same init); while tied the input embedding "
+                                   "reads its columns")
     table_multipliers: bool = recipe(True, "the record's lr and weight-decay multipliers of the tables, head and "
                                      "scalars: second input table and value embeddings lr x75 wd x5, head and input "
                                      "table wd x150, scalars lr x5 and no decay (off: 1)")
@@ -394,6 +398,8 @@ class Recipe:
     p_value: float  # one-sided test of mean val loss < 2.92
     peak_mib: int  # "peak memory allocated" in its log (8xH100)
     time_note: str = ""
+    # an unmerged upstream pull request's claim (records/published.json marks it so): its number
+    claim_pr: Optional[int] = None
     # under another preset, the recipe's values for fields the preset does not set; these replace them
     at_preset: dict = field(default_factory=dict)
 
@@ -409,6 +415,11 @@ RECIPES: dict[str, Recipe] = {
                    "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, "
                    "tied->untied embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam "
                    "on odd steps", 1041.28, 2, 0.0046, 57_397),
+    # p and time recomputed from its 5 committed logs (its README rounds p to 0.0001)
+    "fp8_yarn": Recipe(dict(fp8=True, fp8_ranges=(32.0, 2.25, 1.5), head_transposed=True, yarn_window_limit=23,
+                            muon_lr=0.012), "2026-03-28", "2026-03-28_FP8YaRNTuning",
+                       "bulk plus an FP8 head matmul in training, the head stored transposed, YaRN at every window "
+                       "change, Muon lr 0.012", 1011.372, 5, 1.08e-4, 63_702, claim_pr=248),
 }
 
 
@@ -1475,19 +1486,85 @@ def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: floa
     return ((a8.float() @ b8.float()) * (scale_a * scale_b)).to(out_dtype)
 
 
+def fp8_head_codes(x: torch.Tensor, weight: torch.Tensor, scales: tuple[float, float, float]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 codes of the head's input x (T, d) and of its weight as stored."""
+    return to_fp8(x, scales[0]), to_fp8(weight, scales[1])
+
+
+def fp8_head_logits(x8: torch.Tensor, w8: torch.Tensor, transposed: bool, scales: tuple[float, float, float],
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ W^T (weight stored (V, d)) or x @ H (stored (d, V)) from the codes: (T, V) in out_dtype,
+    fast accumulation as the records' forward."""
+    return fp8_matmul(x8, w8 if transposed else w8.t(), scales[0], scales[1], out_dtype, fast_accum=True)
+
+
+def fp8_head_backward(g8: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, transposed: bool,
+                      scales: tuple[float, float, float], x_dtype: torch.dtype, weight_dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the e5m2 codes g8 of the logits' gradient (T, V): the input's gradient (T, d) in x_dtype
+    and the weight's in its stored layout, accumulated in fp32 and then cast to weight_dtype."""
+    s_x, s_w, s_g = scales
+    dx = fp8_matmul(g8, w8.t() if transposed else w8, s_g, s_w, x_dtype)
+    dw = (fp8_matmul(x8.t(), g8, s_x, s_g, torch.float32) if transposed
+          else fp8_matmul(g8.t(), x8, s_g, s_x, torch.float32))
+    return dx, dw.to(weight_dtype)
+
+
+class FP8HeadProduct(torch.autograd.Function):
+    """--fp8: the head's training product from FP8 codes (PR #248's head): logits = s_x s_w (x8 @ w8)
+    in x's dtype; backward g8 = e5m2(G / s_g), dx = s_g s_w (g8 @ w8^T), dW = s_x s_g (x8^T @ g8)
+    in fp32, cast to the weight's dtype. The quantizers pass gradients straight through (no
+    derivative of the rounding, none lost to saturation). Only the codes are kept for backward.
+    apply(x (T, d), weight as stored, transposed, (s_x, s_w, s_g)) -> (T, V)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, transposed: bool, scales: tuple[float, float, float]):
+        x8, w8 = fp8_head_codes(x, weight, scales)
+        ctx.save_for_backward(x8, w8)
+        ctx.transposed, ctx.scales, ctx.dtypes = transposed, scales, (x.dtype, weight.dtype)
+        return fp8_head_logits(x8, w8, transposed, scales, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, w8 = ctx.saved_tensors
+        g8 = to_fp8(grad, ctx.scales[2], torch.float8_e5m2)
+        dx, dw = fp8_head_backward(g8, x8, w8, ctx.transposed, ctx.scales, *ctx.dtypes)
+        return dx, dw, None, None
+
+
+def transposed_draw(shape, gen, init) -> torch.Tensor:
+    """init drawn in the transposed shape and transposed: a (d, V) head starts as the exact
+    transpose of the (V, d) one (same stream, same values)."""
+    return init(tuple(reversed(shape)), gen).t()
+
+
 class Head(nn.Module):
     """The record's output head: d -> V_pad, fp32 storage, zero init, matmul in the model dtype.
     With --untie_embed_after_step it doubles as the input embedding until the split: then it is
-    stored in the model dtype (it is looked up as a table) and starts N(0, 0.005^2)."""
+    stored in the model dtype (it is looked up as a table) and starts N(0, 0.005^2).
+    --head_transposed stores it (d, V_pad) and computes x @ H; --fp8 (fp8_scales given) makes the
+    training product FP8HeadProduct (validation keeps the plain product)."""
 
     def __init__(self, dim: int, padded_vocab: int, dtype: torch.dtype = torch.float32, init_std: float = 0.0,
-                 wd_mul: float = 1.0):
+                 wd_mul: float = 1.0, transposed: bool = False,
+                 fp8_scales: Optional[tuple[float, float, float]] = None):
         super().__init__()
-        self.weight = declare(nn.Parameter(torch.empty(padded_vocab, dim, dtype=dtype)), "head",
-                              normal_init(init_std) if init_std else zeros, wd_mul=wd_mul)
+        init = normal_init(init_std) if init_std else zeros
+        shape = (dim, padded_vocab) if transposed else (padded_vocab, dim)
+        self.weight = declare(nn.Parameter(torch.empty(shape, dtype=dtype)), "head",
+                              functools.partial(transposed_draw, init=init) if transposed else init, wd_mul=wd_mul)
+        self.transposed, self.fp8_scales = transposed, fp8_scales
+
+    def table(self) -> torch.Tensor:
+        """The weight as a (V_pad, d) table (a view): row t is token t's vector."""
+        return self.weight.t() if self.transposed else self.weight
 
     def forward(self, x):
-        return F.linear(x, self.weight.to(x.dtype))
+        if self.fp8_scales is not None and self.training:
+            return FP8HeadProduct.apply(x, self.weight, self.transposed, self.fp8_scales)
+        w = self.weight.to(x.dtype)
+        return x @ w if self.transposed else F.linear(x, w)
 
 
 class LowRankHead(nn.Module):
@@ -1676,9 +1753,11 @@ class GPT(nn.Module):
         # stored in the model dtype and starts N(0, 0.005^2); untied from the start, fp32 and zero
         tied = untie_step(config) > 0
         head_wd_mul = 150.0 if config.table_multipliers else 1.0
+        head_options = dict(wd_mul=head_wd_mul, transposed=config.head_transposed,
+                            fp8_scales=fp8_scales(config) if config.fp8 else None)
         self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init, head_wd_mul) if config.lore_output
-                     else Head(d, config.padded_vocab_size, dtype, init_std=0.005, wd_mul=head_wd_mul) if tied
-                     else Head(d, config.padded_vocab_size, wd_mul=head_wd_mul))
+                     else Head(d, config.padded_vocab_size, dtype, init_std=0.005, **head_options) if tied
+                     else Head(d, config.padded_vocab_size, **head_options))
         # one fp32 vector of named slots (scalar_layout): residual weights, attention lambdas, ...;
         # --table_multipliers: lr x5, no weight decay
         self.scalar_layout = scalar_layout(config)
@@ -1775,7 +1854,7 @@ class GPT(nn.Module):
         the head matrix while tied (--untie_embed_after_step), then smeared (--smear_embed)."""
         if not self.embed_tied and self.smear_gate is None:
             return [rms_norm(embed(ids))[None] for embed in self.embeds]
-        first = F.embedding(ids, self.head.weight) if self.embed_tied else self.embeds[0](ids)
+        first = F.embedding(ids, self.head.table()) if self.embed_tied else self.embeds[0](ids)
         if self.smear_gate is not None:
             first = smear_embedding(first, self.smear_gate, self.scalar_slots()["smear"][0])
         return [rms_norm(first)[None]] + [rms_norm(embed(ids))[None] for embed in self.embeds[1:]]
@@ -1793,12 +1872,15 @@ class GPT(nn.Module):
         """The split of --untie_embed_after_step: the input embedding becomes a copy of the head
         matrix, and in every optimizer that holds state for the head, its state becomes a copy of
         the head's (tensors cloned: moments, step counts), so it goes on as if it had been trained
-        as the head so far. From now on the forward reads it."""
+        as the head so far. From now on the forward reads it. A --head_transposed head's weight and
+        moments are transposed into the table's layout."""
         head, table = self.head.weight, self.embeds[0].weight
-        table.copy_(head)
+        table.copy_(self.head.table())
+        as_table = (lambda t: t.t().contiguous()) if self.head.transposed else (lambda t: t.clone())
         for opt in optimizers:
             if head in opt.state:
-                opt.state[table] = {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                opt.state[table] = {k: as_table(v) if torch.is_tensor(v) and v.shape == head.shape
+                                    else v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                     for k, v in opt.state[head].items()}
         self.embed_tied = False
 
@@ -2888,6 +2970,11 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
              "cannot be both: add --untie_embed_after_step=0 (separate tables from the start) to use LoRE")
         need(cfg.pad_vocab_tables, "untie_embed_after_step",
              "the input table becomes a copy of the head: pass --pad_vocab_tables so both have the head's rows")
+    for flag in ("fp8", "head_transposed"):
+        need(not (getattr(cfg, flag) and cfg.lore_output), flag,
+             "applies to the record's full head, not LoRE's low-rank one: drop --lore_output or this flag")
+    need(len(cfg.fp8_ranges) == 3 and all(r > 0 for r in cfg.fp8_ranges), "fp8_ranges",
+         f"{to_text(cfg.fp8_ranges)} must be three positive numbers (|h|, |H| and the gradient's, each / 448 a scale)")
     need(not (cfg.adam_odd_steps_only and cfg.untie_embed_after_step) or cfg.untie_embed_after_step % 2 == 1,
          "untie_embed_after_step", f"{cfg.untie_embed_after_step} is even; with --adam_odd_steps_only the split copies the "
          "head's Adam state right after an Adam step, which falls on odd steps: choose an odd step (or auto)")
@@ -2965,7 +3052,8 @@ def recipe_facts(name: str) -> str:
     """What recipe `name`'s record published: mean time, runs, p-value (and where it was timed)."""
     r = RECIPES[name]
     where = f", {r.time_note}" if r.time_note else ""
-    return f"{r.mean_time_s:.2f} s mean over {r.runs} runs{where}, p={r.p_value:g}"
+    claim = f", unmerged claim PR #{r.claim_pr}" if r.claim_pr else ""
+    return f"{r.mean_time_s:.2f} s mean over {r.runs} runs{where}, p={r.p_value:g}{claim}"
 
 
 def recipe_summary(config: Hyperparameters) -> str:
@@ -3799,13 +3887,15 @@ def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) ->
 # (state_bytes_per_gpu) and by the activation the backout keeps for the backward pass, a (T, d)
 # bf16 tensor of a rank's sequence (the difference it normalizes).
 BACKOUT_KEPT_ACTIVATIONS = 1
+# --fp8 keeps the head's e4m3 codes for backward, one byte each: the rank's input (T, d) and the
+# weight (d, V). Transients of the loss's backward (the gradient's e5m2 codes) are not modelled.
 # Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
 # accounted above: a configuration that differs from the record only in these gets a prediction.
 PEAK_NEUTRAL_FIELDS = {
     "num_iterations", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
     "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
     "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
-    "lr_floor", "backout", "backout_layer"}
+    "lr_floor", "backout", "backout_layer", "fp8", "fp8_ranges", "head_transposed", "yarn_window_limit"}
 PEAK_WORLD_SIZE = 8
 
 
@@ -3821,7 +3911,7 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
     None for a configuration whose shapes or execution differ from the record's in other ways. The
     prediction moves the logged peak by what this configuration holds more per GPU
     (state_bytes_per_gpu; the record sharded its Adam state over the GPUs, which this trainer
-    replicates) and by the activation the backout keeps."""
+    replicates), by the activation the backout keeps and by --fp8's codes."""
     base_name = "bulk"
     base = make_config(recipe=base_name)
     differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
@@ -3843,7 +3933,8 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
                                               - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
     tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
     activations = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS * tokens * config.model_dim * 2
-    extra = per_gpu(config, model) - base_state + activations
+    fp8_codes = (config.fp8 - base.fp8) * (tokens + config.padded_vocab_size) * config.model_dim
+    extra = per_gpu(config, model) - base_state + activations + fp8_codes
     return RECIPES[base_name].peak_mib + round(extra / 2**20)
 
 
@@ -3859,9 +3950,11 @@ def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
         lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
                      f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
     else:
+        # the prediction always starts from bulk's log; another recipe's own logged peak is for comparison
+        start = "" if config.recipe == "bulk" else f"; the prediction starts from bulk's {RECIPES['bulk'].peak_mib:,} MiB"
         lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
-                     f"record logged {logged:,} MiB (plus the state and kept activations this configuration adds: this "
-                     "trainer holds Adam's state whole on every GPU, the record sharded it)")
+                     f"record logged {logged:,} MiB{start} (plus the state and kept activations this configuration adds: "
+                     "this trainer holds Adam's state whole on every GPU, the record sharded it)")
     return lines
 
 

@@ -1,0 +1,276 @@
+"""PR #248's head (docs/fp8-yarn.md): --fp8's training product FP8HeadProduct against its
+emulation from to_fp8/fp8_matmul (exactly) and against a float32 product (within FP8's error,
+FRONTIER §5); its quantizers pass gradients straight through and only the codes are kept for
+backward; --head_transposed as an exact layout switch (init, training, the split and its Adam
+state); the fp8_yarn recipe: marked as PR #248's unmerged claim, its parameter count and
+predicted peak, its refusals, and its tiny form visits every phase and learns."""
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt_medium as tg
+from records import published
+from test_checkpoint import log_text, run_argv
+
+SCALES = (32 / 448, 2.25 / 448, 1.5 / 448)  # fp8_yarn's fp8_ranges (32, 2.25, 1.5) / 448
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def head_inputs(T=48, d=32, V=96, seed=0, std=0.05):
+    """bf16 h (RMS-normed, as the head reads it), a bf16 head W (V, d) and a bf16 upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    x = tg.rms_norm(torch.randn(T, d, generator=gen)).bfloat16()
+    W = (torch.randn(V, d, generator=gen) * std).bfloat16()
+    G = (torch.randn(T, V, generator=gen) * 0.05).bfloat16()
+    return x, W, G
+
+
+def product(x, weight, transposed, G, scales=SCALES):
+    """FP8HeadProduct's logits and the gradients of x and the weight for upstream gradient G."""
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = tg.FP8HeadProduct.apply(x, weight, transposed, scales)
+    logits.backward(G)
+    return logits.detach(), x.grad, weight.grad
+
+
+# ---- F1: the FP8 product
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_fp8_product_is_its_emulation_exactly(transposed):
+    """Forward x8 = e4m3(h/s_x), w8 = e4m3(H/s_w), logits = s_x s_w (x8 @ w8) in bf16; backward
+    g8 = e5m2(G/s_g), dh = bf16(s_g s_w (g8 @ w8^T)), dH = fp32(s_x s_g (x8^T @ g8)) as H's dtype;
+    each written here from to_fp8 and fp8_matmul, for the head stored either way."""
+    x, W, G = head_inputs()
+    H = W.t().contiguous() if transposed else W  # (d, V) or (V, d) as stored
+    s_x, s_w, s_g = SCALES
+    x8, h8, g8 = tg.to_fp8(x, s_x), tg.to_fp8(H, s_w), tg.to_fp8(G, s_g, E5M2)
+    k8 = h8 if transposed else h8.t()  # the (d, V) operand
+    want_logits = tg.fp8_matmul(x8, k8, s_x, s_w, torch.bfloat16, fast_accum=True)
+    want_dx = tg.fp8_matmul(g8, k8.t(), s_g, s_w, torch.bfloat16)
+    want_dH = (tg.fp8_matmul(x8.t(), g8, s_x, s_g, torch.float32) if transposed
+               else tg.fp8_matmul(g8.t(), x8, s_g, s_x, torch.float32)).bfloat16()
+    logits, dx, dH = product(x, H, transposed, G)
+    assert logits.dtype == dx.dtype == dH.dtype == torch.bfloat16 and dH.shape == H.shape
+    assert torch.equal(logits, want_logits) and torch.equal(dx, want_dx) and torch.equal(dH, want_dH)
+    # the records' codes: one rounding from fp32; a bf16 quotient first would change some
+    assert not torch.equal(x8.float(), (x / s_x).to(E4M3).float())
+
+
+def test_the_two_layouts_give_the_same_product():
+    x, W, G = head_inputs(seed=1)
+    logits, dx, dW = product(x, W, False, G)
+    logits_t, dx_t, dH = product(x, W.t().contiguous(), True, G)
+    assert torch.equal(logits, logits_t) and torch.equal(dx, dx_t) and torch.equal(dW, dH.t())
+
+
+def test_the_fp8_product_is_the_float32_product_within_fp8s_error():
+    """FRONTIER §5's sizes: with the bulk cap and a summed cross-entropy after the head, the loss
+    within ~1e-3 relative of a float32 autograd reference of x @ H, the gradients of h and H within
+    8% relative Frobenius error (the e5m2 gradient codes' 2-bit mantissa dominates: ~5%)."""
+    x, W, _ = head_inputs(T=128, d=256, V=2048, seed=2)
+    targets = torch.randint(0, 2048, (128,), generator=torch.Generator().manual_seed(3))
+
+    def loss_and_grads(head_product):
+        xr, Wr = x.float().requires_grad_(), W.float().requires_grad_()
+        loss = F.cross_entropy(tg.sigmoid_softcap(head_product(xr, Wr).float()), targets, reduction="sum")
+        loss.backward()
+        return loss.item(), xr.grad, Wr.grad
+
+    ref_loss, ref_dx, ref_dW = loss_and_grads(lambda a, b: a @ b.t())
+    loss, dx, dW = loss_and_grads(lambda a, b: tg.FP8HeadProduct.apply(a.bfloat16(), b.bfloat16(), False, SCALES))
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+    assert abs(loss - ref_loss) / ref_loss < 1e-3
+    assert 0 < rel(dx, ref_dx) < 0.08 and 0 < rel(dW, ref_dW) < 0.08
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_quantizers_pass_gradients_straight_through(transposed):
+    """An input or a weight past e4m3's range saturates in the forward, yet its gradient is the one
+    of an entry in range (a clamp's derivative would make it 0): dh does not read h, dH not H."""
+    x, W, G = head_inputs(seed=4)
+    H = W.t().contiguous() if transposed else W
+    logits, dx, dH = product(x, H, transposed, G)
+    big_x, big_H = x.clone(), H.clone()
+    big_x[0, 0], big_H[0, 0] = 1000.0, -50.0  # |h| > 32, |H| > 2.25: the codes saturate at +-448
+    assert tg.to_fp8(big_x, SCALES[0])[0, 0].float() == 448 and tg.to_fp8(big_H, SCALES[1])[0, 0].float() == -448
+    logits_x, dx_x, dH_x = product(big_x, H, transposed, G)
+    assert not torch.equal(logits_x, logits) and torch.equal(dx_x, dx) and dx_x[0, 0] != 0
+    logits_H, dx_H, dH_H = product(x, big_H, transposed, G)
+    assert not torch.equal(logits_H, logits) and torch.equal(dH_H, dH) and dH_H[0, 0] != 0
+
+
+def test_the_product_compiles_as_one_graph_with_the_same_bits():
+    """fullgraph: no graph break (no host sync) in forward or backward; Inductor's fused divide
+    and cast round once from fp32, as the eager codes do."""
+    x, W, G = head_inputs(seed=5)
+    H = W.t().contiguous()
+    compiled = torch.compile(lambda a, b: tg.FP8HeadProduct.apply(a, b, True, SCALES), fullgraph=True, dynamic=False)
+    eager = product(x, H, True, G)
+    a, b = x.clone().requires_grad_(), H.clone().requires_grad_()
+    compiled(a, b).backward(G)
+    logits = compiled(x, H)
+    assert all(torch.equal(p, q) for p, q in zip((logits, a.grad, b.grad), eager))
+
+
+def test_only_the_fp8_codes_are_kept_for_backward():
+    x, W, _ = head_inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tg.FP8HeadProduct.apply(x.requires_grad_(), W.requires_grad_(), False, SCALES)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(E4M3, tuple(x.shape)), (E4M3, tuple(W.shape))]
+
+
+def test_fp8_changes_training_only_and_off_is_the_plain_product():
+    """The model's head: --fp8 changes the training loss, not the validation loss; without it the
+    head is the plain product (bulk's F.linear)."""
+    config = tg.make_config("tiny", dtype="bfloat16", seed=5)
+    plain, fp8 = tg.build_model(config), tg.build_model(tg.make_config("tiny", dtype="bfloat16", seed=5, fp8=True))
+    assert plain.head.fp8_scales is None and fp8.head.fp8_scales == tg.fp8_scales(fp8.config)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (257,), generator=gen)
+    args = (ids[:-1].int(), ids[1:], torch.tensor([3, 1], dtype=torch.int32), "none")  # per-token losses
+    assert not torch.equal(plain(*args), fp8(*args))
+    plain.eval(), fp8.eval()
+    assert torch.equal(plain(*args), fp8(*args))
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    assert torch.equal(plain.head(x), F.linear(x, plain.head.weight))
+
+
+# ---- F2: the transposed head
+
+
+def test_a_transposed_head_starts_as_the_exact_transpose_and_the_rest_is_unchanged():
+    usual = dict(tg.build_model(tg.make_config("tiny", seed=6)).named_parameters())
+    transposed = dict(tg.build_model(tg.make_config("tiny", seed=6, head_transposed=True)).named_parameters())
+    assert transposed["head.weight"].shape == (64, 512) and transposed["head.weight"].is_contiguous()
+    assert torch.equal(transposed.pop("head.weight"), usual.pop("head.weight").t())
+    assert usual.keys() == transposed.keys() and all(torch.equal(usual[k], transposed[k]) for k in usual)
+
+
+def train(steps: int, **overrides) -> tg.Runner:
+    config = tg.make_config("tiny", warmup_steps=0, seed=7, untie_embed_after_step=3, **overrides)
+    runner = tg.Runner(config, torch.device("cpu"))
+    runner.losses = [runner.train_step(s, runner.random_batches(torch.Generator().manual_seed(s),
+                                                                tg.slice_tokens(s, config))).item()
+                     for s in range(steps)]
+    return runner
+
+
+@pytest.mark.parametrize("extra", [dict(dtype="float32"), dict(dtype="bfloat16", fp8=True)],
+                         ids=["float32", "bf16-fp8"])
+def test_a_transposed_head_trains_bit_for_bit_like_the_usual_one_across_the_split(extra):
+    """Six tiny steps, the split after step 3: the same losses, weights and Adam state, bit for bit.
+    The layouts' CPU products accumulate each entry in the same order (the FP8 codes' products are
+    exact in fp32), so nothing but the layout differs. The split copies H^T into the input table and
+    transposes H's moments into its state (step count copied): the table then trains as before."""
+    usual, transposed = train(6, **extra), train(6, head_transposed=True, **extra)
+    assert usual.losses == transposed.losses
+    (adam, _), (adam_t, _) = usual.optimizers, transposed.optimizers
+    head, head_t = usual.model.head.weight, transposed.model.head.weight
+    table, table_t = usual.model.embeds[0].weight, transposed.model.embeds[0].weight
+    assert torch.equal(head, head_t.t()) and torch.equal(table, table_t)
+    # the table's step count went on from the head's 2 (Adam's steps 1 and 3) with its own at step 5
+    assert adam_t.state[table_t]["step"] == adam.state[table]["step"] == adam_t.state[head_t]["step"] == 3
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(adam.state[head][k], adam_t.state[head_t][k].t())
+        assert torch.equal(adam.state[table][k], adam_t.state[table_t][k]) and adam_t.state[table_t][k].is_contiguous()
+
+
+def test_the_split_transposes_the_heads_adam_state_into_the_tables_layout():
+    runner = train(4, head_transposed=True, dtype="float32")  # the split after step 3 (the 2nd Adam step)
+    adam = runner.optimizers[0]
+    head, table = runner.model.head.weight, runner.model.embeds[0].weight
+    assert not runner.model.embed_tied and torch.equal(table, head.t())
+    assert adam.state[table]["step"] == adam.state[head]["step"] == 2
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert adam.state[table][k].shape == table.shape and torch.equal(adam.state[table][k], adam.state[head][k].t())
+        assert adam.state[table][k].data_ptr() != adam.state[head][k].data_ptr()
+
+
+# ---- refusals
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--fp8", "--lore_output", "--untie_embed_after_step=0"], "--fp8"),
+    (["--head_transposed", "--lore_output", "--untie_embed_after_step=0"], "--head_transposed"),
+    (["--fp8_ranges=32,2.25"], "--fp8_ranges"),
+    (["--fp8_ranges=32,0,1.5"], "--fp8_ranges"),
+])
+def test_what_cannot_apply_is_refused_in_one_line_naming_the_flag(argv, flag, capsys):
+    assert tg.main(["--preset=tiny", "--dry_run", *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {flag}:") or f"{flag}:" in line
+
+
+# ---- the fp8_yarn recipe (PR #248)
+
+
+def test_the_recipe_is_pr_248_and_says_it_is_an_unmerged_claim():
+    recipe, record = tg.RECIPES["fp8_yarn"], published.find("fp8_yarn")
+    assert recipe.values == dict(fp8=True, fp8_ranges=(32.0, 2.25, 1.5), head_transposed=True, yarn_window_limit=23,
+                                 muon_lr=0.012)
+    assert recipe.claim_pr == record.pr == 248 and record.is_claim and tg.RECIPES["bulk"].claim_pr is None
+    assert (recipe.runs, recipe.p_value, recipe.peak_mib) == (record.log_stats.n, record.log_stats.p, 63_702)
+    config = tg.make_config(recipe="fp8_yarn")
+    assert (config.num_iterations, config.extension_steps) == (4740, 40)
+    assert "unmerged claim PR #248" in tg.recipe_summary(config)
+    assert "unmerged claim PR #248" in " ".join(tg.help_text().split())
+    assert "unmerged claim" not in tg.recipe_facts("bulk")
+
+
+def dry_run(argv, capsys) -> tuple[str, dict]:
+    assert tg.main(["--dry_run", *argv]) == 0
+    out = capsys.readouterr().out
+    return out, json.loads(out.strip().splitlines()[-1])
+
+
+def predicted_peak(out: str) -> int:
+    line = next(line for line in out.splitlines() if line.startswith("predicted peak memory allocated:"))
+    return int(line.split(": ")[1].split(" MiB")[0].replace(",", ""))
+
+
+def test_the_recipes_dry_run_counts_bulks_parameters_and_predicts_the_fp8_codes(capsys):
+    """613,420,440 parameters as bulk; the predicted peak is bulk's plus the e4m3 codes kept for
+    backward, one byte each of a rank's 65,536 x 1024 input and the 1024 x 50,304 head: 113 MiB.
+    (PR #248's log: 63,702 MiB, 6,305 more than bulk's; the rest is not modelled.)"""
+    bulk_out, bulk = dry_run([], capsys)
+    out, summary = dry_run(["--recipe=fp8_yarn"], capsys)
+    assert summary["total_params"] == bulk["total_params"] == 613_420_440
+    assert summary["params_in_use_before_split"] == 561_909_144
+    assert predicted_peak(out) - predicted_peak(bulk_out) == round((65_536 + 50_304) * 1024 / 2**20) == 113
+    assert "2026-03-28_FP8YaRNTuning record logged 63,702 MiB; the prediction starts from bulk's 57,397 MiB" in out
+
+
+TINY_STEPS = 24
+
+
+def tiny_recipe() -> tg.Hyperparameters:
+    return tg.with_num_iterations(tg.make_config("tiny", recipe="fp8_yarn"), TINY_STEPS)
+
+
+def test_the_tiny_recipe_visits_every_phase():
+    """The tiny preset keeps the recipe's switches; at 24 steps YaRN still rescales at all eight
+    window changes, the head is tied and then split, and the last step is an extension step."""
+    config = tiny_recipe()
+    assert (config.fp8, config.fp8_ranges, config.head_transposed, config.muon_lr) == (True, (32.0, 2.25, 1.5),
+                                                                                      True, 0.012)
+    assert [(old, new) for _, old, new in tg.yarn_changes(config)] == [
+        (3, 7), (7, 11), (11, 13), (13, 15), (15, 17), (17, 19), (19, 21), (21, 23)]
+    assert 0 < tg.untie_step(config) < tg.yarn_changes(config)[-1][0] and config.extension_steps >= 1
+    assert len({tg.batch_tokens(s, config) for s in range(TINY_STEPS)}) == 4
+
+
+@pytest.mark.slow
+def test_the_tiny_recipe_learns(synthetic_dir, tmp_path):
+    config = tiny_recipe()
+    short = [f"--{f.name}={tg.to_text(getattr(config, f.name))}" for f in tg.fields(config)
+             if f.name == "num_iterations" or f.metadata.get("counts_steps")]
+    assert tg.main(run_argv(synthetic_dir, tmp_path, "--recipe=fp8_yarn", *short, "--seed=0", N=TINY_STEPS)) == 0
+    text = log_text(tmp_path)
+    losses = [float(m[1]) for m in re.finditer(rf"^step:\d+/{TINY_STEPS} val_loss:(\S+)", text, re.M)]
+    assert len(losses) == TINY_STEPS // 2 + 1
+    assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses[2:], losses[3:]))
