@@ -184,6 +184,13 @@ class Hyperparameters:
     table_multipliers: bool = recipe(True, "the record's lr and weight-decay multipliers of the tables, head and "
                                      "scalars: second input table and value embeddings lr x75 wd x5, head and input "
                                      "table wd x150, scalars lr x5 and no decay (off: 1)")
+    # PR #252's bigram hash embedding (docs/bigram.md)
+    bigram_embed: bool = recipe(False, "every block's input also adds gamma_i x a row of a zero-init table picked by a "
+                                "hash of (previous token, token); the table: Adam lr x75 wd x5 of embed_lr, betas "
+                                "0.75/0.95 (table_multipliers off: x1), gamma: lr x1, no decay, betas 0.9/0.95")
+    bigram_table_multiple: int = recipe(5, "with --bigram_embed: the hash table has N x the vocabulary table's rows "
+                                        "(the record's 5 x 50304 = 251,520)", at_least=1)
+    bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start")
     # ---- the step grid (docs/bulk-data.md). Its schedules span the scheduled steps S = num_iterations -
     # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
     num_iterations: int = recipe(4740, "training steps", at_least=1)
@@ -1656,6 +1663,55 @@ class ValueEmbeddings(nn.Module):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
+# ---- --bigram_embed (PR #252, docs/bigram.md): a hashed table of (previous token, token) rows
+BIGRAM_CURRENT_MUL, BIGRAM_PREVIOUS_MUL = 36313, 27191
+BIGRAM_TABLE_BETAS, BIGRAM_LAMBDA_BETAS = (0.75, 0.95), (0.9, 0.95)
+
+
+def int32_wrap(x):
+    """x as a 32-bit two's-complement int would hold it (wrap-around), for a Python int or an int64
+    tensor (both `%` are floor-mod): the record hashes in int32, whose overflow is made explicit here
+    instead of relied on."""
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def bigram_ids(ids: torch.Tensor, table_rows: int) -> torch.Tensor:
+    """The table row of each position of one rank's sequence `ids` (T,), int64: with M = table_rows - 1,
+    h_0 = M; h_1 = (36313 t_1 XOR 27191 M) mod M; h_i = (36313 t_i XOR 27191 t_(i-1)) mod M for i >= 2,
+    every product wrapped to int32, XOR on the two's-complement values, floor-mod. Position 1 takes M
+    as its previous token because the record overwrites position 0 with M before it hashes. Across
+    documents, no seed. Pure tensor ops in int64 (CPU, CUDA, compiled)."""
+    M = table_rows - 1
+    t = ids.long()
+    current = int32_wrap(BIGRAM_CURRENT_MUL * t[1:])
+    first_previous = t.new_full((min(1, t.numel() - 1),), int32_wrap(BIGRAM_PREVIOUS_MUL * M))  # a Python int
+    previous = torch.cat([first_previous, int32_wrap(BIGRAM_PREVIOUS_MUL * t[1:-1])])
+    return torch.cat([t.new_full((1,), M), torch.remainder(current ^ previous, M)])
+
+
+class BigramEmbedding(nn.Module):
+    """--bigram_embed: a table of bigram_table_multiple x table_rows rows (model dtype, zero at the
+    start) read at bigram_ids of the input, and one weight gamma per layer (fp32, from
+    --bigram_lambda_init, used in the model dtype). Block i adds gamma_i x row to its input mixing.
+    Optimizer: Adam group `bigram` (lr embed_lr x75, wd x5, betas 0.75/0.95; --table_multipliers off:
+    x1) and `bigram_lambdas` (lr embed_lr, no decay, betas 0.9/0.95)."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        rows = config.bigram_table_multiple * config.table_rows
+        lr_mul, wd_mul = (75.0, 5.0) if config.table_multipliers else (1.0, 1.0)
+        self.table = declare(nn.Parameter(torch.empty(rows, config.model_dim, dtype=dtype)), "bigram", zeros,
+                             lr_mul, wd_mul, betas=BIGRAM_TABLE_BETAS)
+        self.lambdas = declare(nn.Parameter(torch.empty(config.num_layers, dtype=torch.float32)), "bigram_lambdas",
+                               constant_init([config.bigram_lambda_init] * config.num_layers), lr_mul=1.0, wd_mul=0.0,
+                               betas=BIGRAM_LAMBDA_BETAS)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (1, T, d), not normed; gammas (L,) cast to the rows' dtype)."""
+        rows = F.embedding(bigram_ids(ids, self.table.shape[0]), self.table)[None]
+        return rows, self.lambdas.to(rows.dtype)
+
+
 # ---- the record's pieces outside the blocks (docs/bulk-model.md), each switched by its field
 
 class Backout(nn.Module):
@@ -1774,6 +1830,7 @@ class GPT(nn.Module):
         self.output_mix = (declare(nn.Parameter(torch.empty(2, dtype=torch.float32)), "scalar",
                                    constant_init([1.0, 0.0])) if config.x00_at_output else None)
         self.backout = Backout(config.backout_layer) if config.backout else None
+        self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
         self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates") if config.smear_embed else None
         self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates")
@@ -1829,12 +1886,21 @@ class GPT(nn.Module):
         skips, long_layers = self.skips, self.long_layers
         # activation checkpointing keeps only each block's input and recomputes the block in backward
         recompute = cfg.activation_checkpointing and torch.is_grad_enabled()
+        # --bigram_embed: the bigram rows join the block inputs' mixing as its last term, gamma_i x rows.
+        # Hashed from this forward's own sequence: the record hashes in its loader, per rank and
+        # micro-batch, this same sequence (a training slice or a validation chunk) from the same
+        # position 0, so the rows are the same
+        block_inputs = x0s
+        if self.bigram is not None:
+            bigram_rows, gammas = self.bigram(input_seq)
+            block_inputs = x0s + [bigram_rows]
         x, outputs = x0s[0], []
         for i, block in enumerate(self.blocks):
             if i in skips:
                 x = x + self.skip_weight(i, x0s[0], slots) * outputs[skips[i]]
             mask = long_mask if i in long_layers else short_mask
-            args = (x, x0s, resid_weights[i], x0_weights[i], ves[i], attn_lambdas[i], cos, sin, mask, scale,
+            weights = x0_weights[i] if self.bigram is None else (*x0_weights[i], gammas[i])
+            args = (x, block_inputs, resid_weights[i], weights, ves[i], attn_lambdas[i], cos, sin, mask, scale,
                     scale_tensor)
             x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             outputs.append(x)
@@ -2261,6 +2327,7 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     cfg, groups = config, parameter_groups(model)
     adam_lrs = dict(head=cfg.head_lr, embed=cfg.embed_lr, value_embed=cfg.embed_lr, ve_coeff=cfg.ve_coeff_lr,
                     x0_lambdas=cfg.x0_lambdas_lr, gates=cfg.gates_lr, scalar=cfg.scalar_lr)
+    adam_lrs.update(bigram=cfg.embed_lr, bigram_lambdas=cfg.embed_lr)  # --bigram_embed: lr_mul 75 and 1 on it
     betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (
         cfg.adam_beta1 if cfg.scalar_adam_beta1 is None else cfg.scalar_adam_beta1,
         cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
@@ -2298,25 +2365,66 @@ def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
                 group["momentum"] = momentum
 
 
+def sparse_row_sum(grad: torch.Tensor, world_size: int) -> bool:
+    """In place, grad (rows, d) <- its sum over the ranks, as dist.all_reduce(SUM) gives it, moving only
+    the rows that are nonzero on some rank (--bigram_embed's table: a step reads few of its rows).
+    Each rank all-gathers every rank's nonzero rows (a row that is zero on a rank adds nothing to the
+    sum, so it need not be sent, whichever tokens touched it), then sets grad to zero and index-adds
+    the ranks' rows in rank order: the same additions in the same order on every rank, so the
+    replicated Adam steps stay identical. With two ranks that is a + b, as the dense all-reduce (bit
+    for bit, up to the sign of a zero, which no Adam value depends on); with more the order of the
+    additions may differ from the all-reduce's (rounding only). When the all-gather would move more
+    than a ring all-reduce (world_size x the largest row count >= 2 x rows), it does the dense
+    all-reduce instead. Returns whether it went sparse. Syncs with the host (the row counts)."""
+    own = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # nan/inf rows are nonzero, so they are sent
+    counts = [torch.zeros(1, dtype=torch.int64, device=grad.device) for _ in range(world_size)]
+    dist.all_gather(counts, torch.full((1,), own.numel(), dtype=torch.int64, device=grad.device))
+    counts = [int(c) for c in counts]
+    most = max(counts)
+    if world_size * most >= 2 * grad.shape[0]:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return False
+    # all_gather needs equal shapes: every rank pads its rows to the largest count
+    index = torch.zeros(most, dtype=torch.int64, device=grad.device)
+    index[:own.numel()] = own
+    rows = grad.new_zeros(most, grad.shape[1])
+    rows[:own.numel()] = grad[own]
+    indices, values = [torch.empty_like(index) for _ in counts], [torch.empty_like(rows) for _ in counts]
+    dist.all_gather(indices, index)
+    dist.all_gather(values, rows)
+    grad.zero_()
+    for n, i, v in zip(counts, indices, values):
+        grad.index_add_(0, i[:n], v[:n])
+    return True
+
+
 class GradientAverager:
     """Sums gradients over ranks as soon as each is final (overlapping the backward pass);
-    the loss is pre-divided by world size x micro-steps, so the sum is the global mean."""
+    the loss is pre-divided by world size x micro-steps, so the sum is the global mean. The
+    parameters in `sparse` (--bigram_embed's table) are summed by rows (sparse_row_sum) in `wait`,
+    after the backward pass, on the steps their gradient is not held."""
 
-    def __init__(self, model: nn.Module, world_size: int):
+    def __init__(self, model: nn.Module, world_size: int, sparse=()):
         self.world_size, self.armed, self.pending = world_size, False, []
         self.held: frozenset = frozenset()  # parameters whose local gradients wait for a later step
+        # in a list: every rank must run their exchanges in the same order (a set's follows ids)
+        self.sparse = list(sparse) if world_size > 1 else []
+        self.sparse_set = frozenset(self.sparse)
         if world_size > 1:
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p):
-        if self.armed and p not in self.held:
+        if self.armed and p not in self.held and p not in self.sparse_set:
             self.pending.append(dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True))
 
     def wait(self):
         for work in self.pending:
             work.wait()
         self.pending.clear()
+        for p in self.sparse:
+            if p not in self.held and p.grad is not None:
+                sparse_row_sum(p.grad, self.world_size)
 
 
 NO_STEP = 2**62  # "no non-finite loss yet"; a step number larger than any run
@@ -2350,7 +2458,8 @@ class Runner:
         self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
         self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        self.averager = GradientAverager(self.model, world_size)
+        self.averager = GradientAverager(self.model, world_size,
+                                         sparse=[self.model.bigram.table] if self.model.bigram is not None else [])
         # the [long, short] windows in blocks, one device tensor refilled in place
         self.window_blocks = torch.ones(2, dtype=torch.int32, device=device)
         self.yarn_steps = yarn_changes(config)  # --yarn_window_limit: where the rotary tables are rescaled
@@ -4012,6 +4121,8 @@ def learned_scalars_lines(model: GPT) -> list[str]:
         lines.append("lambdas output: x:{:.4f} x00:{:.4f}".format(*model.output_mix.detach().float().tolist()))
     if model.backout is not None:
         lines.append(f"backout from layer {model.backout.layer}: lambda:{model.backout.weight.item():.4f}")
+    if model.bigram is not None:  # --bigram_embed: gamma of layers 0, 1, ...
+        lines.append("lambdas bigram: " + " ".join(f"{v:.4f}" for v in model.bigram.lambdas.detach().float().tolist()))
     return lines
 
 
