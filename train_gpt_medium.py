@@ -161,6 +161,10 @@ class Hyperparameters:
                                      "fp32 when evaluating; rational: cap z/sqrt(z^2+cap^2) in fp32",
                                      choices=("rational", "sigmoid"))
     logit_softcap: float = recipe(15.0, "the rational cap's cap", above=0)
+    fused_softcap_ce: bool = recipe(False, "training loss as one op from the head's input and weight (PR #252): "
+                                    "logits in the model dtype (bf16 from FP8 codes with --fp8), the sigmoid cap, "
+                                    "log-sum-exp and multi-token sum in fp32; CUDA: a Triton kernel, CPU: torch "
+                                    "ops by blocks of rows (docs/fused-ce.md); validation unchanged")
     multi_token_prediction: bool = recipe(True, "training loss over the next 3, then 2, then 1 tokens per position, "
                                           "weighted by the step grid's multi-token schedule (mtp_weights)")
     train_loss_reduction: str = recipe("sum", "training loss over a slice's tokens (validation is a mean)",
@@ -1764,6 +1768,241 @@ def multi_token_loss(logits: torch.Tensor, targets: torch.Tensor, inside: torch.
     return (torch.where(inside, losses, 0) * weights).sum()
 
 
+# ---- --fused_softcap_ce: PR #252's training loss as one op (docs/fused-ce.md). From the final
+# normed rows h (T, d) and the head H: logits l (the model dtype; bf16 from FP8 codes with --fp8),
+# then in fp32 the sigmoid cap, each row's log-sum-exp over all padded columns and the multi-token
+# sum. The backward writes dL/dl once (model dtype, or e5m2 codes of dL/dl / s_g) and multiplies it
+# into dh and dH. CUDA: a Triton kernel does the fp32 part; elsewhere the same arithmetic in torch
+# ops, a block of rows at a time, so no (T, V) fp32 tensor is ever whole. The logits are kept for
+# the backward (in l's dtype), as the kernel keeps them.
+FUSED_CE_CHUNK = 1 << 22  # elements of one fp32 temporary of the CPU path (16 MiB)
+
+
+def fused_ce_terms(targets: torch.Tensor, weights: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's loss terms as (T, K) target columns and weights: term k of row t is
+    w_k (LSE_t - z_t[y_(t+k)]) when t+k < T, w_k > 0 and 0 <= y_(t+k) < n_cols; any other gets
+    column -1 and weight 0, so the loss and its gradient (whose S_w sums the same weights) agree."""
+    T, K = targets.numel(), weights.numel()
+    ahead = torch.arange(T, device=targets.device)[:, None] + torch.arange(K, device=targets.device)[None, :]
+    y = targets[ahead.clamp_max(T - 1)].long()
+    valid = (ahead < T) & (weights[None, :] > 0) & (y >= 0) & (y < n_cols)
+    return torch.where(valid, y, -1), torch.where(valid, weights.float()[None, :], 0.0)
+
+
+def _fused_ce_sigmoid(l: torch.Tensor) -> torch.Tensor:
+    """sigma(u), u = l (1/C) + B (1/C), in fp32 (the cap is z = A sigma)."""
+    return torch.sigmoid(l.float() * (1 / SIGMOID_TEMPERATURE) + SIGMOID_SHIFT / SIGMOID_TEMPERATURE)
+
+
+def _fused_ce_rows_torch(logits: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor,
+                         chunk: int = FUSED_CE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row loss, LSE), both fp32 (T,): the forward's fp32 part, `chunk` elements at a time."""
+    T, V = logits.shape
+    lse, loss = (torch.empty(T, dtype=torch.float32, device=logits.device) for _ in range(2))
+    step = max(1, chunk // V)
+    for a in range(0, T, step):
+        z = SIGMOID_CAP * _fused_ce_sigmoid(logits[a:a + step])
+        lse[a:a + step] = m = torch.logsumexp(z, dim=1)
+        z_target = z.gather(1, cols[a:a + step].clamp_min(0))
+        loss[a:a + step] = (wts[a:a + step] * (m[:, None] - z_target)).sum(1)
+    return loss, lse
+
+
+def _fused_ce_dlogits_torch(logits: torch.Tensor, lse: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor,
+                            g: torch.Tensor, scale: float, out_dtype: torch.dtype,
+                            chunk: int = FUSED_CE_CHUNK) -> torch.Tensor:
+    """(dL/dl) / scale in out_dtype (T, V): g (A/C) (S_w p - sum_k w_k [v = y_(t+k)]) sigma (1 - sigma),
+    p = exp(z - LSE), S_w = the row's weights; computed in fp32 and rounded once (e5m2 codes with
+    scale = s_g, the model dtype with scale 1, fp32 to look at it unrounded)."""
+    T, V = logits.shape
+    out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
+    coef = g.float() * (SIGMOID_CAP / SIGMOID_TEMPERATURE)
+    s_w = wts.sum(1, keepdim=True)
+    step = max(1, chunk // V)
+    for a in range(0, T, step):
+        s = _fused_ce_sigmoid(logits[a:a + step])
+        p = torch.exp(SIGMOID_CAP * s - lse[a:a + step, None])
+        hit = torch.zeros_like(p).scatter_add_(1, cols[a:a + step].clamp_min(0), wts[a:a + step])
+        out[a:a + step] = (coef * (s_w[a:a + step] * p - hit) * s * (1 - s) / scale).to(out_dtype)
+    return out
+
+
+def _fused_ce_kernels():
+    """The Triton kernels of the CUDA path, made on first use (triton is imported only here: a CPU
+    build of torch has none). TRITON_INTERPRET=1 at that moment runs them on the CPU (tests)."""
+    global _FUSED_CE_KERNELS
+    if _FUSED_CE_KERNELS is not None:
+        return _FUSED_CE_KERNELS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rows_kernel(logits_ptr, cols_ptr, wts_ptr, lse_ptr, loss_ptr, V, row_stride, inv_c, shift, cap,
+                    K: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per row: a running max and sum of exp over blocks of columns, then the K terms
+        t = tl.program_id(0).to(tl.int64)
+        row = logits_ptr + t * row_stride
+        offsets = tl.arange(0, BLOCK)
+        top = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
+        for start in range(0, V, BLOCK):
+            c = start + offsets
+            z = cap * tl.sigmoid(tl.load(row + c, mask=c < V, other=0.0).to(tl.float32) * inv_c + shift)
+            z = tl.where(c < V, z, float("-inf"))
+            new_top = tl.maximum(top, tl.max(z, 0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(z - new_top), 0)
+            top = new_top
+        lse = top + tl.log(total)
+        tl.store(lse_ptr + t, lse)
+        loss = tl.zeros((), tl.float32)
+        for k in tl.static_range(K):
+            col = tl.load(cols_ptr + t * K + k)
+            z_col = cap * tl.sigmoid(tl.load(row + tl.maximum(col, 0)).to(tl.float32) * inv_c + shift)
+            loss += tl.load(wts_ptr + t * K + k) * (lse - z_col)
+        tl.store(loss_ptr + t, loss)
+
+    @triton.jit
+    def dlogits_kernel(logits_ptr, lse_ptr, cols_ptr, wts_ptr, g_ptr, out_ptr, V, row_stride, out_stride,
+                       inv_c, shift, cap, slope, scale, K: tl.constexpr, BLOCK: tl.constexpr,
+                       ROUND: tl.constexpr):
+        # one program per (row, block of columns); every element independent given the row's LSE
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        l = tl.load(logits_ptr + t * row_stride + c, mask=c < V, other=0.0).to(tl.float32)
+        s = tl.sigmoid(l * inv_c + shift)
+        p = tl.exp(cap * s - tl.load(lse_ptr + t))
+        s_w = tl.zeros((), tl.float32)
+        hit = tl.zeros((BLOCK,), tl.float32)
+        for k in tl.static_range(K):
+            w = tl.load(wts_ptr + t * K + k)
+            s_w += w
+            hit += tl.where(c == tl.load(cols_ptr + t * K + k), w, 0.0)
+        d = tl.math.div_rn(tl.load(g_ptr) * slope * (s_w * p - hit) * s * (1.0 - s), scale)
+        if ROUND:  # one round-to-nearest-even from fp32, as torch's cast
+            d = d.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + t * out_stride + c, d, mask=c < V)
+
+    _FUSED_CE_KERNELS = (rows_kernel, dlogits_kernel)
+    return _FUSED_CE_KERNELS
+
+
+_FUSED_CE_KERNELS = None
+_CAP_ARGS = dict(inv_c=1 / SIGMOID_TEMPERATURE, shift=SIGMOID_SHIFT / SIGMOID_TEMPERATURE, cap=SIGMOID_CAP)
+
+
+def _fused_ce_rows_triton(logits, cols, wts, block: int = 1024):
+    """_fused_ce_rows_torch's result from the Triton kernel (one program per row)."""
+    rows_kernel, _ = _fused_ce_kernels()
+    T, V = logits.shape
+    lse, loss = (torch.empty(T, dtype=torch.float32, device=logits.device) for _ in range(2))
+    rows_kernel[(T,)](logits, cols.contiguous(), wts.contiguous(), lse, loss, V, logits.stride(0),
+                      K=cols.shape[1], BLOCK=block, num_warps=4, **_CAP_ARGS)
+    return loss, lse
+
+
+def _fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, out_dtype, block: int = 1024):
+    """_fused_ce_dlogits_torch's result from the Triton kernel (one program per row and column block)."""
+    _, dlogits_kernel = _fused_ce_kernels()
+    T, V = logits.shape
+    out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
+    dlogits_kernel[(T, -(-V // block))](
+        logits, lse, cols.contiguous(), wts.contiguous(), g.float().contiguous(), out, V, logits.stride(0),
+        out.stride(0), slope=SIGMOID_CAP / SIGMOID_TEMPERATURE, scale=float(scale), K=cols.shape[1], BLOCK=block,
+        ROUND=out_dtype != torch.float32, num_warps=4, **_CAP_ARGS)
+    return out
+
+
+def _fused_ce_forward(h: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor, transposed: bool,
+                      fp8: bool, s_x: float, s_w: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss: the fp32 token sum, logits (T, V), LSE (T,) fp32). H is (V, d), or (d, V) if transposed."""
+    if fp8:  # the logits in bf16, as the records' kernel stores them
+        logits = fp8_head_logits(*fp8_head_codes(h, H, (s_x, s_w)), transposed, (s_x, s_w), torch.bfloat16)
+    else:
+        W = H.to(h.dtype)
+        logits = h @ W if transposed else F.linear(h, W)
+    rows = _fused_ce_rows_triton if logits.is_cuda else _fused_ce_rows_torch
+    loss, lse = rows(logits, cols, wts)
+    return loss.sum(), logits, lse
+
+
+def _fused_ce_backward(g: torch.Tensor, h: torch.Tensor, H: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
+                       cols: torch.Tensor, wts: torch.Tensor, transposed: bool, fp8: bool, s_x: float, s_w: float,
+                       s_g: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh in h's dtype, dH in H's dtype) for the upstream gradient g (a scalar)."""
+    dlogits = _fused_ce_dlogits_triton if logits.is_cuda else _fused_ce_dlogits_torch
+    if fp8:  # the codes are made again from h and H (one elementwise pass) rather than kept
+        g8 = dlogits(logits, lse, cols, wts, g, s_g, torch.float8_e5m2)
+        x8, w8 = fp8_head_codes(h, H, (s_x, s_w, s_g))
+        return fp8_head_backward(g8, x8, w8, transposed, (s_x, s_w, s_g), h.dtype, H.dtype)
+    else:
+        dl = dlogits(logits, lse, cols, wts, g, 1.0, h.dtype)
+        W = H.to(h.dtype)
+        dh = dl @ W.t() if transposed else dl @ W
+        dH = h.t() @ dl if transposed else dl.t() @ h
+    return dh, dH.to(H.dtype)
+
+
+def fused_ce_ops():
+    """The two halves as torch.library custom ops (torch.compile keeps each as one opaque call; a
+    fake version gives it the shapes), registered once per process: a second copy of this module
+    (records/diff.py loads scripts by path) finds them already there."""
+    try:
+        return torch.ops.gpt_medium.fused_ce_forward, torch.ops.gpt_medium.fused_ce_backward
+    except (AttributeError, RuntimeError):
+        pass
+    forward = torch.library.custom_op(
+        "gpt_medium::fused_ce_forward", _fused_ce_forward, mutates_args=(),
+        schema="(Tensor h, Tensor H, Tensor cols, Tensor wts, bool transposed, bool fp8, float s_x, float s_w) "
+               "-> (Tensor, Tensor, Tensor)")
+    backward = torch.library.custom_op(
+        "gpt_medium::fused_ce_backward", _fused_ce_backward, mutates_args=(),
+        schema="(Tensor g, Tensor h, Tensor H, Tensor logits, Tensor lse, Tensor cols, Tensor wts, bool transposed, "
+               "bool fp8, float s_x, float s_w, float s_g) -> (Tensor, Tensor)")
+
+    @forward.register_fake
+    def _(h, H, cols, wts, transposed, fp8, s_x, s_w):
+        T, V = h.shape[0], H.shape[1] if transposed else H.shape[0]
+        return (h.new_empty((), dtype=torch.float32), h.new_empty((T, V), dtype=torch.bfloat16 if fp8 else h.dtype),
+                h.new_empty((T,), dtype=torch.float32))
+
+    @backward.register_fake
+    def _(g, h, H, logits, lse, cols, wts, transposed, fp8, s_x, s_w, s_g):
+        return torch.empty_like(h), torch.empty_like(H)
+
+    return torch.ops.gpt_medium.fused_ce_forward, torch.ops.gpt_medium.fused_ce_backward
+
+
+class FusedSoftcapCE(torch.autograd.Function):
+    """The loss from fused_ce_forward; its gradient from fused_ce_backward (dh, dH only)."""
+
+    @staticmethod
+    def forward(ctx, h, H, cols, wts, transposed, scales):
+        fp8 = scales is not None
+        s_x, s_w, s_g = scales if fp8 else (1.0, 1.0, 1.0)
+        loss, logits, lse = fused_ce_ops()[0](h, H, cols, wts, transposed, fp8, s_x, s_w)
+        ctx.save_for_backward(h, H, logits, lse, cols, wts)
+        ctx.args = (transposed, fp8, s_x, s_w, s_g)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        dh, dH = fused_ce_ops()[1](g, *ctx.saved_tensors, *ctx.args)
+        return dh, dH, None, None, None, None
+
+
+def fused_softcap_ce(h: torch.Tensor, H: torch.Tensor, targets: torch.Tensor,
+                     weights: Optional[torch.Tensor] = None, transposed: bool = False,
+                     scales: Optional[tuple[float, float, float]] = None) -> torch.Tensor:
+    """sum_t sum_k w_k (LSE_t - z_t[y_(t+k)]) (fp32) of z = 23 sigmoid((l + 5) / 7.5) over all of H's
+    columns, l = h H (H stored (V, d), or (d, V) if transposed). weights: the MTP weights (K,),
+    None: the next token only. scales (s_x, s_w, s_g), --fp8: the product and its gradients from FP8
+    codes (fp8_matmul), the logits bf16; None: in h's dtype."""
+    if weights is None:
+        weights = torch.ones(1, device=h.device)
+    cols, wts = fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0])
+    return FusedSoftcapCE.apply(h, H, cols, wts, transposed, None if scales is None else tuple(scales))
+
+
 def scalar_layout(config: Hyperparameters) -> list[tuple[str, list[float]]]:
     """The scalar vector's slots in order, (name, initial values): the record's residual weights,
     attention lambdas, smear weight, skip gains, padding. (Its backout weight, which the record
@@ -1955,6 +2194,12 @@ class GPT(nn.Module):
         """Soft-capped logits and cross-entropy (or the multi-token loss); chunks bound the (T, V)
         logits' memory. reduction: mean, sum or none (per token)."""
         per_token = reduction == "none"
+        if self.config.fused_softcap_ce and self.training and not per_token:
+            # one op over all rows (it bounds its own memory); head_transposed: a (d, V) head, where stored so
+            total = fused_softcap_ce(x, self.head.weight, targets, mtp_weights,
+                                     self.config.head_transposed,
+                                     fp8_scales(self.config) if self.config.fp8 else None)
+            return total if reduction == "sum" else total / targets.numel()
         if mtp_weights is not None and not per_token:
             ahead, inside = multi_token_targets(targets, mtp_weights.numel())
             part = lambda xc, tc, ic: multi_token_loss(self.logits(xc), tc, ic, mtp_weights)
@@ -3084,6 +3329,10 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
              "applies to the record's full head, not LoRE's low-rank one: drop --lore_output or this flag")
     need(len(cfg.fp8_ranges) == 3 and all(r > 0 for r in cfg.fp8_ranges), "fp8_ranges",
          f"{to_text(cfg.fp8_ranges)} must be three positive numbers (|h|, |H| and the gradient's, each / 448 a scale)")
+    if cfg.fused_softcap_ce:
+        need(cfg.logit_softcap_form == "sigmoid", "fused_softcap_ce",
+             "computes the sigmoid cap: it needs --logit_softcap_form=sigmoid")
+        need(not cfg.lore_output, "fused_softcap_ce", "needs the full head matrix: it cannot be used with --lore_output")
     need(not (cfg.adam_odd_steps_only and cfg.untie_embed_after_step) or cfg.untie_embed_after_step % 2 == 1,
          "untie_embed_after_step", f"{cfg.untie_embed_after_step} is even; with --adam_odd_steps_only the split copies the "
          "head's Adam state right after an Adam step, which falls on odd steps: choose an odd step (or auto)")
