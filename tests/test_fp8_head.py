@@ -1,6 +1,5 @@
 """PR #248's head (docs/fp8-yarn.md): --fp8's training product FP8HeadProduct against its
-emulation from to_fp8/fp8_matmul (exactly) and against a float32 product (within FP8's error,
-FRONTIER §5); its quantizers pass gradients straight through and only the codes are kept for
+emulation from to_fp8/fp8_matmul (exactly) and against a float32 product (within FP8's error); its quantizers pass gradients straight through and only the codes are kept for
 backward; --head_transposed as an exact layout switch (init, training, the split and its Adam
 state); the fp8_yarn recipe: marked as PR #248's unmerged claim, its parameter count and
 predicted peak, its refusals, and its tiny form visits every phase and learns."""
@@ -68,7 +67,7 @@ def test_the_two_layouts_give_the_same_product():
 
 
 def test_the_fp8_product_is_the_float32_product_within_fp8s_error():
-    """FRONTIER §5's sizes: with the bulk cap and a summed cross-entropy after the head, the loss
+    """FP8's error sizes: with the bulk cap and a summed cross-entropy after the head, the loss
     within ~1e-3 relative of a float32 autograd reference of x @ H, the gradients of h and H within
     8% relative Frobenius error (the e5m2 gradient codes' 2-bit mantissa dominates: ~5%)."""
     x, W, _ = head_inputs(T=128, d=256, V=2048, seed=2)

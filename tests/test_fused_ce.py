@@ -1,5 +1,5 @@
 """--fused_softcap_ce (docs/fused-ce.md): PR #252's training loss as one op. Its CPU emulation against
-a float32 autograd computation of the same formula written here (exactly, or within FRONTIER's FP8
+a float32 autograd computation of the same formula written here (exactly, or within FP8's error
 sizes), its Triton kernel against the emulation under TRITON_INTERPRET=1 (skipped where triton is
 not installed), the model's use of it, and a tiny run that learns."""
 import os
@@ -143,8 +143,8 @@ def test_bf16_equals_the_reference_with_bf16_roundings():
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_fp8_is_within_frontiers_sizes_of_fp32(n):
-    """FRONTIER section 5: loss within 0.9e-4 - 4.5e-4, gradients ~5 % (Frobenius) of the fp32 values
-    (there: V = 50,304 columns; here 512 columns of larger logits: up to 1e-3)."""
+    """FP8's error on random data at the record's vocabulary (50,304 columns): loss within 0.9e-4 -
+    4.5e-4, gradients ~5 % (Frobenius) of the fp32 values; here 512 columns of larger logits: up to 1e-3."""
     h, H, y = inputs(seed=4)
     loss, dh, dH = fused(h, H, y, WEIGHTS[n], SCALES)
     ref_loss, ref_dh, ref_dH = reference(h, H, y, WEIGHTS[n])

@@ -1,5 +1,5 @@
 """#252's unified optimizer (docs/unified-optimizer.md) as switches of the live optimizers: the
-per-parameter table at the record's size (meta device) against FRONTIER's table for #252 (update
+per-parameter table at the record's size (meta device) against #252's table (its script's values) (update
 kind, betas, base lr, wd_mul, NorMuon's peak lr and decay at m = 2), the defaults' table (the
 bulk record, unchanged), each switch's per-parameter update against a plain loop written here,
 and the bf16 block matrices with their fp32 masters kept as low bits (truncated forward weight,
@@ -37,7 +37,7 @@ def parameter_table(config) -> dict:
 
 
 def row_of(name: str) -> str:
-    """The row of FRONTIER's #252 table (or the bulk equivalent) a parameter name belongs to."""
+    """The row of #252's table (or the bulk equivalent) a parameter name belongs to."""
     for key, row in (("qkvo_w", "attn"), ("fc_w", "W_fc"), ("proj_w", "W_proj"), ("output_gate", "attn_gate"),
                      ("value_gate", "ve_gate"), ("smear_gate", "smear_gate"), ("skip_gates", "skip_gate"),
                      ("value_embeds", "value_embeds"), ("embeds.1", "embed2"), ("embeds.0", "embed"),
@@ -57,7 +57,7 @@ def rows(table: dict) -> dict:
     return out
 
 
-# FRONTIER §2.3 F8: update, betas, base lr (x m(s)), wd_mul; the bigram rows belong to the bigram items
+# #252's per-parameter table: update, betas, base lr (x m(s)), wd_mul; the bigram rows belong to the bigram items
 F8_TABLE = dict(
     attn=("normuon", None, 0.015, 1.0), W_fc=("normuon", None, 0.03, 1.0), W_proj=("normuon", None, 0.06, 1.0),
     scalars=("adam", (0.9, 0.99), 0.02, 0.0), smear_gate=("adam", (0.9, 0.99), 4e-5, 0.0),

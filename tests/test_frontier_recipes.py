@@ -1,0 +1,117 @@
+"""The claimed records after bulk (--recipe fp8_yarn: PR #248, --recipe bigram: PR #252) as whole
+recipes at tiny size, on test_bulk_recipe's short grid (24 steps, every phase): each learns; a run
+killed after the split resumes bit for bit; two processes train like one process accumulating two
+micro-steps. Their parts are tested on their own in test_fp8_head.py, test_bigram.py,
+test_fused_ce.py and test_unified_optimizer.py."""
+import json
+import re
+
+import pytest
+
+import train_gpt_medium as tg
+from records import published
+from test_bulk_recipe import N, PAIR_STEPS, SHORT_GRID
+from test_checkpoint import kill_when_saved, log_text, resumed_step, run_argv
+from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args
+
+FRONTIER = ("fp8_yarn", "bigram")
+
+
+def grid(recipe: str, steps: int = N) -> tuple[str, ...]:
+    flags = [f if not f.startswith("--recipe=") else f"--recipe={recipe}" for f in SHORT_GRID]
+    return (*flags, f"--num_iterations={steps}")
+
+
+# ---- the bigram recipe's values and step grid (PR #252)
+
+def test_the_bigram_recipe_sets_every_value_of_pr_252_and_says_it_is_an_unmerged_claim():
+    recipe, record = tg.RECIPES["bigram"], published.find("bigram")
+    config = tg.make_config(recipe="bigram")
+    assert (config.num_iterations, config.extension_steps, tg.untie_step(config)) == (4620, 40, 765)
+    assert (config.fused_softcap_ce, config.fp8, config.fp8_ranges, config.head_transposed) == (
+        True, True, (100.0, 1.6, 0.75), True)
+    assert (config.bigram_embed, config.bigram_table_multiple, config.bigram_lambda_init) == (True, 5, 0.05)
+    assert (config.gates_optimizer, config.small_params_betas, config.scalar_lr, config.adam_fp32_moments) == (
+        "adam", "scalar", 0.004, True)
+    assert (config.muon_lr_shape, config.muon_scalar_rounding, config.fp32_block_weights) == ("blocks", "pr252", False)
+    assert (config.muon_lr, config.yarn_window_limit, config.coordinate_descent_tuning) == (0.015, 13, True)
+    # one committed log: its time, n = 1 and no t-test
+    assert recipe.claim_pr == record.pr == 252 and record.is_claim
+    assert (recipe.runs, recipe.p_value, recipe.mean_time_s) == (record.log_stats.n, None, 950.425)
+    assert "1 run, no t-test, unmerged claim PR #252" in tg.recipe_summary(config)
+
+
+def test_the_bigram_step_grid_is_pr_252s():
+    """S = 4580: YaRN at 382, 764, 1145 only; the one full-batch step at lr 1.73 is 1145 (1145/4580
+    is exactly 1/4 and the slot needs step/S > 1/4); the cooldown starts at 1375."""
+    config = tg.make_config(recipe="bigram")
+    assert [step for step, _, _ in tg.yarn_changes(config)] == [382, 764, 1145]
+    assert [tg.batch_tokens(s, config) for s in (381, 382, 764, 1145)] == [131072, 262144, 393216, 524288]
+    assert [tg.lr_schedule(s, config) for s in (1145, 1146)] == [1.73, 2.0]
+    assert tg.lr_schedule(1374, config) == 2.0 and tg.lr_schedule(1375, config) == pytest.approx(1.99941, abs=1e-5)
+    assert tg.lr_schedule(4580, config) == 0.1
+    assert sum(tg.batch_tokens(s, config) for s in range(4620)) == 2_121_924_608
+
+
+def test_the_bigram_recipes_dry_run_counts_pr_252s_parameters(capsys):
+    """870,976,936 on any world size here (the scalars are padded to 8 whatever the GPU count; PR
+    #252's own script pads to its world size, 3 fewer on one GPU)."""
+    assert tg.main(["--dry_run", "--recipe=bigram"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["total_params"] == 870_976_936
+    assert summary["params_in_use_before_split"] == 819_465_640
+    assert re.search(r"predicted peak memory allocated: [\d,]+ MiB per GPU on 8 GPUs; the "
+                     r"2026-04-07_BigramFusedCEUnifiedOpt record logged 59,288 MiB", out)
+
+
+@pytest.mark.parametrize("recipe", FRONTIER)
+def test_the_short_grid_keeps_each_frontier_recipes_switches_and_phases(recipe):
+    config = tg.parse_args(["--preset=tiny", *grid(recipe)])
+    for name, value in tg.RECIPES[recipe].values.items():
+        if name not in tg.PRESETS["tiny"] and name != "num_iterations":
+            assert getattr(config, name) == value, name
+    assert tg.untie_step(config) == 5 and tg.scheduled_steps(config) == N - 2
+    assert len(tg.yarn_changes(config)) == (8 if recipe == "fp8_yarn" else 3)
+
+
+# ---- whole runs
+
+@pytest.fixture(scope="module", params=FRONTIER)
+def uninterrupted(request, synthetic_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"{request.param}_uninterrupted")
+    assert tg.main(run_argv(synthetic_dir, out, *grid(request.param), N=N)) == 0
+    return request.param, out
+
+
+@pytest.mark.slow
+def test_each_tiny_frontier_recipe_learns(uninterrupted):
+    _, out = uninterrupted
+    losses = [float(m[1]) for m in re.finditer(rf"^step:\d+/{N} val_loss:(\S+)", log_text(out), re.M)]
+    assert len(losses) == N // 2 + 1
+    assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses[2:], losses[3:]))
+
+
+@pytest.mark.slow
+def test_a_frontier_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthetic_dir, tmp_path):
+    recipe, out = uninterrupted
+    kill_when_saved(run_argv(synthetic_dir, tmp_path, *grid(recipe), N=N), tmp_path, 8)
+    assert tg.main(run_argv(synthetic_dir, tmp_path, *grid(recipe), "--resume=latest", N=N)) == 0
+    assert resumed_step(tmp_path) >= 8
+    assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{N:06d}"),
+                         checkpoint_tensors(out / f"ck/tiny/step_{N:06d}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", FRONTIER)
+def test_two_processes_equal_accumulation_in_each_frontier_recipe(recipe, synthetic_dir, tmp_path_factory):
+    """Adam stepping every step, so each cross-rank reduction is one sum of two terms (exact in
+    either order) and the two runs agree bit for bit (test_bulk_recipe says why odd-step Adam
+    agrees only to the order of a sum)."""
+    flags = (*grid(recipe, PAIR_STEPS), "--untie_embed_after_step=3", "--adam_odd_steps_only=false")
+    one, two = one_and_two_processes(lambda out: [*run_args(synthetic_dir, out, *flags),
+                                                  f"--num_iterations={PAIR_STEPS}"],
+                                     tmp_path_factory.mktemp(f"{recipe}_one"), tmp_path_factory.mktemp(f"{recipe}_two"))
+    for step in (4, 8, PAIR_STEPS):
+        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
+                             checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
