@@ -1499,12 +1499,14 @@ def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: floa
     """(a8 @ b8) * scale_a * scale_b, (m, k) @ (k, n), accumulated in fp32 and rounded once to
     out_dtype. CUDA: torch._scaled_mm (fast_accum: Hopper's faster, less often renormalized fp32
     accumulation, as the records' forward); elsewhere the same product of the codes' exact values
-    in fp32 (an FP8 code is exact in fp32)."""
+    in fp32 (an FP8 code is exact in fp32), times the two scales' product formed in fp32 from
+    their fp32 values, as _scaled_mm takes them."""
     if a8.is_cuda:
         scale = lambda s: torch.tensor(s, dtype=torch.float32, device=a8.device)
         return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=scale(scale_a),
                                 scale_b=scale(scale_b), out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return ((a8.float() @ b8.float()) * (scale_a * scale_b)).to(out_dtype)
+    scale = torch.tensor(scale_a, dtype=torch.float32) * torch.tensor(scale_b, dtype=torch.float32)  # as the GPU: fp32
+    return ((a8.float() @ b8.float()) * scale).to(out_dtype)
 
 
 def fp8_head_codes(x: torch.Tensor, weight: torch.Tensor, scales: tuple[float, float, float]

@@ -805,3 +805,13 @@ def test_fp8_matmul_on_the_cpu_is_the_scaled_mm_product():
     theirs = torch._scaled_mm(a8, b8.t().contiguous().t(), scale_a=torch.tensor(32 / 448),
                               scale_b=torch.tensor(2.25 / 448), out_dtype=torch.bfloat16)
     assert torch.equal(ours, theirs)
+
+
+def test_fp8_matmul_scales_by_the_fp32_product_of_fp32_scales():
+    """_scaled_mm takes the scales as fp32 tensors and multiplies them in fp32; for PR #248's
+    weight gradient (s_x = 32/448, s_g = 1.5/448) that is one fp32 step from the double product."""
+    one = torch.ones(1, 1).to(torch.float8_e4m3fn)
+    s_x, s_g = 32 / 448, 1.5 / 448
+    got = tg.fp8_matmul(one, one, s_x, s_g, torch.float32)
+    fp32 = np.float32(np.float32(s_x) * np.float32(s_g))
+    assert got.item() == fp32 != np.float32(s_x * s_g)
