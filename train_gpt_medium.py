@@ -53,7 +53,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -154,7 +154,8 @@ class Hyperparameters:
                                "(lambda from 0)")
     backout: bool = recipe(True, "head input norm(h - lambda h_b) from the last block's output h and backout_layer's "
                            "output h_b, lambda learned from 0.5 (off: norm(h))")
-    backout_layer: int = recipe(11, "the block whose output backout subtracts", at_least=0)
+    backout_layer: int = recipe(11, "the block whose output backout subtracts (with --mudd: h_b of its mixes)",
+                                at_least=0)
     mlp_proj_transposed: bool = recipe(True, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
                                        "multiplier 2")
     logit_softcap_form: str = recipe("sigmoid", "sigmoid: 23 sigmoid((z+5)/7.5), in the model dtype when training, "
@@ -195,6 +196,17 @@ class Hyperparameters:
     bigram_table_multiple: int = recipe(5, "with --bigram_embed: the hash table has N x the vocabulary table's rows "
                                         "(the record's 5 x 50304 = 251,520)", at_least=1)
     bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start")
+    # PR #261's MuddFormer pieces (docs/mudd.md)
+    attn_input_from_layer: Optional[int] = recipe(
+        None, "the blocks after block N attend from norm(block N's output) instead of norm(x): q, k, v and their "
+        "gates read it, their output still adds to x, their MLP reads norm(x) (#261: 11); auto: off", at_least=0)
+    mudd: bool = recipe(False, "MUDD (#261): block L-2's output h feeds a small net (d->64, GELU, ->16) whose "
+                        "per-token outputs mix x00, backout_layer's output h_b and h into the last block's v and "
+                        "input, set its value-embedding gate and its residual weights (no input mixing there); "
+                        "after the last block a second net adds x00, h_b, h, layer 0's value embedding and block "
+                        "4's output. Replaces --backout (pass --backout=false); needs --bigram_embed")
+    mudd_lr: float = recipe(0.004, "with --mudd: Adam lr of its weights, x0.25 (betas 0.9/0.99; decay on the two "
+                            "matrices, none on the biases)", at_least=0)
     # ---- the step grid (docs/bulk-data.md). Its schedules span the scheduled steps S = num_iterations -
     # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
     num_iterations: int = recipe(4740, "training steps", at_least=1)
@@ -442,6 +454,13 @@ RECIPES: dict[str, Recipe] = {
                      "with their fp32 master's low half, 4580+40 steps", 950.425, 1, None, 59_288, claim_pr=252,
                      at_preset=dict(tiny=dict(num_iterations=185))),  # S = 4580 / 25 = 183, +2
 }
+# PR #261 is #252's recipe plus these (its logs and README are in the folder's this_pr/)
+RECIPES["mudd"] = Recipe({**RECIPES["bigram"].values, **dict(
+    num_iterations=4150, extension_steps=25, attn_input_from_layer=11, mudd=True, backout=False,
+    coordinate_descent_tuning=False)}, "2026-04-27", "2026-0427-MuddFormer/this_pr",
+    "bigram plus MUDD connections at the last two blocks in place of the backout, blocks 12-15 attending from "
+    "block 11's output, 4125+25 steps", 860.478, 6, 6.2e-5, 59_977, claim_pr=261,
+    at_preset=dict(tiny=dict(num_iterations=167)))  # S = 4125 / 25 = 165, +2
 
 
 def recipe_values(preset: str, name: str) -> dict:
@@ -1390,20 +1409,26 @@ class Attention(nn.Module):
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group) if gated_ve else None
 
-    def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None):
+    def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None, v_extra=None, ve_gate=None):
         """x = norm of the residual stream (B, T, d); ve (T, d) or None; lambdas (2,). scale: a float
-        (default: --attn_scale), or None with scale_tensor (0-d, rewritten by YaRN)."""
+        (default: --attn_scale), or None with scale_tensor (0-d, rewritten by YaRN). --mudd's last
+        block: v_extra (B, T, H, D) added to v as projected, ve_gate (B, T, H, 1) in place of the
+        value-embedding gate's 2 sigmoid(...)."""
         B, T = x.shape[:2]
         H, D = self.num_heads, self.head_dim
         w_qkv = lambdas[0] * self.qkvo_w[:3].flatten(0, 1).type_as(x)
         q, k, v = F.linear(x, w_qkv).view(B, T, 3 * H, D).chunk(3, dim=-2)  # each (B, T, H, D)
+        if v_extra is not None:
+            v = v + v_extra
         q, k = rms_norm(q), rms_norm(k)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.key_offset:
             k = shift_stationary_keys(k)
         if ve is not None:
             ve = ve.view_as(v)
-            if self.value_gate is not None:
+            if self.value_gate is not None and ve_gate is not None:
+                ve = ve_gate * ve
+            elif self.value_gate is not None:
                 ve = 2 * torch.sigmoid(self.value_gate(x)).view(B, T, H, 1) * ve
             v = v + ve
         y = attend(q, k, v, mask, self.scale if scale is None and scale_tensor is None else scale, scale_tensor)
@@ -1444,7 +1469,11 @@ class Block(nn.Module):
         self.first = layer == 0  # the first block's input x is x00 itself: its weights fold into one
 
     def forward(self, x, x0s, resid_weight, x0_weights, ve, attn_lambdas, cos, sin, mask, scale=None,
-                scale_tensor=None):
+                scale_tensor=None, attn_source=None, mudd=None):
+        """attn_source: --attn_input_from_layer's stream, which attention reads normed instead of x;
+        mudd: --mudd's LastBlockMix for the last block (no input mixing, its per-token weights)."""
+        if mudd is not None:
+            return self.forward_mudd(x, ve, attn_lambdas, cos, sin, mask, scale, scale_tensor, attn_source, mudd)
         # mix the residual stream with every input embedding: x = rho*x + a0*x00 + a1*x01 + ...
         if self.first:  # (rho + a0)*x00 + a1*x01 + ...
             x = (resid_weight + x0_weights[0]) * x
@@ -1455,8 +1484,21 @@ class Block(nn.Module):
             for lam, x0 in zip(x0_weights, x0s):
                 x = x + lam * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, attn_lambdas, cos, sin, mask, scale, scale_tensor)
+            attn_in = x if attn_source is None else attn_source
+            x = x + self.attn(rms_norm(attn_in), ve, attn_lambdas, cos, sin, mask, scale, scale_tensor)
         return x + self.mlp(rms_norm(x))
+
+    def forward_mudd(self, x, ve, attn_lambdas, cos, sin, mask, scale, scale_tensor, attn_source, mix):
+        """--mudd's last block: x = r_a x + p_a Attn + chi x00 + psi b, then x = r_m x + p_m MLP(norm x),
+        with the per-token weights of `mix` (LastBlockMix); the value mix joins v, its gate replaces the
+        value-embedding gate. Each sum is one expression in fp32 rounded once to x's dtype, as the
+        record's compiled code computes it."""
+        attn_in = x if attn_source is None else attn_source
+        y = self.attn(rms_norm(attn_in), ve, attn_lambdas, cos, sin, mask, scale, scale_tensor,
+                      v_extra=mix.v, ve_gate=mix.ve_gate)
+        x = fp32_sum(x.dtype, (mix.resid_attn, x), (mix.out_attn, y), (mix.x00_weight, mix.x00),
+                     (mix.bigram_weight, mix.bigram))
+        return fp32_sum(x.dtype, (mix.resid_mlp, x), (mix.out_mlp, self.mlp(rms_norm(x))))
 
 
 # ---- the seed ideas' modules (docs/ideas.md), each switched by its Hyperparameters field
@@ -1743,6 +1785,107 @@ class Backout(nn.Module):
 
     def forward(self, h: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:  # (T, d) each
         return rms_norm(h - self.weight[0] * h_b)
+
+
+# ---- --mudd (PR #261, docs/mudd.md): MUDD connections at the last two blocks, replacing the backout
+MUDD_HIDDEN = 64  # width of each of its two small nets
+MUDD_SOURCES = 3  # the penultimate net's sources: x00, h_b, its own block's output
+MUDD_SCALE = 0.2 / MUDD_SOURCES**0.5  # every output is (net + bias) x this
+MUDD_V_GAIN = 1.15  # the value mix's factor
+MUDD_EARLY_LAYER = 4  # the final mix's fifth source: this block's output
+MUDD_BETAS = (0.9, 0.99)
+
+
+def mudd_bias(shape, gen) -> torch.Tensor:
+    """The biases b (2 nets, 2 rows, 8 outputs), fp32 here and rounded to bf16 where stored: zero, but
+    the final net's h_b weight -4.34 (x MUDD_SCALE: the backout's -0.5) and the penultimate net's
+    last-block weights r_a = r_m = 1.05, p_a = p_m = 1 and psi = 0.05 (each / MUDD_SCALE). In bf16:
+    -4.34375, 9.0625, 8.6875, 0.43359, so r = 1.046875, p = 1, psi = 0.050049 in bf16 outputs."""
+    b = torch.zeros(shape)
+    b[1, 1, 1] = -4.34
+    b[0, 0, 4] = b[0, 1, 4] = 1.05 / MUDD_SCALE
+    b[0, 0, 5] = b[0, 1, 5] = 1.0 / MUDD_SCALE
+    b[0, 0, 7] = 0.05 / MUDD_SCALE
+    return b
+
+
+def fp32_sum(dtype: torch.dtype, *terms, gain: float = 1.0) -> torch.Tensor:
+    """gain x the sum of weight x tensor over the (weight, tensor) pairs (weight None: 1), computed
+    in fp32 and rounded once to dtype: what the records' compiled (fused) pointwise code does with a
+    bf16 expression (eager bf16 would round after every operation). Left to right, as written there."""
+    total = None
+    for w, t in terms:
+        term = t.float() if w is None else w.float() * t.float()
+        total = term if total is None else total + term
+    return (total if gain == 1.0 else gain * total).to(dtype)
+
+
+class LastBlockMix(NamedTuple):
+    """What --mudd's penultimate net gives the last block, each (1, T, 1) unless noted: v (1, T, H,
+    D) added to its v; ve_gate (1, T, H, 1) its value-embedding gate; its residual weights r_a, p_a,
+    r_m, p_m; the weights of x00 and of the bigram rows b at its attention sum, and those tensors."""
+    v: torch.Tensor
+    ve_gate: torch.Tensor
+    resid_attn: torch.Tensor
+    out_attn: torch.Tensor
+    resid_mlp: torch.Tensor
+    out_mlp: torch.Tensor
+    x00_weight: torch.Tensor
+    bigram_weight: torch.Tensor
+    x00: torch.Tensor
+    bigram: torch.Tensor
+
+
+class Mudd(nn.Module):
+    """--mudd (PR #261): two small nets, k = 0 after block L-2, k = 1 after the last block, each
+    a = GELU(W1[k] h) (64 wide, exact GELU, from the raw stream h), D = (a W2[k] + b[k]) x MUDD_SCALE,
+    (2, 8) per token. Weights bf16 whatever the model dtype (as the record stores them, so the bf16
+    biases give its starting weights): W1 (2, 64, d) uniform +-1/sqrt(d), W2 (2, 64, 2, 8) zero, b
+    (mudd_bias). Adam group `mudd`: lr x0.25 of --mudd_lr, betas 0.9/0.99, wd x1 on W1 and W2, none
+    on b. Each matmul's output and each named result is rounded once to the stream's dtype."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        d, bf16 = config.model_dim, torch.bfloat16
+        self.heads, self.head_dim = config.num_heads, config.head_dim
+        self.w1 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, d, dtype=bf16)), "mudd", uniform_init(d**-0.5),
+                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
+        self.w2 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, 2, 8, dtype=bf16)), "mudd", zeros,
+                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
+        self.bias = declare(nn.Parameter(torch.empty(2, 2, 8, dtype=bf16)), "mudd", mudd_bias,
+                            lr_mul=0.25, wd_mul=0.0, betas=MUDD_BETAS)
+
+    def coefficients(self, k: int, h: torch.Tensor, outputs: slice = slice(None), row=slice(None)) -> torch.Tensor:
+        """Net k's D (1, T, 2, 8) from h (1, T, d), or the entries [row, outputs] of it."""
+        a = F.gelu(F.linear(h, self.w1[k].type_as(h)))  # (1, T, 64)
+        w2, bias = self.w2[k][:, row, outputs], self.bias[k][row, outputs]
+        z = F.linear(a, w2.flatten(1).t().type_as(a)).view(*a.shape[:-1], *w2.shape[1:])
+        return ((z.float() + bias.float()) * MUDD_SCALE).to(h.dtype)
+
+    def penultimate(self, h: torch.Tensor, x00: torch.Tensor, h_b: torch.Tensor,
+                    bigram: torch.Tensor) -> tuple[torch.Tensor, LastBlockMix]:
+        """After block L-2 (h its output): the stream the last block starts from,
+        (1 + D[1,2]) h + D[1,0] x00 + D[1,1] h_b, and its LastBlockMix: v = 1.15 (D[0,0] x00 +
+        D[0,1] h_b + D[0,2] h), the value-embedding gate D[c,3] + 2 (c = 0 for the first half of the
+        heads, 1 for the second), r_a, p_a, r_m, p_m = D[0,4], D[0,5], D[1,4], D[1,5], the x00 weight
+        D[0,6] and the bigram weight D[0,7] (D[1,6:8] unused)."""
+        D = self.coefficients(0, h)
+        c = lambda row, j: D[..., row, j:j + 1]  # (1, T, 1)
+        dtype = h.dtype
+        v = fp32_sum(dtype, (c(0, 0), x00), (c(0, 1), h_b), (c(0, 2), h), gain=MUDD_V_GAIN)
+        x = fp32_sum(dtype, (1 + c(1, 2).float(), h), (c(1, 0), x00), (c(1, 1), h_b))
+        gate = (D[..., 3].float() + 2).to(dtype).repeat_interleave(self.heads // 2, dim=-1)[..., None]
+        mix = LastBlockMix(v.view(*v.shape[:-1], self.heads, self.head_dim), gate, c(0, 4), c(0, 5), c(1, 4),
+                           c(1, 5), c(0, 6), c(0, 7), x00, bigram)
+        return x, mix
+
+    def final(self, x: torch.Tensor, x00: torch.Tensor, h_b: torch.Tensor, h_pen: torch.Tensor, ve0: torch.Tensor,
+              h_early: torch.Tensor) -> torch.Tensor:
+        """After the last block (x its output): x + e0 x00 + e1 h_b + e2 h_pen + e3 ve0 + e4 h_early,
+        e = net 1's D[1, 0:5] (only those columns of W2[1] and b[1] are used)."""
+        e = self.coefficients(1, x, slice(0, 5), 1)  # (1, T, 5)
+        sources = (x00, h_b, h_pen, ve0, h_early)
+        return fp32_sum(x.dtype, (None, x), *((e[..., j:j + 1], t) for j, t in enumerate(sources)))
 
 
 def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.Tensor:
@@ -2082,6 +2225,7 @@ class GPT(nn.Module):
                                    constant_init([1.0, 0.0])) if config.x00_at_output else None)
         self.backout = Backout(config.backout_layer) if config.backout else None
         self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None
+        self.mudd = Mudd(config) if config.mudd else None  # (PR #261; check_config: backout off, bigram on)
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
         self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates") if config.smear_embed else None
         self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates")
@@ -2146,6 +2290,7 @@ class GPT(nn.Module):
             bigram_rows, gammas = self.bigram(input_seq)
             block_inputs = x0s + [bigram_rows]
         x, outputs = x0s[0], []
+        attn_from, last_mix, L = cfg.attn_input_from_layer, None, cfg.num_layers
         for i, block in enumerate(self.blocks):
             if i in skips:
                 x = x + self.skip_weight(i, x0s[0], slots) * outputs[skips[i]]
@@ -2153,8 +2298,16 @@ class GPT(nn.Module):
             weights = x0_weights[i] if self.bigram is None else (*x0_weights[i], gammas[i])
             args = (x, block_inputs, resid_weights[i], weights, ves[i], attn_lambdas[i], cos, sin, mask, scale,
                     scale_tensor)
-            x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
+            # --attn_input_from_layer: attention reads that block's output; --mudd: the last block's mix
+            extra = dict(attn_source=outputs[attn_from] if attn_from is not None and i > attn_from else None,
+                         mudd=last_mix if i == L - 1 else None)
+            x = checkpoint(block, *args, **extra, use_reentrant=False) if recompute else block(*args, **extra)
             outputs.append(x)
+            if self.mudd is not None and i == L - 2:  # outputs keeps h_(L-2) as the block gave it
+                x, last_mix = self.mudd.penultimate(x, x0s[0], outputs[cfg.backout_layer], bigram_rows)
+        if self.mudd is not None:  # in place of the backout: the final mix, then the plain norm
+            x = self.mudd.final(x, x0s[0], outputs[cfg.backout_layer], outputs[L - 2], ves[0][None],
+                                outputs[MUDD_EARLY_LAYER])
         if self.backout is not None:
             x = self.backout(x[0], outputs[self.backout.layer][0])  # (T, d)
         else:
@@ -2585,6 +2738,7 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     adam_lrs = dict(head=cfg.head_lr, embed=cfg.embed_lr, value_embed=cfg.embed_lr, ve_coeff=cfg.ve_coeff_lr,
                     x0_lambdas=cfg.x0_lambdas_lr, gates=cfg.gates_lr, scalar=cfg.scalar_lr)
     adam_lrs.update(bigram=cfg.embed_lr, bigram_lambdas=cfg.embed_lr)  # --bigram_embed: lr_mul 75 and 1 on it
+    adam_lrs.update(mudd=cfg.mudd_lr)  # --mudd: lr_mul 0.25 and its betas on each weight
     betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (
         cfg.adam_beta1 if cfg.scalar_adam_beta1 is None else cfg.scalar_adam_beta1,
         cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
@@ -3312,6 +3466,22 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(cfg.backout_layer < cfg.num_layers - 1, "backout_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): backout combines it with the "
              "last block's output")
+    if cfg.attn_input_from_layer is not None:
+        need(cfg.attn_input_from_layer < cfg.num_layers - 1, "attn_input_from_layer",
+             f"must name a block before the last one (0..{cfg.num_layers - 2}): the blocks after it read it")
+    if cfg.mudd:
+        need(not cfg.backout, "mudd", "replaces the backout (its final mix starts with h_b at -0.5): add "
+             "--backout=false")
+        need(cfg.bigram_embed, "mudd", "the last block's mix adds psi x the bigram rows: add --bigram_embed")
+        need(cfg.num_layers > MUDD_EARLY_LAYER + 1 and cfg.backout_layer <= cfg.num_layers - 2, "mudd",
+             f"reads block {MUDD_EARLY_LAYER}'s and backout_layer's outputs before the last block: needs num_layers "
+             f"> {MUDD_EARLY_LAYER + 1} and backout_layer <= num_layers - 2")
+        need(cfg.num_layers - 1 in cfg.attention_layers, "mudd", "its weights act on the last block's attention: "
+             "that block must have one (attention_free_layers)")
+        need(cfg.value_embed_tables[0] is not None, "mudd", "its final mix adds layer 0's value embedding: "
+             "value_embed_layout must give layer 0 one")
+        need(cfg.num_heads % 2 == 0, "mudd", "its value-embedding gate has one value per half of the heads: "
+             "num_heads must be even")
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len

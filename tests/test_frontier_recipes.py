@@ -1,8 +1,8 @@
-"""The claimed records after bulk (--recipe fp8_yarn: PR #248, --recipe bigram: PR #252) as whole
-recipes at tiny size, on test_bulk_recipe's short grid (24 steps, every phase): each learns; a run
+"""The claimed records after bulk (--recipe fp8_yarn: PR #248, --recipe bigram: PR #252, --recipe
+mudd: PR #261) as whole recipes at tiny size, on test_bulk_recipe's short grid (24 steps, every phase): each learns; a run
 killed after the split resumes bit for bit; two processes train like one process accumulating two
 micro-steps. Their parts are tested on their own in test_fp8_head.py, test_bigram.py,
-test_fused_ce.py and test_unified_optimizer.py."""
+test_fused_ce.py, test_unified_optimizer.py and test_mudd.py."""
 import json
 import re
 
@@ -14,7 +14,7 @@ from test_bulk_recipe import N, PAIR_STEPS, SHORT_GRID
 from test_checkpoint import kill_when_saved, log_text, resumed_step, run_argv
 from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args
 
-FRONTIER = ("fp8_yarn", "bigram")
+FRONTIER = ("fp8_yarn", "bigram", "mudd")
 
 
 def grid(recipe: str, steps: int = N) -> tuple[str, ...]:
