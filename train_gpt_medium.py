@@ -4428,12 +4428,15 @@ def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) ->
 # (state_bytes_per_gpu) and by the activation the backout keeps for the backward pass, a (T, d)
 # bf16 tensor of a rank's sequence (the difference it normalizes).
 BACKOUT_KEPT_ACTIVATIONS = 1
+# --mudd keeps the outputs of its three mixes for backward (block L-2's residual update, block L-1's
+# value mix, the mix after the last block), each (T, d) bf16: an estimate, not measured
+MUDD_KEPT_ACTIVATIONS = 3
 # --fp8 keeps the head's e4m3 codes for backward, one byte each: the rank's input (T, d) and the
 # weight (d, V). Transients of the loss's backward (the gradient's e5m2 codes) are not modelled.
 # Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
 # accounted above: a configuration that differs from the record only in these gets a prediction.
 PEAK_NEUTRAL_FIELDS = {
-    "num_iterations", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
+    "num_iterations", "extension_steps", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
     "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
     "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
     "lr_floor", "backout", "backout_layer", "fp8", "fp8_ranges", "head_transposed", "yarn_window_limit",
@@ -4441,7 +4444,9 @@ PEAK_NEUTRAL_FIELDS = {
     # state_bytes_per_gpu; the fused loss is taken to keep what the record's compiled loss keeps, the
     # (T, V) bf16 logits (an assumption: neither was measured here)
     "bigram_embed", "bigram_table_multiple", "bigram_lambda_init", "gates_optimizer", "small_params_betas",
-    "muon_scalar_rounding", "adam_fp32_moments", "muon_lr_shape", "fp32_block_weights", "fused_softcap_ce"}
+    "muon_scalar_rounding", "adam_fp32_moments", "muon_lr_shape", "fp32_block_weights", "fused_softcap_ce",
+    # #261's: MUDD's weights are in the state; its kept activations are MUDD_KEPT_ACTIVATIONS
+    "mudd", "mudd_lr", "attn_input_from_layer"}
 PEAK_WORLD_SIZE = 8
 
 
@@ -4457,7 +4462,7 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
     None for a configuration whose shapes or execution differ from the record's in other ways. The
     prediction moves the logged peak by what this configuration holds more per GPU
     (state_bytes_per_gpu; the record sharded its Adam state over the GPUs, which this trainer
-    replicates), by the activation the backout keeps and by --fp8's codes."""
+    replicates), by the activations the backout and MUDD keep and by --fp8's codes."""
     base_name = "bulk"
     base = make_config(recipe=base_name)
     differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
@@ -4478,7 +4483,9 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
     base_state = per_gpu(base, base_model) + (record_adam_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)
                                               - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
     tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
-    activations = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS * tokens * config.model_dim * 2
+    kept = ((config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS
+            + (config.mudd - base.mudd) * MUDD_KEPT_ACTIVATIONS)
+    activations = kept * tokens * config.model_dim * 2
     fp8_codes = (config.fp8 - base.fp8) * (tokens + config.padded_vocab_size) * config.model_dim
     extra = per_gpu(config, model) - base_state + activations + fp8_codes
     return RECIPES[base_name].peak_mib + round(extra / 2**20)

@@ -115,3 +115,15 @@ def test_two_processes_equal_accumulation_in_each_frontier_recipe(recipe, synthe
     for step in (4, 8, PAIR_STEPS):
         assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
                              checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
+
+
+@pytest.mark.parametrize("recipe", FRONTIER)
+def test_each_frontier_recipes_dry_run_predicts_its_peak_next_to_the_logged_one(recipe, capsys):
+    """The prediction moves bulk's logged peak by what the recipe holds and keeps more; the line
+    names the claim's own logged peak beside it."""
+    assert tg.main(["--dry_run", f"--recipe={recipe}"]) == 0
+    out = capsys.readouterr().out
+    logged = f"{tg.RECIPES[recipe].peak_mib:,}"
+    match = re.search(rf"predicted peak memory allocated: ([\d,]+) MiB per GPU on 8 GPUs; the \S+ record logged "
+                      rf"{logged} MiB", out)
+    assert match and int(match[1].replace(",", "")) > tg.RECIPES["bulk"].peak_mib
