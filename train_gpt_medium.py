@@ -831,11 +831,16 @@ def normuon_reduce_dim(p: torch.Tensor, group: dict) -> int:
 def cautious_step(weight: torch.Tensor, update: torch.Tensor, wd_factor: torch.Tensor,
                   lr_factor: torch.Tensor) -> None:
     """Cautious weight decay and the step, in place: entries where update*weight >= 0 decay by
-    wd_factor*lr_factor, then weight -= lr_factor*update. The factors are cast to the weight's
-    dtype first (bf16 for the record's gates) and every product runs in the record's order."""
-    same_sign = (update * weight) >= 0
-    wd, lr = wd_factor.to(weight.dtype), lr_factor.to(weight.dtype)
-    weight.copy_(weight - weight * same_sign * wd * lr - update * lr)
+    wd_factor*lr_factor, then weight -= lr_factor*update. Every product in fp32 with the fp32
+    factors, in the record's order (w - w*mask*wd*lr) - update*lr, rounded once to the weight's
+    dtype: what the compiled step computes on the GPU, where the compiler keeps the fused chain in
+    fp32 (a bf16 update or gate weight is widened as it is loaded, and the record's cast of the
+    factors to a gate's bf16 is dropped inside the chain). Uncompiled, a bf16 update times an fp32
+    0-d factor would be rounded to bf16, and a gate's every product too."""
+    w, u = weight.float(), update.float()
+    wd, lr = wd_factor.float(), lr_factor.float()
+    same_sign = (u * w) >= 0
+    weight.copy_(w - w * same_sign * wd * lr - u * lr)
 
 
 def decoupled_step(master: torch.Tensor, update: torch.Tensor, decay: torch.Tensor, step_size: torch.Tensor) -> None:

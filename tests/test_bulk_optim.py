@@ -290,32 +290,57 @@ def test_a_gates_row_factors_are_the_fp32_reciprocal_square_root_rounded_once():
 
 
 def cautious_loop(weight: torch.Tensor, update: torch.Tensor, wd_factor: float, lr_factor: float) -> torch.Tensor:
-    """The record's cautious step element by element, each operation rounded to its result's
-    dtype: mask = update*w >= 0; w - ((w*mask)*wd)*lr - update*lr, where update*lr is a bf16
-    result when the update is bf16 (a bf16 tensor times an fp32 scalar tensor stays bf16) and the
-    factors are first cast to the weight's dtype."""
+    """The record's compiled cautious step element by element: every operation in fp32 with the
+    fp32 factors (mask = update*w >= 0; (w - ((w*mask)*wd)*lr) - update*lr), rounded once to the
+    weight's dtype at the end, as the compiler's fused kernel computes it on the GPU (a bf16 update
+    or gate weight widened as loaded, the factors' cast to a gate's bf16 dropped)."""
     w_round = bf16 if weight.dtype == torch.bfloat16 else f32
-    u_round = bf16 if update.dtype == torch.bfloat16 else f32
-    wd, lr = w_round(wd_factor), w_round(lr_factor)
 
     def one(w, u):
-        keep = 1.0 if u * w >= 0 else 0.0
-        decay = w_round(w_round(w * keep * wd) * lr)
-        return w_round(w_round(w - decay) - u_round(u * lr))
+        keep = 1.0 if f32(u * w) >= 0 else 0.0  # a negative product that underflows is -0.0: kept
+        decay = f32(f32(f32(w * keep) * wd_factor) * lr_factor)
+        return w_round(f32(f32(w - decay) - f32(u * lr_factor)))
     return bf16_tensor(elementwise(one, weight, update), weight.shape)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_cautious_step_matches_the_loop_bit_for_bit(weight_dtype):
-    """Zeros in weight and update test the mask's >= (zero products are decayed: nothing to decay)."""
-    gen = torch.Generator().manual_seed(5)
+def cautious_case(weight_dtype, update_dtype, seed=5):
+    """A weight, an update and the two fp32 factors, with zeros in weight and update to test the
+    mask's >= (zero products are decayed: nothing to decay)."""
+    gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(16, 16, generator=gen).to(weight_dtype)
-    update = torch.randn(16, 16, generator=gen).bfloat16()
+    update = torch.randn(16, 16, generator=gen).to(update_dtype)
     weight[0, :4], update[1, :4] = 0, 0
-    wd_factor, lr_factor = torch.tensor(f32(1.2 * 0.03)), torch.tensor(f32(0.06))
+    return weight, update, torch.tensor(f32(1.2 * 0.03)), torch.tensor(f32(0.06))
+
+
+CAUTIOUS_DTYPES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+
+
+@pytest.mark.parametrize("weight_dtype, update_dtype", CAUTIOUS_DTYPES)
+def test_cautious_step_matches_the_loop_bit_for_bit(weight_dtype, update_dtype):
+    """fp32 weights (the record's blocks, a bf16 matrix's master) and bf16 gates, each with Polar
+    Express's bf16 update; fp32 weight and update (Newton-Schulz in fp32). Uncompiled PyTorch would
+    round a bf16 update times an fp32 0-d factor to bf16 (and each of a gate's products): on these
+    entries 94% of the fp32 results and 28% of the bf16 ones would differ."""
+    weight, update, wd_factor, lr_factor = cautious_case(weight_dtype, update_dtype)
     want = cautious_loop(weight, update, wd_factor.item(), lr_factor.item())
     tg.cautious_step(weight, update, wd_factor, lr_factor)
-    assert torch.equal(weight.double(), want)
+    assert weight.dtype == weight_dtype and torch.equal(weight.double(), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_dtype, update_dtype", CAUTIOUS_DTYPES)
+def test_cautious_step_uncompiled_equals_its_compiled_step_bit_for_bit(weight_dtype, update_dtype):
+    """The CPU runs the cautious step uncompiled and a GPU compiled (Muon's compile_update): the
+    CPU's compiler fuses the chain as the GPU's does (fp32 intermediates, one rounding; it contracts
+    no multiply-add, so the bits can be compared), and the uncompiled step must compute the same."""
+    weight, update, wd_factor, lr_factor = cautious_case(weight_dtype, update_dtype, seed=7)
+    eager, compiled = weight.clone(), weight.clone()
+    tg.cautious_step(eager, update, wd_factor, lr_factor)
+    tg.compiled(tg.cautious_step, fullgraph=True)(compiled, update, wd_factor, lr_factor)
+    assert not torch.equal(eager, weight)  # the step moved the weights
+    assert torch.equal(eager.view(torch.int16 if weight_dtype == torch.bfloat16 else torch.int32),
+                       compiled.view(torch.int16 if weight_dtype == torch.bfloat16 else torch.int32))
 
 
 def test_cautious_decay_applies_only_where_update_and_weight_agree_in_sign():
