@@ -167,10 +167,11 @@ class Hyperparameters:
                                     "ops by blocks of rows (docs/fused-ce.md); validation unchanged")
     fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce: pr252: PR #252's numerics (fp32 sigmoid, the "
                                    "gradient from the backward's input); pr261: PR #261's kernel (sigmoid rounded "
-                                   "to bf16, the logits' gradient made in the forward for the trainer's loss scale "
-                                   "1/batch_slices and its input ignored, S_w over all multi-token weights even "
-                                   "where the sequence ends, e5m2 codes saturating, the gradient's FP8 scale times "
-                                   "1/batch_slices)", choices=("pr252", "pr261"))
+                                   "to bf16; the logits' gradient made in the forward for the trainer's loss scale, "
+                                   "1/batch_slices (/T for a mean), the backward's input ignored; S_w over all "
+                                   "multi-token weights even where the sequence ends; the gradient's FP8 scale "
+                                   "times that loss scale; e5m2 codes saturating) (docs/fused-ce.md)",
+                                   choices=("pr252", "pr261"))
     multi_token_prediction: bool = recipe(True, "training loss over the next 3, then 2, then 1 tokens per position, "
                                           "weighted by the step grid's multi-token schedule (mtp_weights)")
     train_loss_reduction: str = recipe("sum", "training loss over a slice's tokens (validation is a mean)",

@@ -297,16 +297,19 @@ def test_configurations_it_cannot_serve_are_refused(flags, message):
 
 
 def test_tiny_runs_with_it_learn(synthetic_dir):
-    """Without FP8 it trains as the bulk loss does (fp32 model: the same function); with --fp8 too."""
+    """Without FP8 it trains as the bulk loss does (fp32 model: the same function); with --fp8 too, and
+    with PR #261's variant (its gradient made in the forward) as --fp8 does."""
     runs = {name: tg.train(small_run_config(synthetic_dir, num_iterations=10, val_every=5, **flags),
                            torch.device("cpu"))
             for name, flags in (("bulk", {}), ("fused", dict(fused_softcap_ce=True)),
-                                ("fp8", dict(fused_softcap_ce=True, fp8=True)))}
+                                ("fp8", dict(fused_softcap_ce=True, fp8=True)),
+                                ("pr261", dict(fused_softcap_ce=True, fp8=True, fused_ce_variant="pr261")))}
     losses = {name: [h["val_loss"] for h in run["val_history"]] for name, run in runs.items()}
     for name, values in losses.items():
         assert values[-1] < values[0] - 0.2, name
     assert losses["fused"] == pytest.approx(losses["bulk"], abs=1e-3)
     assert losses["fp8"] != losses["fused"]
+    assert losses["pr261"] == pytest.approx(losses["fp8"], abs=5e-3) and losses["pr261"] != losses["fp8"]
 
 
 # ---- the pr261 variant (PR #261's kernel): sigma rounded to bf16, the gradient made in the forward for
@@ -375,6 +378,22 @@ def test_pr261_loss_and_codes_equal_a_float32_reference(n):
     grad_s = 0.25 * SCALES[2]
     torch.testing.assert_close(dh, (ours @ W) * grad_s, rtol=2**-8, atol=1e-6)
     torch.testing.assert_close(dH, (ours.t() @ x) * grad_s, rtol=1e-5, atol=1e-6)
+
+
+def test_pr261s_codes_do_not_depend_on_grad_scale():
+    """The gradient's FP8 scale is grad_scale s_g, so the stored codes (those the backward multiplies)
+    are the same for any grad_scale: accumulation over many micro-steps keeps the codes of one (a
+    scale left at s_g would shrink them by grad_scale, into e5m2's subnormals and zero)."""
+    h, H, y = inputs(seed=27)
+    saved = []
+    for grad_scale in (1.0, 2.0**-12):
+        loss = tg.fused_softcap_ce(h.clone().requires_grad_(), H.clone().requires_grad_(), y, torch.tensor([1.0, 0.5]),
+                                   False, SCALES, variant="pr261", grad_scale=grad_scale)
+        codes = loss.grad_fn.saved_tensors[0]
+        assert codes.dtype == torch.float8_e5m2 and codes.shape == (T, V)
+        saved.append(codes.float())
+    assert torch.equal(saved[0], saved[1])
+    assert torch.equal(saved[0], made_in_the_forward(h, H, y, [1.0, 0.5], SCALES, 1.0)[1].float())
 
 
 def test_pr261_codes_saturate_where_torchs_cast_gives_inf():
