@@ -166,6 +166,13 @@ class Hyperparameters:
                                     "logits in the model dtype (bf16 from FP8 codes with --fp8), the sigmoid cap, "
                                     "log-sum-exp and multi-token sum in fp32; CUDA: a Triton kernel, CPU: torch "
                                     "ops by blocks of rows (docs/fused-ce.md); validation unchanged")
+    fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce: pr252: PR #252's numerics (fp32 sigmoid, the "
+                                   "gradient from the backward's input); pr261: PR #261's kernel (sigmoid rounded "
+                                   "to bf16; the logits' gradient made in the forward for the trainer's loss scale, "
+                                   "1/batch_slices (/T for a mean), the backward's input ignored; S_w over all "
+                                   "multi-token weights even where the sequence ends; the gradient's FP8 scale "
+                                   "times that loss scale; e5m2 codes saturating) (docs/fused-ce.md)",
+                                   choices=("pr252", "pr261"))
     multi_token_prediction: bool = recipe(True, "training loss over the next 3, then 2, then 1 tokens per position, "
                                           "weighted by the step grid's multi-token schedule (mtp_weights)")
     train_loss_reduction: str = recipe("sum", "training loss over a slice's tokens (validation is a mean)",
@@ -1535,6 +1542,17 @@ def fp8_scales(config: Hyperparameters) -> tuple[float, float, float]:
     return tuple(r / FP8_E4M3_MAX for r in config.fp8_ranges)
 
 
+def fp8_training_scales(config: Hyperparameters) -> tuple[float, float, float]:
+    """The scales the training product quantizes with: s_g times the trainer's loss scale
+    (train_loss_scale, 1 / batch_slices). The records' 8 GPUs backpropagate each rank's summed loss
+    unscaled and average the gradients after; this trainer scales the loss first, so the gradient
+    reaching the head is that many times smaller, and dividing by s_g alone would move its e5m2
+    codes down by as many binades (more of them flushed to zero). Scaled so, the codes are the
+    records' at any world size and accumulation."""
+    s_x, s_w, s_g = fp8_scales(config)
+    return s_x, s_w, s_g * train_loss_scale(config)
+
+
 def to_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """FP8 codes of t / scale, one round-to-nearest-even from fp32 (e4m3fn saturates at 448; on a
     CPU e5m2 overflows to inf, at gradient sizes 300x below its range)."""
@@ -1935,7 +1953,18 @@ def multi_token_loss(logits: torch.Tensor, targets: torch.Tensor, inside: torch.
 # into dh and dH. CUDA: a Triton kernel does the fp32 part; elsewhere the same arithmetic in torch
 # ops, a block of rows at a time, so no (T, V) fp32 tensor is ever whole. The logits are kept for
 # the backward (in l's dtype), as the kernel keeps them.
+# variant "pr261" (PR #261's kernel): sigma rounded to bf16, dL/dl made in the forward for an upstream
+# gradient fixed in advance (grad_scale) and kept instead of the logits, the backward's input ignored,
+# S_w over all multi-token weights, e5m2 codes saturating (below).
 FUSED_CE_CHUNK = 1 << 22  # elements of one fp32 temporary of the CPU path (16 MiB)
+FUSED_CE_VARIANTS = ("pr252", "pr261")
+
+
+def train_loss_scale(config: Hyperparameters) -> float:
+    """The factor the trainer multiplies each slice's loss by before its backward, 1 / (micro-steps x
+    ranks) = 1 / batch_slices (the ranks' gradients are then summed: the mean over the step's slices).
+    The pr261 fused loss makes its gradient in the forward for exactly this upstream gradient."""
+    return 1.0 / config.batch_slices
 
 
 def fused_ce_terms(targets: torch.Tensor, weights: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1949,19 +1978,30 @@ def fused_ce_terms(targets: torch.Tensor, weights: torch.Tensor, n_cols: int) ->
     return torch.where(valid, y, -1), torch.where(valid, weights.float()[None, :], 0.0)
 
 
-def _fused_ce_sigmoid(l: torch.Tensor) -> torch.Tensor:
-    """sigma(u), u = l (1/C) + B (1/C), in fp32 (the cap is z = A sigma)."""
-    return torch.sigmoid(l.float() * (1 / SIGMOID_TEMPERATURE) + SIGMOID_SHIFT / SIGMOID_TEMPERATURE)
+def _fused_ce_sigmoid(l: torch.Tensor, variant: str = "pr252") -> torch.Tensor:
+    """sigma(u), u = l (1/C) + B (1/C), in fp32 (the cap is z = A sigma). pr261: 0.5 + 0.5 tanh(u/2) in
+    fp32 rounded to bf16 (returned as fp32), as #261's kernel; its GPU tanh is an approximate
+    instruction (fast math), which this does not reproduce."""
+    u = l.float() * (1 / SIGMOID_TEMPERATURE) + SIGMOID_SHIFT / SIGMOID_TEMPERATURE
+    if variant == "pr261":
+        return (torch.tanh(u * 0.5) * 0.5 + 0.5).bfloat16().float()
+    return torch.sigmoid(u)
+
+
+def _fused_ce_pr261_coef(g: torch.Tensor, scale: float) -> torch.Tensor:
+    """#261's factor of the logits' gradient in its fp32 order, g (1/C A) (1/scale) (fp32 0-d)."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=g.device)
+    return g.float() * (f32(1 / SIGMOID_TEMPERATURE) * SIGMOID_CAP) * f32(scale).reciprocal()
 
 
 def _fused_ce_rows_torch(logits: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor,
-                         chunk: int = FUSED_CE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk: int = FUSED_CE_CHUNK, variant: str = "pr252") -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row loss, LSE), both fp32 (T,): the forward's fp32 part, `chunk` elements at a time."""
     T, V = logits.shape
     lse, loss = (torch.empty(T, dtype=torch.float32, device=logits.device) for _ in range(2))
     step = max(1, chunk // V)
     for a in range(0, T, step):
-        z = SIGMOID_CAP * _fused_ce_sigmoid(logits[a:a + step])
+        z = SIGMOID_CAP * _fused_ce_sigmoid(logits[a:a + step], variant)
         lse[a:a + step] = m = torch.logsumexp(z, dim=1)
         z_target = z.gather(1, cols[a:a + step].clamp_min(0))
         loss[a:a + step] = (wts[a:a + step] * (m[:, None] - z_target)).sum(1)
@@ -1970,20 +2010,30 @@ def _fused_ce_rows_torch(logits: torch.Tensor, cols: torch.Tensor, wts: torch.Te
 
 def _fused_ce_dlogits_torch(logits: torch.Tensor, lse: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor,
                             g: torch.Tensor, scale: float, out_dtype: torch.dtype,
-                            chunk: int = FUSED_CE_CHUNK) -> torch.Tensor:
+                            chunk: int = FUSED_CE_CHUNK, variant: str = "pr252",
+                            s_w_all: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(dL/dl) / scale in out_dtype (T, V): g (A/C) (S_w p - sum_k w_k [v = y_(t+k)]) sigma (1 - sigma),
     p = exp(z - LSE), S_w = the row's weights; computed in fp32 and rounded once (e5m2 codes with
-    scale = s_g, the model dtype with scale 1, fp32 to look at it unrounded)."""
+    scale = s_g, the model dtype with scale 1, fp32 to look at it unrounded). pr261: sigma rounded to
+    bf16, S_w = s_w_all (the sum of all the weights, every row), #261's fp32 order (the factor
+    g (A/C) (1/scale) first), and values past out_dtype's largest saturate to it (torch's e5m2 cast
+    would give inf)."""
     T, V = logits.shape
     out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
-    coef = g.float() * (SIGMOID_CAP / SIGMOID_TEMPERATURE)
-    s_w = wts.sum(1, keepdim=True)
+    pr261 = variant == "pr261"
+    coef = _fused_ce_pr261_coef(g, scale) if pr261 else g.float() * (SIGMOID_CAP / SIGMOID_TEMPERATURE)
+    s_w = s_w_all.float().reshape(1, 1) if pr261 else wts.sum(1, keepdim=True)
+    top = torch.finfo(out_dtype).max
     step = max(1, chunk // V)
     for a in range(0, T, step):
-        s = _fused_ce_sigmoid(logits[a:a + step])
+        s = _fused_ce_sigmoid(logits[a:a + step], variant)
         p = torch.exp(SIGMOID_CAP * s - lse[a:a + step, None])
         hit = torch.zeros_like(p).scatter_add_(1, cols[a:a + step].clamp_min(0), wts[a:a + step])
-        out[a:a + step] = (coef * (s_w[a:a + step] * p - hit) * s * (1 - s) / scale).to(out_dtype)
+        if pr261:
+            d = (coef * (s_w * p - hit) * s * (1 - s)).clamp(-top, top)
+        else:
+            d = coef * (s_w[a:a + step] * p - hit) * s * (1 - s) / scale
+        out[a:a + step] = d.to(out_dtype)
     return out
 
 
@@ -1996,9 +2046,12 @@ def _fused_ce_kernels():
     import triton
     import triton.language as tl
 
+    # PR261 (constexpr): sigma rounded to bf16 (to nearest even, through its bits: the same on a GPU and
+    # in the interpreter, whose own fp32 -> bf16 cast truncates; a NaN stays NaN). sigma itself is
+    # tl.sigmoid (#261: 0.5 + 0.5 tanh(u/2) by fast-math instructions; equal up to fp32 rounding).
     @triton.jit
     def rows_kernel(logits_ptr, cols_ptr, wts_ptr, lse_ptr, loss_ptr, V, row_stride, inv_c, shift, cap,
-                    K: tl.constexpr, BLOCK: tl.constexpr):
+                    K: tl.constexpr, BLOCK: tl.constexpr, PR261: tl.constexpr = False):
         # one program per row: a running max and sum of exp over blocks of columns, then the K terms
         t = tl.program_id(0).to(tl.int64)
         row = logits_ptr + t * row_stride
@@ -2007,7 +2060,11 @@ def _fused_ce_kernels():
         total = tl.zeros((), tl.float32)
         for start in range(0, V, BLOCK):
             c = start + offsets
-            z = cap * tl.sigmoid(tl.load(row + c, mask=c < V, other=0.0).to(tl.float32) * inv_c + shift)
+            s = tl.sigmoid(tl.load(row + c, mask=c < V, other=0.0).to(tl.float32) * inv_c + shift)
+            if PR261:
+                b = s.to(tl.int32, bitcast=True)
+                s = tl.where(s == s, ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True), s)
+            z = cap * s
             z = tl.where(c < V, z, float("-inf"))
             new_top = tl.maximum(top, tl.max(z, 0))
             total = total * tl.exp(top - new_top) + tl.sum(tl.exp(z - new_top), 0)
@@ -2017,19 +2074,27 @@ def _fused_ce_kernels():
         loss = tl.zeros((), tl.float32)
         for k in tl.static_range(K):
             col = tl.load(cols_ptr + t * K + k)
-            z_col = cap * tl.sigmoid(tl.load(row + tl.maximum(col, 0)).to(tl.float32) * inv_c + shift)
-            loss += tl.load(wts_ptr + t * K + k) * (lse - z_col)
+            s_col = tl.sigmoid(tl.load(row + tl.maximum(col, 0)).to(tl.float32) * inv_c + shift)
+            if PR261:
+                b = s_col.to(tl.int32, bitcast=True)
+                s_col = tl.where(s_col == s_col, ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32,
+                                                                                        bitcast=True), s_col)
+            loss += tl.load(wts_ptr + t * K + k) * (lse - cap * s_col)
         tl.store(loss_ptr + t, loss)
 
     @triton.jit
     def dlogits_kernel(logits_ptr, lse_ptr, cols_ptr, wts_ptr, g_ptr, out_ptr, V, row_stride, out_stride,
                        inv_c, shift, cap, slope, scale, K: tl.constexpr, BLOCK: tl.constexpr,
-                       ROUND: tl.constexpr):
+                       ROUND: tl.constexpr, PR261: tl.constexpr = False, sw_ptr=None, inv_scale=1.0,
+                       top=1.0):
         # one program per (row, block of columns); every element independent given the row's LSE
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         l = tl.load(logits_ptr + t * row_stride + c, mask=c < V, other=0.0).to(tl.float32)
         s = tl.sigmoid(l * inv_c + shift)
+        if PR261:
+            b = s.to(tl.int32, bitcast=True)
+            s = tl.where(s == s, ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True), s)
         p = tl.exp(cap * s - tl.load(lse_ptr + t))
         s_w = tl.zeros((), tl.float32)
         hit = tl.zeros((BLOCK,), tl.float32)
@@ -2037,7 +2102,11 @@ def _fused_ce_kernels():
             w = tl.load(wts_ptr + t * K + k)
             s_w += w
             hit += tl.where(c == tl.load(cols_ptr + t * K + k), w, 0.0)
-        d = tl.math.div_rn(tl.load(g_ptr) * slope * (s_w * p - hit) * s * (1.0 - s), scale)
+        if PR261:  # S_w: all the weights; #261's order (slope = fp32(1/C) A); saturate at the output's largest
+            d = tl.load(g_ptr) * slope * inv_scale * (tl.load(sw_ptr) * p - hit) * s * (1.0 - s)
+            d = tl.where(d > top, top, tl.where(d < -top, -top, d))
+        else:
+            d = tl.math.div_rn(tl.load(g_ptr) * slope * (s_w * p - hit) * s * (1.0 - s), scale)
         if ROUND:  # one round-to-nearest-even from fp32, as torch's cast
             d = d.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(out_ptr + t * out_stride + c, d, mask=c < V)
@@ -2050,39 +2119,80 @@ _FUSED_CE_KERNELS = None
 _CAP_ARGS = dict(inv_c=1 / SIGMOID_TEMPERATURE, shift=SIGMOID_SHIFT / SIGMOID_TEMPERATURE, cap=SIGMOID_CAP)
 
 
-def _fused_ce_rows_triton(logits, cols, wts, block: int = 1024):
+def _fused_ce_rows_triton(logits, cols, wts, block: int = 1024, variant: str = "pr252"):
     """_fused_ce_rows_torch's result from the Triton kernel (one program per row)."""
     rows_kernel, _ = _fused_ce_kernels()
     T, V = logits.shape
     lse, loss = (torch.empty(T, dtype=torch.float32, device=logits.device) for _ in range(2))
+    extra = dict(PR261=True) if variant == "pr261" else {}
     rows_kernel[(T,)](logits, cols.contiguous(), wts.contiguous(), lse, loss, V, logits.stride(0),
-                      K=cols.shape[1], BLOCK=block, num_warps=4, **_CAP_ARGS)
+                      K=cols.shape[1], BLOCK=block, num_warps=4, **_CAP_ARGS, **extra)
     return loss, lse
 
 
-def _fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, out_dtype, block: int = 1024):
+def _fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, out_dtype, block: int = 1024,
+                             variant: str = "pr252", s_w_all: Optional[torch.Tensor] = None):
     """_fused_ce_dlogits_torch's result from the Triton kernel (one program per row and column block)."""
     _, dlogits_kernel = _fused_ce_kernels()
     T, V = logits.shape
     out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
+    slope, extra = SIGMOID_CAP / SIGMOID_TEMPERATURE, {}
+    if variant == "pr261":  # the factors as #261 rounds them to fp32
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32)
+        slope = (f32(1 / SIGMOID_TEMPERATURE) * SIGMOID_CAP).item()
+        extra = dict(PR261=True, sw_ptr=s_w_all.float().reshape(1).contiguous(),
+                     inv_scale=f32(scale).reciprocal().item(), top=torch.finfo(out_dtype).max)
     dlogits_kernel[(T, -(-V // block))](
         logits, lse, cols.contiguous(), wts.contiguous(), g.float().contiguous(), out, V, logits.stride(0),
-        out.stride(0), slope=SIGMOID_CAP / SIGMOID_TEMPERATURE, scale=float(scale), K=cols.shape[1], BLOCK=block,
-        ROUND=out_dtype != torch.float32, num_warps=4, **_CAP_ARGS)
+        out.stride(0), slope=slope, scale=float(scale), K=cols.shape[1], BLOCK=block,
+        ROUND=out_dtype != torch.float32, num_warps=4, **_CAP_ARGS, **extra)
     return out
+
+
+def _fused_ce_logits(h: torch.Tensor, H: torch.Tensor, transposed: bool, fp8: bool, s_x: float,
+                     s_w: float) -> torch.Tensor:
+    """l = h H (T, V): bf16 from FP8 codes with fp8, as the records' kernel stores them; else h's dtype."""
+    if fp8:
+        return fp8_head_logits(*fp8_head_codes(h, H, (s_x, s_w)), transposed, (s_x, s_w), torch.bfloat16)
+    W = H.to(h.dtype)
+    return h @ W if transposed else F.linear(h, W)
 
 
 def _fused_ce_forward(h: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor, transposed: bool,
                       fp8: bool, s_x: float, s_w: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss: the fp32 token sum, logits (T, V), LSE (T,) fp32). H is (V, d), or (d, V) if transposed."""
-    if fp8:  # the logits in bf16, as the records' kernel stores them
-        logits = fp8_head_logits(*fp8_head_codes(h, H, (s_x, s_w)), transposed, (s_x, s_w), torch.bfloat16)
-    else:
-        W = H.to(h.dtype)
-        logits = h @ W if transposed else F.linear(h, W)
+    logits = _fused_ce_logits(h, H, transposed, fp8, s_x, s_w)
     rows = _fused_ce_rows_triton if logits.is_cuda else _fused_ce_rows_torch
     loss, lse = rows(logits, cols, wts)
     return loss.sum(), logits, lse
+
+
+def _fused_ce261_forward(h: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor,
+                         s_w_all: torch.Tensor, transposed: bool, fp8: bool, s_x: float, s_w: float, s_g: float,
+                         grad_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pr261 variant: (loss: the fp32 token sum, dL/dl for the upstream gradient grad_scale): with
+    fp8 its e5m2 codes / s_g (s_g already times grad_scale), else in h's dtype. CUDA: the two Triton
+    kernels one after the other (#261 makes both in one pass)."""
+    logits = _fused_ce_logits(h, H, transposed, fp8, s_x, s_w)
+    rows, dlogits = ((_fused_ce_rows_triton, _fused_ce_dlogits_triton) if logits.is_cuda
+                     else (_fused_ce_rows_torch, _fused_ce_dlogits_torch))
+    loss, lse = rows(logits, cols, wts, variant="pr261")
+    g = torch.full((), grad_scale, dtype=torch.float32, device=logits.device)
+    dl = dlogits(logits, lse, cols, wts, g, s_g if fp8 else 1.0, torch.float8_e5m2 if fp8 else h.dtype,
+                 variant="pr261", s_w_all=s_w_all)
+    return loss.sum(), dl
+
+
+def _fused_ce_head_backward(dl: torch.Tensor, h: torch.Tensor, H: torch.Tensor, transposed: bool, fp8: bool,
+                            s_x: float, s_w: float, s_g: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh in h's dtype, dH in H's dtype) from dL/dl: e5m2 codes of dL/dl / s_g with fp8, else in h's dtype."""
+    if fp8:  # the codes of h and H are made again (one elementwise pass) rather than kept
+        x8, w8 = fp8_head_codes(h, H, (s_x, s_w, s_g))
+        return fp8_head_backward(dl, x8, w8, transposed, (s_x, s_w, s_g), h.dtype, H.dtype)
+    W = H.to(h.dtype)
+    dh = dl @ W.t() if transposed else dl @ W
+    dH = h.t() @ dl if transposed else dl.t() @ h
+    return dh, dH.to(H.dtype)
 
 
 def _fused_ce_backward(g: torch.Tensor, h: torch.Tensor, H: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
@@ -2090,77 +2200,106 @@ def _fused_ce_backward(g: torch.Tensor, h: torch.Tensor, H: torch.Tensor, logits
                        s_g: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh in h's dtype, dH in H's dtype) for the upstream gradient g (a scalar)."""
     dlogits = _fused_ce_dlogits_triton if logits.is_cuda else _fused_ce_dlogits_torch
-    if fp8:  # the codes are made again from h and H (one elementwise pass) rather than kept
-        g8 = dlogits(logits, lse, cols, wts, g, s_g, torch.float8_e5m2)
-        x8, w8 = fp8_head_codes(h, H, (s_x, s_w, s_g))
-        return fp8_head_backward(g8, x8, w8, transposed, (s_x, s_w, s_g), h.dtype, H.dtype)
-    else:
-        dl = dlogits(logits, lse, cols, wts, g, 1.0, h.dtype)
-        W = H.to(h.dtype)
-        dh = dl @ W.t() if transposed else dl @ W
-        dH = h.t() @ dl if transposed else dl.t() @ h
-    return dh, dH.to(H.dtype)
+    dl = dlogits(logits, lse, cols, wts, g, s_g if fp8 else 1.0, torch.float8_e5m2 if fp8 else h.dtype)
+    return _fused_ce_head_backward(dl, h, H, transposed, fp8, s_x, s_w, s_g)
 
 
 def fused_ce_ops():
-    """The two halves as torch.library custom ops (torch.compile keeps each as one opaque call; a
-    fake version gives it the shapes), registered once per process: a second copy of this module
-    (records/diff.py loads scripts by path) finds them already there."""
+    """The halves as torch.library custom ops (torch.compile keeps each as one opaque call; a fake
+    version gives it the shapes), registered once per process: a second copy of this module
+    (records/diff.py loads scripts by path) finds them already there. Returns (forward, backward,
+    the pr261 forward, the backward from a given dL/dl)."""
+    names = ("fused_ce_forward", "fused_ce_backward", "fused_ce261_forward", "fused_ce_head_backward")
     try:
-        return torch.ops.gpt_medium.fused_ce_forward, torch.ops.gpt_medium.fused_ce_backward
+        return tuple(getattr(torch.ops.gpt_medium, n) for n in names)
     except (AttributeError, RuntimeError):
         pass
-    forward = torch.library.custom_op(
-        "gpt_medium::fused_ce_forward", _fused_ce_forward, mutates_args=(),
-        schema="(Tensor h, Tensor H, Tensor cols, Tensor wts, bool transposed, bool fp8, float s_x, float s_w) "
-               "-> (Tensor, Tensor, Tensor)")
-    backward = torch.library.custom_op(
-        "gpt_medium::fused_ce_backward", _fused_ce_backward, mutates_args=(),
-        schema="(Tensor g, Tensor h, Tensor H, Tensor logits, Tensor lse, Tensor cols, Tensor wts, bool transposed, "
-               "bool fp8, float s_x, float s_w, float s_g) -> (Tensor, Tensor)")
+    schemas = {
+        "fused_ce_forward": (_fused_ce_forward, "(Tensor h, Tensor H, Tensor cols, Tensor wts, bool transposed, "
+                             "bool fp8, float s_x, float s_w) -> (Tensor, Tensor, Tensor)"),
+        "fused_ce_backward": (_fused_ce_backward, "(Tensor g, Tensor h, Tensor H, Tensor logits, Tensor lse, "
+                              "Tensor cols, Tensor wts, bool transposed, bool fp8, float s_x, float s_w, float s_g) "
+                              "-> (Tensor, Tensor)"),
+        "fused_ce261_forward": (_fused_ce261_forward, "(Tensor h, Tensor H, Tensor cols, Tensor wts, Tensor s_w_all, "
+                                "bool transposed, bool fp8, float s_x, float s_w, float s_g, float grad_scale) "
+                                "-> (Tensor, Tensor)"),
+        "fused_ce_head_backward": (_fused_ce_head_backward, "(Tensor dl, Tensor h, Tensor H, bool transposed, "
+                                   "bool fp8, float s_x, float s_w, float s_g) -> (Tensor, Tensor)")}
 
-    @forward.register_fake
-    def _(h, H, cols, wts, transposed, fp8, s_x, s_w):
+    def fake_forward(h, H, cols, wts, transposed, fp8, s_x, s_w):
         T, V = h.shape[0], H.shape[1] if transposed else H.shape[0]
         return (h.new_empty((), dtype=torch.float32), h.new_empty((T, V), dtype=torch.bfloat16 if fp8 else h.dtype),
                 h.new_empty((T,), dtype=torch.float32))
 
-    @backward.register_fake
-    def _(g, h, H, logits, lse, cols, wts, transposed, fp8, s_x, s_w, s_g):
-        return torch.empty_like(h), torch.empty_like(H)
+    def fake_forward261(h, H, cols, wts, s_w_all, transposed, fp8, s_x, s_w, s_g, grad_scale):
+        T, V = h.shape[0], H.shape[1] if transposed else H.shape[0]
+        return (h.new_empty((), dtype=torch.float32),
+                h.new_empty((T, V), dtype=torch.float8_e5m2 if fp8 else h.dtype))
 
-    return torch.ops.gpt_medium.fused_ce_forward, torch.ops.gpt_medium.fused_ce_backward
+    fakes = {"fused_ce_forward": fake_forward, "fused_ce261_forward": fake_forward261,
+             "fused_ce_backward": lambda g, h, H, *rest: (torch.empty_like(h), torch.empty_like(H)),
+             "fused_ce_head_backward": lambda dl, h, H, *rest: (torch.empty_like(h), torch.empty_like(H))}
+    for name in names:  # each one missing (an older copy of this module may have registered only some)
+        try:
+            getattr(torch.ops.gpt_medium, name)
+        except (AttributeError, RuntimeError):
+            fn, schema = schemas[name]
+            torch.library.custom_op(f"gpt_medium::{name}", fn, mutates_args=(), schema=schema).register_fake(
+                fakes[name])
+    return tuple(getattr(torch.ops.gpt_medium, n) for n in names)
 
 
 class FusedSoftcapCE(torch.autograd.Function):
-    """The loss from fused_ce_forward; its gradient from fused_ce_backward (dh, dH only)."""
+    """The loss from fused_ce_forward; its gradient from fused_ce_backward (dh, dH only). grad_scale
+    given (the pr261 variant): the forward also makes dL/dl for an upstream gradient of grad_scale
+    (fused_ce261_forward) and the backward multiplies it into dh, dH, ignoring its own input."""
 
     @staticmethod
-    def forward(ctx, h, H, cols, wts, transposed, scales):
+    def forward(ctx, h, H, cols, wts, transposed, scales, grad_scale, s_w_all):
         fp8 = scales is not None
         s_x, s_w, s_g = scales if fp8 else (1.0, 1.0, 1.0)
-        loss, logits, lse = fused_ce_ops()[0](h, H, cols, wts, transposed, fp8, s_x, s_w)
-        ctx.save_for_backward(h, H, logits, lse, cols, wts)
+        ctx.pr261 = grad_scale is not None
+        if ctx.pr261:  # the gradient's FP8 scale times grad_scale: the codes do not depend on it
+            s_g = s_g * grad_scale
+            loss, dl = fused_ce_ops()[2](h, H, cols, wts, s_w_all, transposed, fp8, s_x, s_w, s_g, grad_scale)
+            ctx.save_for_backward(dl, h, H)
+        else:
+            loss, logits, lse = fused_ce_ops()[0](h, H, cols, wts, transposed, fp8, s_x, s_w)
+            ctx.save_for_backward(h, H, logits, lse, cols, wts)
         ctx.args = (transposed, fp8, s_x, s_w, s_g)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        dh, dH = fused_ce_ops()[1](g, *ctx.saved_tensors, *ctx.args)
-        return dh, dH, None, None, None, None
+        if ctx.pr261:  # g is not read: the gradient was made for grad_scale in the forward
+            dh, dH = fused_ce_ops()[3](*ctx.saved_tensors, *ctx.args)
+        else:
+            dh, dH = fused_ce_ops()[1](g, *ctx.saved_tensors, *ctx.args)
+        return dh, dH, None, None, None, None, None, None
 
 
 def fused_softcap_ce(h: torch.Tensor, H: torch.Tensor, targets: torch.Tensor,
                      weights: Optional[torch.Tensor] = None, transposed: bool = False,
-                     scales: Optional[tuple[float, float, float]] = None) -> torch.Tensor:
+                     scales: Optional[tuple[float, float, float]] = None, variant: str = "pr252",
+                     grad_scale: Optional[float] = None) -> torch.Tensor:
     """sum_t sum_k w_k (LSE_t - z_t[y_(t+k)]) (fp32) of z = 23 sigmoid((l + 5) / 7.5) over all of H's
     columns, l = h H (H stored (V, d), or (d, V) if transposed). weights: the MTP weights (K,),
     None: the next token only. scales (s_x, s_w, s_g), --fp8: the product and its gradients from FP8
-    codes (fp8_matmul), the logits bf16; None: in h's dtype."""
+    codes (fp8_matmul), the logits bf16; None: in h's dtype. variant "pr261" (docs/fused-ce.md): PR
+    #261's numerics; grad_scale (required there) is the gradient the loss will receive from above:
+    its backward gives the gradient for that, whatever it receives."""
+    if variant not in FUSED_CE_VARIANTS:
+        raise ValueError(f"fused_softcap_ce: variant {variant!r} is not one of {', '.join(FUSED_CE_VARIANTS)}")
+    if (variant == "pr261") != (grad_scale is not None):
+        raise ValueError("fused_softcap_ce: grad_scale is given with variant pr261 only, and always there")
     if weights is None:
         weights = torch.ones(1, device=h.device)
     cols, wts = fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0])
-    return FusedSoftcapCE.apply(h, H, cols, wts, transposed, None if scales is None else tuple(scales))
+    s_w_all = None
+    if variant == "pr261":  # #261's S_w: every weight, added in order in fp32
+        s_w_all = functools.reduce(torch.add, weights.float().unbind())
+    return FusedSoftcapCE.apply(h, H, cols, wts, transposed, None if scales is None else tuple(scales),
+                                None if grad_scale is None else float(grad_scale), s_w_all)
 
 
 def scalar_layout(config: Hyperparameters) -> list[tuple[str, list[float]]]:
@@ -2209,7 +2348,7 @@ class GPT(nn.Module):
         tied = untie_step(config) > 0
         head_wd_mul = 150.0 if config.table_multipliers else 1.0
         head_options = dict(wd_mul=head_wd_mul, transposed=config.head_transposed,
-                            fp8_scales=fp8_scales(config) if config.fp8 else None)
+                            fp8_scales=fp8_training_scales(config) if config.fp8 else None)
         self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init, head_wd_mul) if config.lore_output
                      else Head(d, config.padded_vocab_size, dtype, init_std=0.005, **head_options) if tied
                      else Head(d, config.padded_vocab_size, **head_options))
@@ -2365,10 +2504,17 @@ class GPT(nn.Module):
         logits' memory. reduction: mean, sum or none (per token)."""
         per_token = reduction == "none"
         if self.config.fused_softcap_ce and self.training and not per_token:
-            # one op over all rows (it bounds its own memory); head_transposed: a (d, V) head, where stored so
+            # one op over all rows (it bounds its own memory); head_transposed: a (d, V) head, where stored so.
+            # pr261 makes the gradient in the forward: for the upstream gradient the trainer will give
+            # this loss (train_loss_scale, and 1/T for a mean)
+            grad_scale = None
+            if self.config.fused_ce_variant == "pr261":
+                grad_scale = train_loss_scale(self.config) / (1 if reduction == "sum" else targets.numel())
+            # (pr261 scales s_g by its grad_scale itself; pr252 by the trainer's loss scale)
+            scales = (fp8_scales if grad_scale is not None else fp8_training_scales)(self.config)
             total = fused_softcap_ce(x, self.head.weight, targets, mtp_weights,
-                                     self.config.head_transposed,
-                                     fp8_scales(self.config) if self.config.fp8 else None)
+                                     self.config.head_transposed, scales if self.config.fp8 else None,
+                                     variant=self.config.fused_ce_variant, grad_scale=grad_scale)
             return total if reduction == "sum" else total / targets.numel()
         if mtp_weights is not None and not per_token:
             ahead, inside = multi_token_targets(targets, mtp_weights.numel())
@@ -2921,7 +3067,7 @@ class Runner:
         """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss.
         mtp_weights: this step's multi-token prediction weights (a list of floats); None: the
         schedule's with --multi_token_prediction, else the next-token loss."""
-        window, scale = self.window(step), 1.0 / (self.micro_steps * self.world_size)
+        window, scale = self.window(step), train_loss_scale(self.config)  # = 1 / (micro-steps x ranks)
         self.set_embedding_tie(step)
         if mtp_weights is None and self.config.multi_token_prediction:
             mtp_weights = multi_token_weights(step, self.config)
@@ -3520,6 +3666,8 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(cfg.logit_softcap_form == "sigmoid", "fused_softcap_ce",
              "computes the sigmoid cap: it needs --logit_softcap_form=sigmoid")
         need(not cfg.lore_output, "fused_softcap_ce", "needs the full head matrix: it cannot be used with --lore_output")
+    need(cfg.fused_softcap_ce or cfg.fused_ce_variant == "pr252", "fused_ce_variant",
+         "chooses the numerics of the fused loss: add --fused_softcap_ce (or drop this flag)")
     need(not (cfg.adam_odd_steps_only and cfg.untie_embed_after_step) or cfg.untie_embed_after_step % 2 == 1,
          "untie_embed_after_step", f"{cfg.untie_embed_after_step} is even; with --adam_odd_steps_only the split copies the "
          "head's Adam state right after an Adam step, which falls on odd steps: choose an odd step (or auto)")

@@ -128,7 +128,7 @@ def test_fp8_changes_training_only_and_off_is_the_plain_product():
     head is the plain product (bulk's F.linear)."""
     config = tg.make_config("tiny", dtype="bfloat16", seed=5)
     plain, fp8 = tg.build_model(config), tg.build_model(tg.make_config("tiny", dtype="bfloat16", seed=5, fp8=True))
-    assert plain.head.fp8_scales is None and fp8.head.fp8_scales == tg.fp8_scales(fp8.config)
+    assert plain.head.fp8_scales is None and fp8.head.fp8_scales == tg.fp8_training_scales(fp8.config)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 500, (257,), generator=gen)
     args = (ids[:-1].int(), ids[1:], torch.tensor([3, 1], dtype=torch.int32), "none")  # per-token losses
@@ -273,3 +273,31 @@ def test_the_tiny_recipe_learns(synthetic_dir, tmp_path):
     losses = [float(m[1]) for m in re.finditer(rf"^step:\d+/{TINY_STEPS} val_loss:(\S+)", text, re.M)]
     assert len(losses) == TINY_STEPS // 2 + 1
     assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses[2:], losses[3:]))
+
+
+def test_the_gradient_codes_follow_the_loss_scale_so_they_are_the_records_at_any_world_size():
+    """The records backpropagate each rank's loss unscaled; this trainer scales it by 1/batch_slices
+    first. With s_g scaled by the same factor (fp8_training_scales) every gradient code is the
+    records' and the results are exactly that factor times theirs; with s_g alone the small
+    gradients sink three binades deeper and more of them flush to zero."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 64, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(64, 96, generator=gen) * 0.02).bfloat16().requires_grad_()
+    G = (torch.randn(16, 96, generator=gen) * 1e-7).bfloat16()  # near e5m2's smallest codes x s_g
+    s_x, s_w, s_g = 32 / 448, 2.25 / 448, 1.5 / 448
+    c = 1 / 8  # the trainer's loss scale at the record's 8 slices
+
+    def grads(scales, upstream):
+        x.grad = w.grad = None
+        tg.FP8HeadProduct.apply(x, w, True, scales).backward(upstream)
+        return x.grad.float(), w.grad.float()
+
+    records = grads((s_x, s_w, s_g), G)
+    scaled = grads((s_x, s_w, s_g * c), G * c)
+    unscaled = grads((s_x, s_w, s_g), G * c)
+    for ours, theirs in zip(scaled, records):
+        assert torch.equal(ours, theirs * c)
+    assert not torch.equal(unscaled[1], records[1] * c)
+    config = tg.make_config("tiny", recipe="fp8_yarn")
+    head = tg.build_model(config).head
+    assert head.fp8_scales == tg.fp8_training_scales(config) == (s_x, s_w, s_g / config.batch_slices)

@@ -274,7 +274,7 @@ def test_the_model_uses_it_in_training_only(monkeypatch):
         torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-5, msg=name)
     assert torch.equal(model_loss_and_grads(bulk, False)[0], model_loss_and_grads(fused_model, False)[0])
     calls = []
-    monkeypatch.setattr(tg, "fused_softcap_ce", lambda *args, real=tg.fused_softcap_ce: calls.append(args) or real(*args))
+    monkeypatch.setattr(tg, "fused_softcap_ce", lambda *args, real=tg.fused_softcap_ce, **kw: calls.append(args) or real(*args, **kw))
     model_loss_and_grads(fused_model, True, mtp)
     model_loss_and_grads(fused_model, False)
     assert len(calls) == 1 and calls[0][-1] is None  # training only; no --fp8: no scales
@@ -283,9 +283,12 @@ def test_the_model_uses_it_in_training_only(monkeypatch):
 def test_fp8_reaches_the_fused_loss(monkeypatch):
     model = tiny_model(fused_softcap_ce=True, fp8=True)
     calls = []
-    monkeypatch.setattr(tg, "fused_softcap_ce", lambda *args, real=tg.fused_softcap_ce: calls.append(args) or real(*args))
+    monkeypatch.setattr(tg, "fused_softcap_ce", lambda *args, real=tg.fused_softcap_ce, **kw: calls.append(args) or real(*args, **kw))
     model_loss_and_grads(model, True)
-    assert calls[0][-1] == tg.fp8_scales(model.config) == pytest.approx(SCALES)
+    # the gradient's scale times the trainer's loss scale (1 / batch_slices): the records' codes
+    s_x, s_w, s_g = tg.fp8_scales(model.config)
+    assert tg.fp8_scales(model.config) == pytest.approx(SCALES)
+    assert calls[0][-1] == tg.fp8_training_scales(model.config) == (s_x, s_w, s_g / model.config.batch_slices)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -297,16 +300,258 @@ def test_configurations_it_cannot_serve_are_refused(flags, message):
 
 
 def test_tiny_runs_with_it_learn(synthetic_dir):
-    """Without FP8 it trains as the bulk loss does (fp32 model: the same function); with --fp8 too."""
+    """Without FP8 it trains as the bulk loss does (fp32 model: the same function); with --fp8 too, and
+    with PR #261's variant (its gradient made in the forward) as --fp8 does."""
     runs = {name: tg.train(small_run_config(synthetic_dir, num_iterations=10, val_every=5, **flags),
                            torch.device("cpu"))
             for name, flags in (("bulk", {}), ("fused", dict(fused_softcap_ce=True)),
-                                ("fp8", dict(fused_softcap_ce=True, fp8=True)))}
+                                ("fp8", dict(fused_softcap_ce=True, fp8=True)),
+                                ("pr261", dict(fused_softcap_ce=True, fp8=True, fused_ce_variant="pr261")))}
     losses = {name: [h["val_loss"] for h in run["val_history"]] for name, run in runs.items()}
     for name, values in losses.items():
         assert values[-1] < values[0] - 0.2, name
     assert losses["fused"] == pytest.approx(losses["bulk"], abs=1e-3)
     assert losses["fp8"] != losses["fused"]
+    assert losses["pr261"] == pytest.approx(losses["fp8"], abs=5e-3) and losses["pr261"] != losses["fp8"]
+
+
+# ---- the pr261 variant (PR #261's kernel): sigma rounded to bf16, the gradient made in the forward for
+# a fixed upstream gradient grad_scale, S_w over all the weights, e5m2 codes saturating
+
+E5M2_MAX = 57344.0
+
+
+def fused261(h, H, y, weights, scales=None, grad_scale=1.0, g=1.0):
+    """(loss, dh, dH) of tg.fused_softcap_ce(variant="pr261"), the backward fed g."""
+    h, H = h.detach().clone().requires_grad_(), H.detach().clone().requires_grad_()
+    w = None if weights is None else torch.tensor(weights)
+    loss = tg.fused_softcap_ce(h, H, y, w, False, scales, variant="pr261", grad_scale=grad_scale)
+    (loss * g).backward()
+    return loss.detach(), h.grad, H.grad
+
+
+def made_in_the_forward(h, H, y, weights, scales, grad_scale):
+    """(loss, dL/dl as the forward stores it: e5m2 codes with scales, else h's dtype)."""
+    w = torch.ones(1) if weights is None else torch.tensor(weights)
+    cols, wts = tg.fused_ce_terms(y, w, H.shape[0])
+    s_x, s_w, s_g = scales or (1.0, 1.0, 1.0)
+    return tg._fused_ce261_forward(h, H, cols, wts, w.sum(), False, scales is not None, s_x, s_w,
+                                   s_g * grad_scale, grad_scale)
+
+
+def reference261(h, H, y, weights, scales, grad_scale):
+    """(loss, gradient codes, the dequantized h and H) of #261's kernel written out in float32:
+    l = bf16 of the FP8 product; sigma = bf16(0.5 + 0.5 tanh(u/2)), z = 23 sigma; loss = sum over
+    t+k < T, 0 <= y < V of w_k (LSE - z[y]) (zero weights kept); code = e5m2 of q = grad_scale (23/7.5)
+    (1/grad_s) (S_w p - sum_k w_k [v = y_(t+k)]) sigma (1 - sigma), S_w = the sum of ALL the weights,
+    grad_s = grad_scale s_g, saturating at e5m2's largest."""
+    s_x, s_w, s_g = scales
+    x = (h.float() / s_x).to(torch.float8_e4m3fn).float() * s_x
+    W = (H.float() / s_w).to(torch.float8_e4m3fn).float() * s_w
+    l = (x @ W.t()).bfloat16().float()
+    sig = (0.5 + 0.5 * torch.tanh((l / 7.5 + 5 / 7.5) / 2)).bfloat16().float()
+    z = 23 * sig
+    lse = torch.logsumexp(z, 1)
+    weights = [1.0] if weights is None else weights
+    loss, hit = torch.zeros(()), torch.zeros_like(z)
+    for k, w in enumerate(weights):
+        for t in range(len(y) - k):
+            if 0 <= y[t + k] < W.shape[0]:
+                loss = loss + w * (lse[t] - z[t, y[t + k]])
+                hit[t, y[t + k]] += w
+    grad_s = grad_scale * s_g
+    q = grad_scale * (23 / 7.5) / grad_s * (sum(weights) * torch.exp(z - lse[:, None]) - hit) * sig * (1 - sig)
+    return loss, q.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2), x, W
+
+
+@pytest.mark.parametrize("n", WEIGHTS)
+def test_pr261_loss_and_codes_equal_a_float32_reference(n):
+    """grad_scale 1/4 (four micro-steps): the codes are those of grad_scale 1 (the gradient's FP8 scale
+    is grad_scale s_g); dh, dH are the codes' products with that scale."""
+    h, H, y = inputs(seed=21)
+    loss, codes = made_in_the_forward(h, H, y, WEIGHTS[n], SCALES, 0.25)
+    ref_loss, ref_codes, x, W = reference261(h, H, y, WEIGHTS[n], SCALES, 0.25)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-6, atol=0)
+    assert codes.dtype == torch.float8_e5m2
+    ours, theirs = codes.float(), ref_codes.float()
+    # equal but where the two fp32 orders straddle a rounding midpoint (then one code apart)
+    assert ((ours - theirs).abs() <= 0.25 * theirs.abs()).all() and (ours != theirs).float().mean() < 1e-3
+    assert torch.equal(made_in_the_forward(h, H, y, WEIGHTS[n], SCALES, 1.0)[1].float(), ours)
+    _, dh, dH = fused261(h, H, y, WEIGHTS[n], SCALES, grad_scale=0.25)
+    grad_s = 0.25 * SCALES[2]
+    torch.testing.assert_close(dh, (ours @ W) * grad_s, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(dH, (ours.t() @ x) * grad_s, rtol=1e-5, atol=1e-6)
+
+
+def test_pr261s_codes_do_not_depend_on_grad_scale():
+    """The gradient's FP8 scale is grad_scale s_g, so the stored codes (those the backward multiplies)
+    are the same for any grad_scale: accumulation over many micro-steps keeps the codes of one (a
+    scale left at s_g would shrink them by grad_scale, into e5m2's subnormals and zero)."""
+    h, H, y = inputs(seed=27)
+    saved = []
+    for grad_scale in (1.0, 2.0**-12):
+        loss = tg.fused_softcap_ce(h.clone().requires_grad_(), H.clone().requires_grad_(), y, torch.tensor([1.0, 0.5]),
+                                   False, SCALES, variant="pr261", grad_scale=grad_scale)
+        codes = loss.grad_fn.saved_tensors[0]
+        assert codes.dtype == torch.float8_e5m2 and codes.shape == (T, V)
+        saved.append(codes.float())
+    assert torch.equal(saved[0], saved[1])
+    assert torch.equal(saved[0], made_in_the_forward(h, H, y, [1.0, 0.5], SCALES, 1.0)[1].float())
+
+
+def test_pr261_codes_saturate_where_torchs_cast_gives_inf():
+    """A gradient scale so small that dL/dl / s_g passes e5m2's largest value: #261 converts with
+    saturation (the largest finite code), torch's e5m2 cast (and so the pr252 path) with inf."""
+    h, H, y = inputs(seed=22)
+    scales = SCALES[:2] + (1e-7,)
+    codes = made_in_the_forward(h, H, y, WEIGHTS[2], scales, 1.0)[1].float()
+    assert codes.isfinite().all() and codes.abs().max() == E5M2_MAX
+    theirs = reference261(h, H, y, WEIGHTS[2], scales, 1.0)[1].float()
+    assert (codes != theirs).float().mean() < 1e-3
+    lse = torch.logsumexp(23 * torch.sigmoid((h @ H.t() + 5) / 7.5), 1)
+    cols, wts = tg.fused_ce_terms(y, torch.tensor(WEIGHTS[2]), V)
+    assert tg._fused_ce_dlogits_torch((h @ H.t()).bfloat16(), lse, cols, wts, torch.tensor(1.0), 1e-7,
+                                      torch.float8_e5m2).float().isinf().any()
+
+
+class Bf16Sigma(torch.autograd.Function):
+    """sigma(u) in #261's form rounded to bf16; its derivative taken as sigma (1 - sigma) of that value."""
+
+    @staticmethod
+    def forward(ctx, u):
+        s = (0.5 + 0.5 * torch.tanh(u / 2)).bfloat16().float()
+        ctx.save_for_backward(s)
+        return s
+
+    @staticmethod
+    def backward(ctx, g):
+        (s,) = ctx.saved_tensors
+        return g * s * (1 - s)
+
+
+@pytest.mark.parametrize("n", [2, 3, "zero"])
+def test_pr261s_gradient_is_the_losss_derivative_but_on_the_last_rows(n):
+    """fp32, no FP8, every target inside V: dL/dl equals autograd's derivative of the loss times
+    grad_scale on every row whose K terms are all inside the sequence; on the last K-1 rows (fewer
+    terms) it is not: there S_w still counts every weight, so it is the derivative plus
+    grad_scale (23/7.5) (S_w - S_w(t)) p sigma (1 - sigma)."""
+    h, H, y = inputs(seed=23)
+    y = y.clamp(0, V - 1)
+    weights, K, grad_scale = WEIGHTS[n], len(WEIGHTS[n]), 0.5
+    _, dl = made_in_the_forward(h, H, y, weights, None, grad_scale)
+    assert dl.dtype == torch.float32
+    l = (h @ H.t()).requires_grad_()
+    z = 23 * Bf16Sigma.apply(l / 7.5 + 5 / 7.5)
+    lse = torch.logsumexp(z, 1)
+    loss = sum(w * (lse[:T - k] - z[:T - k].gather(1, y[k:, None])[:, 0]).sum() for k, w in enumerate(weights))
+    (loss * grad_scale).backward()
+    torch.testing.assert_close(dl[:T - K + 1], l.grad[:T - K + 1], rtol=1e-5, atol=1e-9)
+    s = Bf16Sigma.apply(l.detach() / 7.5 + 5 / 7.5)
+    p = torch.exp(23 * s - lse.detach()[:, None])
+    missing = torch.tensor([sum(weights[T - t:]) for t in range(T - K + 1, T)])  # the weights past the end
+    extra = grad_scale * 23 / 7.5 * missing[:, None] * p[T - K + 1:] * s[T - K + 1:] * (1 - s[T - K + 1:])
+    assert not torch.allclose(dl[T - K + 1:], l.grad[T - K + 1:], rtol=1e-3, atol=0)
+    torch.testing.assert_close(dl[T - K + 1:], l.grad[T - K + 1:] + extra, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("scales", [None, SCALES])
+def test_pr261_ignores_the_backwards_input_and_follows_grad_scale(scales):
+    """The gradient is made in the forward for grad_scale: whatever multiplies the loss afterwards
+    changes nothing, and grad_scale scales dh and dH (a power of two: exactly)."""
+    h, H, y = inputs(seed=24)
+    y = y.clamp(0, V - 1)  # (a target outside V or past the end also counts in S_w: rows compared below)
+    _, dh, dH = fused261(h, H, y, WEIGHTS[3], scales, grad_scale=0.5, g=1.0)
+    _, dh7, dH7 = fused261(h, H, y, WEIGHTS[3], scales, grad_scale=0.5, g=7.0)
+    assert torch.equal(dh, dh7) and torch.equal(dH, dH7)
+    _, dh4, dH4 = fused261(h, H, y, WEIGHTS[3], scales, grad_scale=0.25)
+    assert torch.equal(dh4 * 2, dh) and torch.equal(dH4 * 2, dH)
+    ref_dh = reference(h, H, y, WEIGHTS[3], g=0.5)[1]
+    # the derivative (times 0.5) up to the variant's roundings, but on the last 2 rows
+    assert rel(dh[:T - 2], ref_dh[:T - 2]) < (0.1 if scales else 0.01)
+
+
+def test_pr261_arguments_are_checked():
+    h, H, y = inputs(seed=25)
+    with pytest.raises(ValueError, match="grad_scale"):
+        tg.fused_softcap_ce(h, H, y, variant="pr261")
+    with pytest.raises(ValueError, match="grad_scale"):
+        tg.fused_softcap_ce(h, H, y, grad_scale=1.0)
+    with pytest.raises(ValueError, match="variant 'pr999'"):
+        tg.fused_softcap_ce(h, H, y, variant="pr999")
+
+
+def test_pr261_compiles_as_opaque_ops():
+    h, H, y = inputs(seed=26)
+    w = torch.tensor([1.0, 0.5])
+    run = lambda a, b: tg.fused_softcap_ce(a, b, y, w, False, SCALES, variant="pr261", grad_scale=0.5)
+    outs = []
+    for f in (torch.compile(run, backend="aot_eager", fullgraph=True), run):
+        a, b = h.clone().requires_grad_(), H.clone().requires_grad_()
+        f(a, b).backward()
+        outs.append((a.grad, b.grad))
+    assert all(torch.equal(x, z) for x, z in zip(*outs))
+
+
+def test_the_variant_needs_the_fused_loss():
+    with pytest.raises(tg.ConfigError, match="--fused_ce_variant: chooses the numerics of the fused loss"):
+        tg.make_config("tiny", fused_ce_variant="pr261")
+    assert tg.make_config("tiny", fused_softcap_ce=True, fused_ce_variant="pr261").fused_ce_variant == "pr261"
+
+
+def test_pr261_two_micro_steps_equal_one_slice_each():
+    """The model passes grad_scale = 1/batch_slices, the factor the trainer applies (train_loss_scale):
+    two slices accumulated with it give the mean of each slice's gradient at grad_scale 1, exactly
+    (the FP8 codes do not depend on it; the products scale by a power of two)."""
+    overrides = dict(fused_softcap_ce=True, fused_ce_variant="pr261", fp8=True)
+    two = tiny_model(batch_slices=2, **overrides)
+    one = tiny_model(batch_slices=1, batch_schedule=(512,) * 12, **overrides)
+    with torch.no_grad():
+        for p in two.head.parameters():
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+    one.load_state_dict(two.state_dict())
+    gen = torch.Generator().manual_seed(12)
+    T_, mtp = two.config.train_seq_len, torch.tensor([1.0, 0.5, 0.25])
+    slices = [torch.randint(0, 500, (T_ + 1,), generator=gen) for _ in range(2)]
+    assert tg.train_loss_scale(two.config) == 0.5
+    for model in (two, one):
+        model.train()
+    for tokens in slices:
+        (two(tokens[:-1].int(), tokens[1:], torch.tensor([3, 1]), mtp_weights=mtp)
+         * tg.train_loss_scale(two.config)).backward()
+    each = []
+    for tokens in slices:
+        one.zero_grad()
+        one(tokens[:-1].int(), tokens[1:], torch.tensor([3, 1]), mtp_weights=mtp).backward()
+        each.append({n: p.grad.clone() for n, p in one.named_parameters() if p.grad is not None})
+    got = {n: p.grad for n, p in two.named_parameters() if p.grad is not None}
+    assert got.keys() == each[0].keys() and "head.weight" in got
+    for name in got:
+        torch.testing.assert_close(got[name], (each[0][name] + each[1][name]) / 2, rtol=1e-6, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_the_runners_gradient_with_pr261_is_the_loss_gradient(reduction, monkeypatch):
+    """Runner.train_step over two slices: the gradients it steps with under pr261 are pr252's (the
+    derivative of its scaled loss) up to the bf16 sigmoid and the last rows; a grad_scale that missed
+    the trainer's 1/2 or the mean's 1/T would be 2x or 512x off."""
+    grads = {}
+    for variant in ("pr252", "pr261"):
+        config = tg.make_config("tiny", dtype="float32", untie_embed_after_step=0, fused_softcap_ce=True,
+                                fused_ce_variant=variant, train_loss_reduction=reduction)
+        runner = tg.Runner(config, torch.device("cpu"))
+        with torch.no_grad():
+            runner.model.head.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+        seen = grads.setdefault(variant, {})
+        for opt in runner.optimizers:
+            monkeypatch.setattr(opt, "step", lambda *a, seen=seen, model=runner.model: seen.update(
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        runner.train_step(1, runner.random_batches(torch.Generator().manual_seed(4)), mtp_weights=[1.0, 0.5])
+    assert grads["pr252"].keys() == grads["pr261"].keys() and "head.weight" in grads["pr261"]
+    flat = {v: torch.cat([g.flatten() for g in grads[v].values()]) for v in grads}
+    assert rel(flat["pr261"], flat["pr252"]) < 0.01
+    for name, ref in grads["pr252"].items():  # (tiny ones, e.g. the gates' ~1e-7, are sums that cancel)
+        if ref.norm() > 1e-3:
+            assert 0.95 < (grads["pr261"][name].norm() / ref.norm()).item() < 1.05, name
 
 
 # ---- the Triton kernel, run by Triton's interpreter on the CPU (in a process of its own: triton must
@@ -317,11 +562,16 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt_medium as tg
-logits, cols, wts, lse, g, s_g = torch.load(sys.argv[2])
-out = {"rows": tg._fused_ce_rows_triton(logits, cols, wts, block=128)}
+logits, cols, wts, lse, g, s_g, lse261, s_w_all = torch.load(sys.argv[2])
+out = {"rows": tg._fused_ce_rows_triton(logits, cols, wts, block=128),
+       "rows261": tg._fused_ce_rows_triton(logits, cols, wts, block=128, variant="pr261")}
 for name, scale, dtype in (("bf16", 1.0, torch.float32), ("e5m2", s_g, torch.float32),
                            ("e5m2_rounded", s_g, torch.float8_e5m2)):
     out[name] = tg._fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, dtype, block=128)
+for name, scale, dtype in (("261", s_g, torch.float32), ("261_rounded", s_g, torch.float8_e5m2),
+                           ("261_saturated", 1e-7, torch.float8_e5m2)):
+    out[name] = tg._fused_ce_dlogits_triton(logits, lse261, cols, wts, g, scale, dtype, block=128,
+                                            variant="pr261", s_w_all=s_w_all)
 torch.save(out, sys.argv[3])
 """
 
@@ -335,7 +585,8 @@ def kernel_run(tmp_path_factory):
     logits = (h @ H.t() * 3).bfloat16()
     cols, wts = tg.fused_ce_terms(y, torch.tensor([1.0, 0.5, 0.25]), 500)
     lse = tg._fused_ce_rows_torch(logits, cols, wts)[1]
-    given = (logits, cols, wts, lse, torch.tensor(1.25), SCALES[2])
+    lse261 = tg._fused_ce_rows_torch(logits, cols, wts, variant="pr261")[1]
+    given = (logits, cols, wts, lse, torch.tensor(1.25), SCALES[2], lse261, torch.tensor(1.75))
     folder = tmp_path_factory.mktemp("kernel")
     torch.save(given, folder / "in.pt")
     subprocess.run([sys.executable, "-c", KERNEL_SCRIPT, str(Path(tg.__file__).parent), str(folder / "in.pt"),
@@ -355,7 +606,7 @@ def test_the_kernels_gradient_equals_the_emulation(kernel_run):
     """Compared unrounded (the kernel's fp32 output) and after torch's casts: the interpreter's own
     fp32 -> bf16 cast truncates and its e5m2 cast errs in places (below); the GPU's conversions
     round to nearest even."""
-    (logits, cols, wts, lse, g, s_g), out = kernel_run
+    (logits, cols, wts, lse, g, s_g, *_), out = kernel_run
     for name, scale, dtype, step in (("bf16", 1.0, torch.bfloat16, 2**-8), ("e5m2", s_g, torch.float8_e5m2, 2**-2)):
         kernel = out[name]
         exact = tg._fused_ce_dlogits_torch(logits, lse, cols, wts, g, scale, torch.float32)
@@ -373,3 +624,34 @@ def test_the_kernels_gradient_equals_the_emulation(kernel_run):
     rounds_up = out["e5m2"].abs() < codes.abs()
     interpreter_errs = rounds_up & ((torch.frexp(codes)[0].abs() == 0.5) | (codes.abs() <= 2**-14))
     assert not (wrong & ~interpreter_errs).any() and wrong.float().mean() < 0.1
+
+
+def test_the_kernels_pr261_forward_equals_the_emulation(kernel_run):
+    """sigma rounded to bf16 in the kernel through its bits (the interpreter's own cast truncates); the
+    kernel's sigma is tl.sigmoid, the emulation's 0.5 + 0.5 tanh(u/2): equal after the rounding here."""
+    (logits, cols, wts, *_), out = kernel_run
+    loss, lse = out["rows261"]
+    ref_loss, ref_lse = tg._fused_ce_rows_torch(logits, cols, wts, variant="pr261")
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lse, out["rows"][1], rtol=1e-5, atol=0)  # not the fp32 sigmoid's
+
+
+def test_the_kernels_pr261_gradient_equals_the_emulation(kernel_run):
+    """S_w = 1.75 on every row (the weights sum to 1.75 but the last rows have fewer terms); e5m2 codes
+    as torch's cast but where the interpreter's cast errs; saturated at 57344 where torch's gives inf."""
+    (logits, cols, wts, _, g, s_g, lse261, s_w_all), out = kernel_run
+    emulate = lambda scale, dtype: tg._fused_ce_dlogits_torch(logits, lse261, cols, wts, g, scale, dtype,
+                                                              variant="pr261", s_w_all=s_w_all)
+    exact = emulate(s_g, torch.float32)
+    torch.testing.assert_close(out["261"], exact, rtol=1e-5, atol=1e-12)
+    # (a kernel summing only the row's weights would be 1.5 / 1.75 of this on the rows with fewer terms)
+    for name, scale in (("261_rounded", s_g), ("261_saturated", 1e-7)):
+        rounded, codes = out[name], emulate(scale, torch.float8_e5m2).float()
+        assert rounded.dtype == torch.float8_e5m2 and rounded.float().isfinite().all()
+        unrounded = emulate(scale, torch.float32)
+        wrong = rounded.float() != codes
+        rounds_up = unrounded.abs() < codes.abs()
+        interpreter_errs = rounds_up & ((torch.frexp(codes)[0].abs() == 0.5) | (codes.abs() <= 2**-14))
+        assert not (wrong & ~interpreter_errs).any() and wrong.float().mean() < 0.1
+    assert (out["261_saturated"].float().abs() == E5M2_MAX).any()
