@@ -166,7 +166,7 @@ class Hyperparameters:
                                     "logits in the model dtype (bf16 from FP8 codes with --fp8), the sigmoid cap, "
                                     "log-sum-exp and multi-token sum in fp32; CUDA: a Triton kernel, CPU: torch "
                                     "ops by blocks of rows (docs/fused-ce.md); validation unchanged")
-    fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce: pr252: PR #252's numerics (fp32 sigmoid, the "
+    fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce (without it: no effect): pr252: PR #252's numerics (fp32 sigmoid, the "
                                    "gradient from the backward's input); pr261: PR #261's kernel (sigmoid rounded "
                                    "to bf16; the logits' gradient made in the forward for the trainer's loss scale, "
                                    "1/batch_slices (/T for a mean), the backward's input ignored; S_w over all "
@@ -464,9 +464,9 @@ RECIPES: dict[str, Recipe] = {
 # PR #261 is #252's recipe plus these (its logs and README are in the folder's this_pr/)
 RECIPES["mudd"] = Recipe({**RECIPES["bigram"].values, **dict(
     num_iterations=4150, extension_steps=25, attn_input_from_layer=11, mudd=True, backout=False,
-    coordinate_descent_tuning=False)}, "2026-04-27", "2026-0427-MuddFormer/this_pr",
+    fused_ce_variant="pr261", coordinate_descent_tuning=False)}, "2026-04-27", "2026-0427-MuddFormer/this_pr",
     "bigram plus MUDD connections at the last two blocks in place of the backout, blocks 12-15 attending from "
-    "block 11's output, 4125+25 steps", 860.478, 6, 6.2e-5, 59_977, claim_pr=261,
+    "block 11's output, #261's cross-entropy kernel (bf16 sigmoid, gradient made in the forward), 4125+25 steps", 860.478, 6, 6.2e-5, 59_977, claim_pr=261,
     at_preset=dict(tiny=dict(num_iterations=167)))  # S = 4125 / 25 = 165, +2
 
 
@@ -3666,8 +3666,6 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(cfg.logit_softcap_form == "sigmoid", "fused_softcap_ce",
              "computes the sigmoid cap: it needs --logit_softcap_form=sigmoid")
         need(not cfg.lore_output, "fused_softcap_ce", "needs the full head matrix: it cannot be used with --lore_output")
-    need(cfg.fused_softcap_ce or cfg.fused_ce_variant == "pr252", "fused_ce_variant",
-         "chooses the numerics of the fused loss: add --fused_softcap_ce (or drop this flag)")
     need(not (cfg.adam_odd_steps_only and cfg.untie_embed_after_step) or cfg.untie_embed_after_step % 2 == 1,
          "untie_embed_after_step", f"{cfg.untie_embed_after_step} is even; with --adam_odd_steps_only the split copies the "
          "head's Adam state right after an Adam step, which falls on odd steps: choose an odd step (or auto)")
@@ -4599,7 +4597,9 @@ PEAK_NEUTRAL_FIELDS = {
     "bigram_embed", "bigram_table_multiple", "bigram_lambda_init", "gates_optimizer", "small_params_betas",
     "muon_scalar_rounding", "adam_fp32_moments", "muon_lr_shape", "fp32_block_weights", "fused_softcap_ce",
     # #261's: MUDD's weights are in the state; its kept activations are MUDD_KEPT_ACTIVATIONS
-    "mudd", "mudd_lr", "attn_input_from_layer"}
+    "mudd", "mudd_lr", "attn_input_from_layer",
+    # #261's loss keeps the gradient's codes instead of the logits: taken as the same (not measured)
+    "fused_ce_variant"}
 PEAK_WORLD_SIZE = 8
 
 

@@ -298,6 +298,7 @@ def test_the_mudd_recipe_is_bigram_plus_pr_261s_values():
     assert (config.num_iterations, config.extension_steps, tg.scheduled_steps(config)) == (4150, 25, 4125)
     assert (config.attn_input_from_layer, config.mudd, config.backout, config.coordinate_descent_tuning) == (
         11, True, False, False)
+    assert (config.fused_ce_variant, bigram.fused_ce_variant) == ("pr261", "pr252")
     for name, value in tg.RECIPES["bigram"].values.items():
         if name not in ("num_iterations", "coordinate_descent_tuning"):
             assert getattr(config, name) == getattr(bigram, name) == value, name
