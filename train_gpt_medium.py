@@ -1504,12 +1504,14 @@ class Block(nn.Module):
         """--mudd's last block: x = r_a x + p_a Attn + chi x00 + psi b, then x = r_m x + p_m MLP(norm x),
         with the per-token weights of `mix` (LastBlockMix); the value mix joins v, its gate replaces the
         value-embedding gate. Each sum is one expression in fp32 rounded once to x's dtype, as the
-        record's compiled code computes it."""
+        record's compiled code computes it, grouped as the record writes it: (r_a x + p_a Attn) +
+        (chi x00 + psi b)."""
         attn_in = x if attn_source is None else attn_source
         y = self.attn(rms_norm(attn_in), ve, attn_lambdas, cos, sin, mask, scale, scale_tensor,
                       v_extra=mix.v, ve_gate=mix.ve_gate)
-        x = fp32_sum(x.dtype, (mix.resid_attn, x), (mix.out_attn, y), (mix.x00_weight, mix.x00),
-                     (mix.bigram_weight, mix.bigram))
+        term = lambda w, t: w.float() * t.float()
+        x = ((term(mix.resid_attn, x) + term(mix.out_attn, y))
+             + (term(mix.x00_weight, mix.x00) + term(mix.bigram_weight, mix.bigram))).to(x.dtype)
         return fp32_sum(x.dtype, (mix.resid_mlp, x), (mix.out_mlp, self.mlp(rms_norm(x))))
 
 
