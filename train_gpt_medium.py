@@ -211,7 +211,14 @@ class Hyperparameters:
                         "per-token outputs mix x00, backout_layer's output h_b and h into the last block's v and "
                         "input, set its value-embedding gate and its residual weights (no input mixing there); "
                         "after the last block a second net adds x00, h_b, h, layer 0's value embedding and block "
-                        "4's output. Replaces --backout (pass --backout=false); needs --bigram_embed")
+                        "4's output. The second net replaces --backout (pass --backout=false); the first needs "
+                        "--bigram_embed")
+    mudd_nets: str = recipe("both", "with --mudd (without it: no effect): which of its two nets run, to ablate "
+                            "each alone: both (#261); penultimate: the net after block L-2 and the last block's "
+                            "dynamic weights, no final mix (head input: the backout with --backout, else the "
+                            "plain norm); final: only the mix after the last block, which is the ordinary block. "
+                            "The weights keep both nets' slices (the unused one gets no gradient)",
+                            choices=("both", "penultimate", "final"))
     mudd_lr: float = recipe(0.004, "with --mudd: Adam lr of its weights, x0.25 (betas 0.9/0.99; decay on the two "
                             "matrices, none on the biases)", at_least=0)
     # ---- the step grid (docs/bulk-data.md). Its schedules span the scheduled steps S = num_iterations -
@@ -2371,7 +2378,7 @@ class GPT(nn.Module):
                                    constant_init([1.0, 0.0])) if config.x00_at_output else None)
         self.backout = Backout(config.backout_layer) if config.backout else None
         self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None
-        self.mudd = Mudd(config) if config.mudd else None  # (PR #261; check_config: backout off, bigram on)
+        self.mudd = Mudd(config) if config.mudd else None  # (PR #261; check_config: what its nets need)
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
         self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates") if config.smear_embed else None
         self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates")
@@ -2437,6 +2444,9 @@ class GPT(nn.Module):
             block_inputs = x0s + [bigram_rows]
         x, outputs = x0s[0], []
         attn_from, last_mix, L = cfg.attn_input_from_layer, None, cfg.num_layers
+        # --mudd_nets: without the penultimate net the last block is the ordinary one (last_mix None)
+        penultimate_net = self.mudd is not None and cfg.mudd_nets != "final"
+        final_net = self.mudd is not None and cfg.mudd_nets != "penultimate"
         for i, block in enumerate(self.blocks):
             if i in skips:
                 x = x + self.skip_weight(i, x0s[0], slots) * outputs[skips[i]]
@@ -2449,9 +2459,9 @@ class GPT(nn.Module):
                          mudd=last_mix if i == L - 1 else None)
             x = checkpoint(block, *args, **extra, use_reentrant=False) if recompute else block(*args, **extra)
             outputs.append(x)
-            if self.mudd is not None and i == L - 2:  # outputs keeps h_(L-2) as the block gave it
+            if penultimate_net and i == L - 2:  # outputs keeps h_(L-2) as the block gave it
                 x, last_mix = self.mudd.penultimate(x, x0s[0], outputs[cfg.backout_layer], bigram_rows)
-        if self.mudd is not None:  # in place of the backout: the final mix, then the plain norm
+        if final_net:  # in place of the backout: the final mix, then the plain norm
             x = self.mudd.final(x, x0s[0], outputs[cfg.backout_layer], outputs[L - 2], ves[0][None],
                                 outputs[MUDD_EARLY_LAYER])
         if self.backout is not None:
@@ -3622,19 +3632,21 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     if cfg.attn_input_from_layer is not None:
         need(cfg.attn_input_from_layer < cfg.num_layers - 1, "attn_input_from_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): the blocks after it read it")
-    if cfg.mudd:
-        need(not cfg.backout, "mudd", "replaces the backout (its final mix starts with h_b at -0.5): add "
-             "--backout=false")
-        need(cfg.bigram_embed, "mudd", "the last block's mix adds psi x the bigram rows: add --bigram_embed")
+    if cfg.mudd:  # each net's needs only where --mudd_nets runs it
+        penultimate_net, final_net = cfg.mudd_nets != "final", cfg.mudd_nets != "penultimate"
+        need(not (final_net and cfg.backout), "mudd", "replaces the backout (its final mix starts with h_b at "
+             "-0.5): add --backout=false" + (" (or --mudd_nets=penultimate)" if cfg.mudd_nets == "both" else ""))
+        need(cfg.bigram_embed or not penultimate_net, "mudd", "the last block's mix adds psi x the bigram rows: add "
+             "--bigram_embed" + (" (or --mudd_nets=final)" if cfg.mudd_nets == "both" else ""))
         need(cfg.num_layers > MUDD_EARLY_LAYER + 1 and cfg.backout_layer <= cfg.num_layers - 2, "mudd",
              f"reads block {MUDD_EARLY_LAYER}'s and backout_layer's outputs before the last block: needs num_layers "
              f"> {MUDD_EARLY_LAYER + 1} and backout_layer <= num_layers - 2")
-        need(cfg.num_layers - 1 in cfg.attention_layers, "mudd", "its weights act on the last block's attention: "
-             "that block must have one (attention_free_layers)")
-        need(cfg.value_embed_tables[0] is not None, "mudd", "its final mix adds layer 0's value embedding: "
-             "value_embed_layout must give layer 0 one")
-        need(cfg.num_heads % 2 == 0, "mudd", "its value-embedding gate has one value per half of the heads: "
-             "num_heads must be even")
+        need(cfg.num_layers - 1 in cfg.attention_layers or not penultimate_net, "mudd", "its weights act on the "
+             "last block's attention: that block must have one (attention_free_layers)")
+        need(cfg.value_embed_tables[0] is not None or not final_net, "mudd", "its final mix adds layer 0's value "
+             "embedding: value_embed_layout must give layer 0 one")
+        need(cfg.num_heads % 2 == 0 or not penultimate_net, "mudd", "its value-embedding gate has one value per "
+             "half of the heads: num_heads must be even")
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len
@@ -4582,8 +4594,10 @@ def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) ->
 # bf16 tensor of a rank's sequence (the difference it normalizes).
 BACKOUT_KEPT_ACTIVATIONS = 1
 # --mudd keeps the outputs of its three mixes for backward (block L-2's residual update, block L-1's
-# value mix, the mix after the last block), each (T, d) bf16: an estimate, not measured
-MUDD_KEPT_ACTIVATIONS = 3
+# value mix, the mix after the last block), each (T, d) bf16: an estimate, not measured. With one net
+# (--mudd_nets) simply its own share: 2 for the penultimate net, 1 for the final one (kept simple: the
+# per-token weights, (T, 1) each, are left out)
+MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # --fp8 keeps the head's e4m3 codes for backward, one byte each: the rank's input (T, d) and the
 # weight (d, V). Transients of the loss's backward (the gradient's e5m2 codes) are not modelled.
 # Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
@@ -4599,7 +4613,7 @@ PEAK_NEUTRAL_FIELDS = {
     "bigram_embed", "bigram_table_multiple", "bigram_lambda_init", "gates_optimizer", "small_params_betas",
     "muon_scalar_rounding", "adam_fp32_moments", "muon_lr_shape", "fp32_block_weights", "fused_softcap_ce",
     # #261's: MUDD's weights are in the state; its kept activations are MUDD_KEPT_ACTIVATIONS
-    "mudd", "mudd_lr", "attn_input_from_layer",
+    "mudd", "mudd_nets", "mudd_lr", "attn_input_from_layer",
     # #261's loss keeps the gradient's codes instead of the logits: taken as the same (not measured)
     "fused_ce_variant"}
 PEAK_WORLD_SIZE = 8
@@ -4638,8 +4652,8 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
     base_state = per_gpu(base, base_model) + (record_adam_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)
                                               - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
     tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
-    kept = ((config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS
-            + (config.mudd - base.mudd) * MUDD_KEPT_ACTIVATIONS)
+    mudd_kept = lambda cfg: cfg.mudd * MUDD_KEPT_ACTIVATIONS[cfg.mudd_nets]
+    kept = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS + mudd_kept(config) - mudd_kept(base)
     activations = kept * tokens * config.model_dim * 2
     fp8_codes = (config.fp8 - base.fp8) * (tokens + config.padded_vocab_size) * config.model_dim
     extra = per_gpu(config, model) - base_state + activations + fp8_codes

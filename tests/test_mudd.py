@@ -345,3 +345,123 @@ def test_the_mudd_forward_traces_into_one_graph():
     want.backward()
     assert torch.equal(got, want)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.mudd.parameters()))
+
+
+# ---- --mudd_nets: each net alone
+
+
+def block_outputs(model, config):
+    """The eval losses and each block's output (as the block returns it), from forward hooks."""
+    outputs = []
+    hooks = [block.register_forward_hook(lambda mod, args, out: outputs.append(out)) for block in model.blocks]
+    losses = eval_losses(model, config)
+    for hook in hooks:
+        hook.remove()
+    return losses, outputs
+
+
+def test_the_final_net_alone_is_the_plain_model_plus_the_final_mix():
+    """--mudd_nets=final: every block, the last one included, gives what the model without MUDD (and
+    without the backout) gives on the same weights; the losses are that model's block outputs with
+    the final mix applied by hand (x + e0 x00 + e1 h_b + e2 h_14 + e3 VE_0 + e4 h_4), then the norm."""
+    config, plain = tiny(mudd_nets="final"), tiny(mudd=False)
+    a, b = tg.build_model(config), tg.build_model(plain)
+    for model in (a, b):
+        fill_random(model)  # the same values by name; a's MUDD weights random too
+    got, got_outputs = block_outputs(a, config)
+    plain_losses, outputs = block_outputs(b, plain)
+    assert len(got_outputs) == len(outputs) == L
+    for mine, theirs in zip(got_outputs, outputs):
+        assert torch.equal(mine, theirs)
+    inputs, targets = packed(config)
+    with torch.no_grad():
+        W1, W2, bias, s = a.mudd.w1.float(), a.mudd.w2.float(), a.mudd.bias.float(), 0.2 / 3 ** 0.5
+        x = outputs[L - 1]
+        e = (torch.einsum("bth,hj->btj", F.gelu(torch.einsum("btd,hd->bth", x, W1[1])), W2[1, :, 1, :5])
+             + bias[1, 1, :5]) * s
+        sources = (b.input_embeddings(inputs)[0], outputs[11], outputs[14], b.value_embeds(inputs)[0][None], outputs[4])
+        for j, src in enumerate(sources):
+            x = x + e[..., j, None] * src
+        want = F.cross_entropy(b.logits(tg.rms_norm(x[0])).float(), targets, reduction="none")
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(got, plain_losses)  # the final mix does act
+    both = tiny()  # and with the penultimate net on, the last block is not the plain one
+    c = tg.build_model(both)
+    fill_random(c)
+    assert not torch.equal(block_outputs(c, both)[1][L - 1], outputs[L - 1])
+
+
+def mudd_grads(nets, **overrides):
+    config = tiny(mudd_nets=nets, **overrides)
+    model = tg.build_model(config)
+    fill_random(model)  # W2 not zero, so W1 gets a gradient too
+    inputs, targets = packed(config)
+    model.eval()(inputs, targets, WINDOW, reduction="none").sum().backward()
+    return model.mudd
+
+
+@pytest.mark.parametrize("nets,used", [("final", 1), ("penultimate", 0), ("both", None)])
+def test_the_unused_nets_slices_get_no_gradient(nets, used):
+    """The weights keep both nets' slices ([2, ...]); only the running net's get a gradient. The final
+    net alone runs without the bigram table (only the penultimate net adds psi x b)."""
+    mudd = mudd_grads(nets, **({"bigram_embed": False} if nets == "final" else {}))
+    for p in (mudd.w1, mudd.w2, mudd.bias):
+        assert p.shape[0] == 2
+        for k in (0, 1):
+            assert torch.count_nonzero(p.grad[k]).item() > 0 if used in (None, k) else not p.grad[k].any()
+
+
+def test_the_penultimate_net_alone_is_both_without_the_final_mix_and_feeds_the_backout(monkeypatch):
+    """--mudd_nets=penultimate: with the final net made to pass the stream (its W2 and biases 0), `both`
+    gives the same losses; with --backout the head's input is norm(h - lambda h_b) of the last block's
+    output h, as without MUDD."""
+    config, both = tiny(mudd_nets="penultimate"), tiny()
+    a, c = tg.build_model(config), tg.build_model(both)
+    for model in (a, c):
+        fill_random(model)
+    with torch.no_grad():
+        c.mudd.w2[1].zero_()
+        c.mudd.bias[1].zero_()
+    assert torch.equal(eval_losses(a, config), eval_losses(c, both))
+    with torch.no_grad():
+        c.mudd.bias[1, 1, 4] = 0.125  # the final mix's block-4 weight: now it acts
+    assert not torch.equal(eval_losses(a, config), eval_losses(c, both))
+
+    config = tiny(mudd_nets="penultimate", backout=True)
+    model = tg.build_model(config)
+    fill_random(model)
+    head_inputs, loss = [], model.loss
+    monkeypatch.setattr(model, "loss", lambda x, *args: head_inputs.append(x) or loss(x, *args))
+    _, outputs = block_outputs(model, config)
+    with torch.no_grad():
+        h, h_b = outputs[L - 1][0], outputs[config.backout_layer][0]
+        want = tg.rms_norm(h - model.backout.weight[0] * h_b)
+        assert model.backout.weight[0].item() != 0 and not torch.equal(want, tg.rms_norm(h))
+    assert len(head_inputs) == 1 and torch.equal(head_inputs[0], want)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--mudd", "--mudd_nets=final", "--bigram_embed"], "--mudd: replaces the backout"),
+    (["--mudd", "--mudd_nets=penultimate", "--backout=false"], "--mudd: the last block's mix adds psi x the bigram"),
+    (["--mudd", "--mudd_nets=both", "--backout=false"], "--mudd: the last block's mix adds psi x the bigram"),
+])
+def test_each_nets_needs_are_refused_in_one_line(flags, words, capsys):
+    assert tg.main(["--preset=tiny", "--dry_run", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1
+
+
+def test_one_net_takes_only_its_own_needs():
+    """The penultimate net alone allows the backout; the final net alone needs no bigram table."""
+    tg.check_config(tg.make_config("tiny", mudd=True, mudd_nets="penultimate", bigram_embed=True))
+    tg.check_config(tg.make_config("tiny", mudd=True, mudd_nets="final", backout=False))
+
+
+def test_one_net_keeps_the_parameter_count_and_its_own_activations():
+    counts = {nets: sum(p.numel() for p in tg.build_model(tiny(mudd_nets=nets)).parameters())
+              for nets in ("both", "penultimate", "final")}
+    assert len(set(counts.values())) == 1
+    # at the record's size one kept (T, d) bf16 tensor is 65,536 x 1024 x 2 bytes = 128 MiB
+    peak = {nets: tg.predicted_peak_mib(tg.make_config(recipe="mudd", mudd_nets=nets))
+            for nets in ("both", "penultimate", "final")}
+    assert (peak["both"] - peak["penultimate"], peak["both"] - peak["final"]) == (128, 256)
