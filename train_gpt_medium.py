@@ -2972,6 +2972,19 @@ def sparse_row_sum(grad: torch.Tensor, world_size: int) -> bool:
     return True
 
 
+def bigram_exchange_is_sparse(config: Hyperparameters, world_size: int) -> bool:
+    """Whether --bigram_embed's table gradient goes by sparse_row_sum: only where that surely moves
+    less than the dense all-reduce, whatever the tokens: world_size x the positions a rank reads per
+    Adam step (a bound on its nonzero rows) < 2 x the table's rows. Otherwise the table is all-reduced
+    as every other parameter is, overlapping the backward pass, with no host sync and no scan of the
+    table (the record on 8 GPUs: 8 x 131,072 >= 2 x 251,520; its replicated Adam needs every row on
+    every rank, where #252's sharded Adam needed each row on one)."""
+    if not config.bigram_embed or world_size == 1:
+        return False
+    positions = (2 if config.adam_odd_steps_only else 1) * (config.batch_slices // world_size) * config.train_seq_len
+    return world_size * positions < 2 * config.bigram_table_multiple * config.table_rows
+
+
 class GradientAverager:
     """Sums gradients over ranks as soon as each is final (overlapping the backward pass);
     the loss is pre-divided by world size x micro-steps, so the sum is the global mean. The
@@ -3032,8 +3045,8 @@ class Runner:
         self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
         self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        self.averager = GradientAverager(self.model, world_size,
-                                         sparse=[self.model.bigram.table] if self.model.bigram is not None else [])
+        self.averager = GradientAverager(self.model, world_size, sparse=[self.model.bigram.table]
+                                         if bigram_exchange_is_sparse(config, world_size) else [])
         # the [long, short] windows in blocks, one device tensor refilled in place
         self.window_blocks = torch.ones(2, dtype=torch.int32, device=device)
         self.yarn_steps = yarn_changes(config)  # --yarn_window_limit: where the rotary tables are rescaled

@@ -345,3 +345,15 @@ def test_the_log_ends_with_every_layers_gamma():
     assert tg.learned_scalars_lines(model)[-1] == "lambdas bigram: " + " ".join(["0.0500"] * 3 + ["-0.1250"]
                                                                                 + ["0.0500"] * 12)
     assert not any("bigram" in line for line in tg.learned_scalars_lines(tg.build_model(tiny())))
+
+
+def test_the_sparse_exchange_is_used_only_where_it_surely_moves_less():
+    """world_size x the positions a rank reads per Adam step < 2 x the table's rows: the tiny preset
+    on 2 processes (2 x 1,024 < 5,120) goes sparse; the record on 8 GPUs (8 x 131,072 >= 503,040)
+    and on 2 (2 x 524,288) takes the dense all-reduce, which needs no host sync."""
+    tiny_config = tiny(bigram_embed=True)
+    record = tg.make_config(recipe="bigram")
+    assert tg.bigram_exchange_is_sparse(tiny_config, 2)
+    assert not tg.bigram_exchange_is_sparse(tiny_config, 1)
+    assert not tg.bigram_exchange_is_sparse(tiny(), 2)  # no table
+    assert not tg.bigram_exchange_is_sparse(record, 8) and not tg.bigram_exchange_is_sparse(record, 2)
