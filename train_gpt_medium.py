@@ -1445,7 +1445,7 @@ class Attention(nn.Module):
             k = shift_stationary_keys(k)
         if ve is not None:
             ve = ve.view_as(v)
-            if self.value_gate is not None and ve_gate is not None:
+            if ve_gate is not None:  # --mudd's gate replaces the block's own
                 ve = ve_gate * ve
             elif self.value_gate is not None:
                 ve = 2 * torch.sigmoid(self.value_gate(x)).view(B, T, H, 1) * ve
@@ -1997,10 +1997,17 @@ def _fused_ce_sigmoid(l: torch.Tensor, variant: str = "pr252") -> torch.Tensor:
     return torch.sigmoid(u)
 
 
+def _fused_ce_pr261_factors(scale: float) -> tuple[float, float]:
+    """#261's two fp32 factors of the logits' gradient, (fp32(1/C) A, 1/scale), each rounded to fp32
+    as its kernel forms them (Python floats holding those fp32 values)."""
+    f32 = np.float32
+    return float(f32(f32(1 / SIGMOID_TEMPERATURE) * f32(SIGMOID_CAP))), float(f32(1) / f32(scale))
+
+
 def _fused_ce_pr261_coef(g: torch.Tensor, scale: float) -> torch.Tensor:
     """#261's factor of the logits' gradient in its fp32 order, g (1/C A) (1/scale) (fp32 0-d)."""
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=g.device)
-    return g.float() * (f32(1 / SIGMOID_TEMPERATURE) * SIGMOID_CAP) * f32(scale).reciprocal()
+    slope, inv_scale = _fused_ce_pr261_factors(scale)
+    return g.float() * slope * inv_scale
 
 
 def _fused_ce_rows_torch(logits: torch.Tensor, cols: torch.Tensor, wts: torch.Tensor,
@@ -2147,10 +2154,9 @@ def _fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, out_dtype, block:
     out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
     slope, extra = SIGMOID_CAP / SIGMOID_TEMPERATURE, {}
     if variant == "pr261":  # the factors as #261 rounds them to fp32
-        f32 = lambda v: torch.tensor(v, dtype=torch.float32)
-        slope = (f32(1 / SIGMOID_TEMPERATURE) * SIGMOID_CAP).item()
-        extra = dict(PR261=True, sw_ptr=s_w_all.float().reshape(1).contiguous(),
-                     inv_scale=f32(scale).reciprocal().item(), top=torch.finfo(out_dtype).max)
+        slope, inv_scale = _fused_ce_pr261_factors(scale)
+        extra = dict(PR261=True, sw_ptr=s_w_all.float().reshape(1).contiguous(), inv_scale=inv_scale,
+                     top=torch.finfo(out_dtype).max)
     dlogits_kernel[(T, -(-V // block))](
         logits, lse, cols.contiguous(), wts.contiguous(), g.float().contiguous(), out, V, logits.stride(0),
         out.stride(0), slope=slope, scale=float(scale), K=cols.shape[1], BLOCK=block,
