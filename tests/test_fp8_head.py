@@ -101,12 +101,16 @@ def test_the_quantizers_pass_gradients_straight_through(transposed):
     assert not torch.equal(logits_H, logits) and torch.equal(dH_H, dH) and dH_H[0, 0] != 0
 
 
-def test_the_product_compiles_as_one_graph_with_the_same_bits():
-    """fullgraph: no graph break (no host sync) in forward or backward; Inductor's fused divide
-    and cast round once from fp32, as the eager codes do."""
+def test_the_product_traces_as_one_graph_with_the_same_bits():
+    """fullgraph: no graph break (no host sync) in forward or backward, and the traced graph
+    computes the eager bits. Traced with aot_eager, not Inductor: torch 2.13's CPU Inductor code for
+    FP8 conversions is unreliable (all NaN under AVX2, heap corruption on an AVX512 Xeon in a
+    quantize-then-cast kernel), so a CPU test cannot check Inductor's own rounding; on a GPU the
+    product compiles to Triton (tools/gpu_check.sh)."""
     x, W, G = head_inputs(seed=5)
     H = W.t().contiguous()
-    compiled = torch.compile(lambda a, b: tg.FP8HeadProduct.apply(a, b, True, SCALES), fullgraph=True, dynamic=False)
+    compiled = torch.compile(lambda a, b: tg.FP8HeadProduct.apply(a, b, True, SCALES), backend="aot_eager",
+                             fullgraph=True, dynamic=False)
     eager = product(x, H, True, G)
     a, b = x.clone().requires_grad_(), H.clone().requires_grad_()
     compiled(a, b).backward(G)
@@ -158,21 +162,40 @@ def train(steps: int, **overrides) -> tg.Runner:
     return runner
 
 
+def layouts_multiply_alike(config: tg.Hyperparameters) -> bool:
+    """Whether this CPU's float32 products give the same bits for the head stored (V, d) and (d, V):
+    the forward and both backward products at the tiny run's shapes. BLAS picks its summation order
+    by layout and instruction set: equal on the AVX512 Xeon the golden files were made on, not
+    under AVX2."""
+    gen = torch.Generator().manual_seed(0)
+    T, d, V = config.train_seq_len, config.model_dim, config.padded_vocab_size
+    x, W, g = (torch.randn(*shape, generator=gen) for shape in ((T, d), (V, d), (T, V)))
+    H = W.t().contiguous()
+    return (torch.equal(F.linear(x, W), x @ H) and torch.equal(g @ W, g @ H.t())
+            and torch.equal(g.t() @ x, (x.t() @ g).t()))
+
+
 @pytest.mark.parametrize("extra", [dict(dtype="float32"), dict(dtype="bfloat16", fp8=True)],
                          ids=["float32", "bf16-fp8"])
-def test_a_transposed_head_trains_bit_for_bit_like_the_usual_one_across_the_split(extra):
-    """Six tiny steps, the split after step 3: the same losses, weights and Adam state, bit for bit.
-    The layouts' CPU products accumulate each entry in the same order (the FP8 codes' products are
-    exact in fp32), so nothing but the layout differs. The split copies H^T into the input table and
-    transposes H's moments into its state (step count copied): the table then trains as before."""
+def test_a_transposed_head_trains_like_the_usual_one_across_the_split(extra):
+    """Six tiny steps, the split after step 3: the same losses, weights and Adam state, bit for bit,
+    with --fp8 (the codes' products are exact in fp32) and, in float32, where this CPU's products
+    accumulate both layouts in the same order (layouts_multiply_alike). Where they do not, the
+    float32 losses agree to 1e-5 relative; the weights do not agree entry by entry there (Adam's
+    first steps move a weight by about lr whatever its tiny gradient's size, so a rounding that
+    flips a sign moves it by a whole step). The split copies H^T into the input table and transposes
+    H's moments into its state (step count copied): the table then trains as before."""
     usual, transposed = train(6, **extra), train(6, head_transposed=True, **extra)
-    assert usual.losses == transposed.losses
     (adam, _), (adam_t, _) = usual.optimizers, transposed.optimizers
     head, head_t = usual.model.head.weight, transposed.model.head.weight
     table, table_t = usual.model.embeds[0].weight, transposed.model.embeds[0].weight
-    assert torch.equal(head, head_t.t()) and torch.equal(table, table_t)
     # the table's step count went on from the head's 2 (Adam's steps 1 and 3) with its own at step 5
     assert adam_t.state[table_t]["step"] == adam.state[table]["step"] == adam_t.state[head_t]["step"] == 3
+    if "fp8" not in extra and not layouts_multiply_alike(usual.config):
+        assert torch.allclose(torch.tensor(usual.losses), torch.tensor(transposed.losses), rtol=1e-5, atol=0)
+        return
+    assert usual.losses == transposed.losses
+    assert torch.equal(head, head_t.t()) and torch.equal(table, table_t)
     for k in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(adam.state[head][k], adam_t.state[head_t][k].t())
         assert torch.equal(adam.state[table][k], adam_t.state[table_t][k]) and adam_t.state[table_t][k].is_contiguous()
