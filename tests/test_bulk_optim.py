@@ -329,11 +329,16 @@ def test_cautious_step_matches_the_loop_bit_for_bit(weight_dtype, update_dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="torch 2.13's CPU compiler builds this kernel wrongly for AVX2 (half the entries come "
+                           "out as garbage, measured under ATEN_CPU_CAPABILITY=avx2): the compiled side is no "
+                           "reference there; the uncompiled step is still checked against its fp32 formula")
 @pytest.mark.parametrize("weight_dtype, update_dtype", CAUTIOUS_DTYPES)
 def test_cautious_step_uncompiled_equals_its_compiled_step_bit_for_bit(weight_dtype, update_dtype):
     """The CPU runs the cautious step uncompiled and a GPU compiled (Muon's compile_update): the
     CPU's compiler fuses the chain as the GPU's does (fp32 intermediates, one rounding; it contracts
-    no multiply-add, so the bits can be compared), and the uncompiled step must compute the same."""
+    no multiply-add, so the bits can be compared), and the uncompiled step must compute the same.
+    On AVX512 CPUs only (the skip says why)."""
     weight, update, wd_factor, lr_factor = cautious_case(weight_dtype, update_dtype, seed=7)
     eager, compiled = weight.clone(), weight.clone()
     tg.cautious_step(eager, update, wd_factor, lr_factor)
