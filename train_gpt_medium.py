@@ -1563,9 +1563,12 @@ def fp8_training_scales(config: Hyperparameters) -> tuple[float, float, float]:
 
 
 def to_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """FP8 codes of t / scale, one round-to-nearest-even from fp32 (e4m3fn saturates at 448; on a
-    CPU e5m2 overflows to inf, at gradient sizes 300x below its range)."""
-    return (t.float() / scale).to(dtype)
+    """FP8 codes of t / scale, one round-to-nearest-even from fp32, saturating at the format's
+    largest value (e4m3fn 448, e5m2 57344) on every torch and device, as the records' casts inside
+    compiled code do. The clamp is explicit because eager casts differ: torch 2.11 turns e4m3fn values
+    past about 464 into NaN, torch 2.12+ saturates, and e5m2 overflows to inf. NaN stays NaN."""
+    top = torch.finfo(dtype).max
+    return (t.float() / scale).clamp(-top, top).to(dtype)
 
 
 def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: float, out_dtype: torch.dtype,

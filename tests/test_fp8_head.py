@@ -101,6 +101,20 @@ def test_the_quantizers_pass_gradients_straight_through(transposed):
     assert not torch.equal(logits_H, logits) and torch.equal(dH_H, dH) and dH_H[0, 0] != 0
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_the_quantizer_saturates_past_the_range_on_every_torch(dtype):
+    """Codes past the format's largest value are that value, never NaN (torch 2.11's eager e4m3fn
+    cast past ~464) or inf (every torch's eager e5m2 cast past 57344); values in range are the plain
+    cast's; NaN stays NaN."""
+    top = torch.finfo(dtype).max
+    values = torch.tensor([0.0, 1.0, -3.5, top, 1.04 * top, 470.0, -500.0, 1e4, 6e4, -1e9, 1e30])
+    codes = tg.to_fp8(values, 1.0, dtype).float()
+    expected = torch.where(values.abs() > top, values.sign() * top, values.to(dtype).float())
+    assert torch.equal(codes, expected) and torch.isfinite(codes).all()
+    assert tg.to_fp8(torch.tensor([float("nan")]), 1.0, dtype).float().isnan().all()
+    assert tg.to_fp8(values, 0.5, dtype).float()[-1] == top  # the scale divides first: 2e30 saturates too
+
+
 def test_the_product_traces_as_one_graph_with_the_same_bits():
     """fullgraph: no graph break (no host sync) in forward or backward, and the traced graph
     computes the eager bits. Traced with aot_eager, not Inductor: torch 2.13's CPU Inductor code for
