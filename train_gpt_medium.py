@@ -2350,6 +2350,8 @@ class GPT(nn.Module):
     def __init__(self, config: Hyperparameters, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.config, self.dtype = config, dtype
+        if config.fused_softcap_ce:  # registered before anything compiles: met inside a traced forward,
+            fused_ce_ops()  # the registration itself would break the graph (dynamo cannot trace it)
         V, d, L = config.table_rows, config.model_dim, config.num_layers
         r = config.lore_rank
         self.embeds = nn.ModuleList(

@@ -3,6 +3,10 @@ neutral setting against the plain model, the whole forward against a plain layer
 written from the description, the starting coefficients in bf16, the parameters and their Adam
 settings, the recipe's values and step grid."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 import train_gpt_medium as tg
 from test_bulk_model import fill_random, packed
 
+ROOT = Path(__file__).resolve().parent.parent
 WINDOW = torch.tensor([3, 1])
 L = 16
 NO_VE_AT_LAST = (0, 1, 2, 3, 4) + (None,) * 6 + (0, 1, 2, 3, None)  # the last block without a value embedding
@@ -330,8 +335,8 @@ def test_the_tiny_mudd_recipe_keeps_every_phase():
 
 
 def test_the_mudd_forward_traces_into_one_graph():
-    """Static shapes and no host syncs: the training forward (without the fused loss, whose custom op
-    registers on first use) and its gradients, traced whole, equal the eager ones."""
+    """Static shapes and no host syncs: the training forward (with the plain loss; the fused one is
+    the fresh-process test's) and its gradients, traced whole, equal the eager ones."""
     config = tiny(fused_softcap_ce=False)
     model = tg.build_model(config)
     fill_random(model)
@@ -345,6 +350,34 @@ def test_the_mudd_forward_traces_into_one_graph():
     want.backward()
     assert torch.equal(got, want)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.mudd.parameters()))
+
+
+FRESH_PROCESS_GRAPHS = """
+import torch, train_gpt_medium as tg
+from test_bulk_model import fill_random, packed
+graphs = []
+def count(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+config = tg.make_config("tiny", recipe="mudd", dtype="float32")
+assert config.fused_softcap_ce
+model = tg.build_model(config)
+fill_random(model)
+inputs, targets = packed(config)
+loss = torch.compile(model, backend=count, dynamic=False)(inputs, targets, torch.tensor([3, 1]))
+loss.backward()
+print("graphs", len(graphs), "breaks", torch._dynamo.utils.counters["graph_break"].total())
+"""
+
+
+def test_the_recipes_model_compiles_to_one_graph_in_a_fresh_process():
+    """The fused loss's custom ops are registered when the model is built, so the first compiled
+    forward of a new process (nothing registered them before) is one graph with no break; were they
+    registered inside it, dynamo would meet the registration and break the graph twice."""
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS_GRAPHS], cwd=ROOT / "tests", capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-4:] == ["graphs", "1", "breaks", "0"], done.stdout
 
 
 # ---- --mudd_nets: each net alone
