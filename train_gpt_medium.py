@@ -3177,16 +3177,19 @@ class Runner:
         mine = tokens[self.rank * self.micro_steps:(self.rank + 1) * self.micro_steps].to(self.device)
         return [(row[:-1].to(torch.int32), row[1:].to(torch.int64)) for row in mine]
 
-    def warmup(self) -> None:
+    def warmup(self, steps: Optional[list[int]] = None) -> list[int]:
         """Untimed steps on random tokens to compile kernels (those of warmup_schedule, each with
-        its step's batch shape), then restore the exact initial state. The peak memory statistics
-        restart afterwards: the warm-up holds a copy of the whole state, which a run's logged peak
-        must not include."""
+        its step's batch shape; `steps` instead where given, if warmup_steps is not 0), then restore
+        the exact initial state. The peak memory statistics restart afterwards: the warm-up holds a
+        copy of the whole state, which a run's logged peak must not include. Returns the steps run."""
         cfg = self.config
         saved = capture_state(self.model, self.optimizers)
         gen = torch.Generator().manual_seed(cfg.init_seed)
         # the grid's phases are visited to compile their graphs; run eagerly, the first steps do
-        steps = warmup_schedule(cfg) if self.compiled else range(cfg.warmup_steps)
+        if not cfg.warmup_steps:
+            steps = []
+        elif steps is None:
+            steps = warmup_schedule(cfg) if self.compiled else list(range(cfg.warmup_steps))
         for step in steps:
             self.train_step(step, self.random_batches(gen, slice_tokens(step, cfg)))
         restore_state(self.model, self.optimizers, saved)
@@ -3195,6 +3198,7 @@ class Runner:
         self.first_nonfinite.fill_(NO_STEP)
         del saved
         reset_peak_memory(self.device)
+        return list(steps)
 
 
 class Stopwatch:
@@ -3870,18 +3874,59 @@ def check_fa3_request(config: Hyperparameters, device: torch.device) -> None:
     if device.type != "cuda":
         raise ConfigError(f"--attention: fa3 runs on Hopper GPUs only, not on the {device.type.upper()}; use "
                           "--attention=flex on a GPU, or sdpa on the CPU")
-    import importlib.util
-    if importlib.util.find_spec("kernels") is None:
+    if not importable("kernels"):
         raise ConfigError("--attention: fa3 needs the `kernels` package (pip install kernels), which fetches the "
                           f"{FA3_KERNEL} kernel at run time; or use --attention=flex, which computes the same mask")
 
 
 def check_fa3_device(device: torch.device) -> None:
-    """FA3's kernels are built for Hopper (compute capability 9.x)."""
+    """FA3's kernels are built for Hopper (compute capability 9.x), and the kernel is fetched and
+    loaded here, once CUDA is up and before anything is built: a machine without network (or a
+    kernel that does not load) is refused in one line, not by a traceback from the hub."""
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         raise ConfigError(f"--attention: fa3 runs on Hopper GPUs (compute capability 9.x); this GPU "
                           f"({torch.cuda.get_device_name(device)}) is {major}.{minor}: use --attention=flex")
+    problem = fa3_kernel_problem()
+    if problem:
+        raise ConfigError(f"--attention: {problem}")
+
+
+def attention_backends_here() -> dict[str, Optional[str]]:
+    """Each attention backend on this machine's first device: None where it can train, else why not
+    (tools/gpu_check.sh prints it). Starts CUDA and, for fa3, fetches its kernel."""
+    if not torch.cuda.is_available():
+        return dict(flex="no backward pass on the CPU", sdpa=None, fa3="runs on Hopper GPUs only, not on the CPU")
+    device = torch.device("cuda", 0)
+    major, minor = torch.cuda.get_device_capability(device)
+    found = {name: importable(name) for name in ("triton", "kernels")}
+    flex = None if found["triton"] else "needs triton (torch's CUDA builds bring it)"
+    if major < 8:
+        flex = f"compute capability {major}.{minor}: FlexAttention's kernels need 8.0 or more"
+    fa3 = ("needs the `kernels` package (pip install kernels)" if not found["kernels"]
+           else f"compute capability {major}.{minor}: its kernels are built for Hopper (9.x)" if major != 9
+           else fa3_kernel_problem())
+    return dict(flex=flex, sdpa=None, fa3=fa3)
+
+
+def importable(module: str) -> bool:
+    """Whether `module` can be imported here (already imported counts), without importing it."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a spec (a stand-in module)
+        return module in sys.modules
+
+
+def fa3_kernel_problem() -> Optional[str]:
+    """Why FA3's kernel cannot be had (fetched from the hub, or loaded), or None once it is loaded."""
+    try:
+        flash_attention_3()
+    except Exception as e:  # the hub's errors (offline, not found), an import or a load error
+        what = (str(e).strip().splitlines() or [""])[0][:200]
+        return (f"fa3's kernel {FA3_KERNEL} could not be fetched or loaded ({type(e).__name__}: {what}); "
+                "use --attention=flex, which computes the same mask (or fetch it once with network access)")
+    return None
 
 
 # The caching allocator's settings: torch >= 2.8 reads PYTORCH_ALLOC_CONF, and the older
@@ -4159,10 +4204,17 @@ def token_bytes_on_device(data: RunData, config: Hyperparameters, device, log: R
     return out.to(device)
 
 
-def allocator_settings() -> Optional[str]:
-    """The CUDA caching allocator's settings in force (what it parsed), where torch tells."""
+def allocator_settings(environ=os.environ) -> tuple[str, str]:
+    """(the CUDA caching allocator's settings, where they were read): what the allocator parsed,
+    where torch tells (2.13); else (torch 2.11) the variable it read them from when CUDA started,
+    which use_expandable_segments set unless the user had; "" for its defaults."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    return getter() if getter else None
+    if getter is not None:
+        return getter(), "the allocator"
+    for name in ALLOC_CONF_VARIABLES:
+        if environ.get(name):
+            return environ[name], f"${name} (this torch does not report what its allocator parsed)"
+    return "", "no variable set (this torch does not report what its allocator parsed)"
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -4850,19 +4902,44 @@ def compiled_since(before: dict, suffix: str = "") -> dict[str, Optional[int]]:
     return {k + suffix: None if now[k] is None or before[k] is None else now[k] - before[k] for k in now}
 
 
-def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch) -> tuple[list[float], list]:
-    """One untimed step at `step` (its window and lr), then bench_steps timed ones, each between
-    device synchronizations (and barriers). Returns the timed steps' milliseconds and every step's
-    loss (unsynced device tensors)."""
-    times, losses = [], []
-    for i in range(runner.config.bench_steps + 1):
-        batches = runner.random_batches(gen, slice_tokens(step, runner.config))
+def grid_phase(step: int, config: Hyperparameters) -> tuple:
+    """What the compiled training graph of `step` depends on: its slice length, its windows, its
+    number of multi-token weights and whether the embedding is still tied. Two steps of one phase
+    run the same graphs."""
+    split = untie_step(config)
+    return (slice_tokens(step, config), attention_windows(step, config),
+            len(multi_token_weights(step, config)) if config.multi_token_prediction else 0, 0 < split and step <= split)
+
+
+def point_steps(step: int, config: Hyperparameters) -> list[int]:
+    """The steps a benchmark point runs: `step` and a neighbour of the other parity in its phase
+    (step + 1, else step - 1), so that both kinds of step a run alternates are timed (with
+    --adam_odd_steps_only an even step holds Adam's gradients and an odd one steps Adam). [step]
+    alone where no neighbour shares its phase."""
+    phase = grid_phase(step, config)
+    for other in (step + 1, step - 1):
+        if 0 <= other < config.num_iterations and grid_phase(other, config) == phase:
+            return [step, other]
+    return [step]
+
+
+def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch) -> tuple[list[int], list[float], list]:
+    """One untimed step at each of the point's steps (point_steps: their windows and lr), then
+    bench_steps timed ones alternating between them, each between device synchronizations (and
+    barriers). Returns the timed steps' numbers and milliseconds, and every step's loss (unsynced
+    device tensors, the untimed ones first)."""
+    steps = point_steps(step, runner.config)
+    sequence = [steps[i % len(steps)] for i in range(len(steps) + runner.config.bench_steps)]
+    timed, times, losses = [], [], []
+    for i, s in enumerate(sequence):
+        batches = runner.random_batches(gen, slice_tokens(s, runner.config))
         clock.start()
-        losses.append(runner.train_step(step, batches))
+        losses.append(runner.train_step(s, batches))
         elapsed = clock.stop()
-        if i > 0:
+        if i >= len(steps):
+            timed.append(s)
             times.append(elapsed)
-    return times, losses
+    return timed, times, losses
 
 
 def bench_points(config: Hyperparameters) -> list[int]:
@@ -4887,17 +4964,18 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     cfg = dataclasses.replace(config, val_tokens=config.batch_slices * config.val_seq_len)  # one evaluation step
     start = compile_counts()  # the process may have compiled before (tests call main in-process)
     runner = Runner(cfg, device, rank, world_size)
-    runner.warmup()
-    warmup = dict(steps=len(warmup_schedule(cfg)), **compiled_since(start))
-    gen, clock = torch.Generator().manual_seed(cfg.init_seed), Stopwatch(device, world_size)
     points = bench_points(cfg)
+    # --bench_at_step: the warm-up compiles that point's phase only (its steps), not the whole grid
+    warmup_steps = runner.warmup(point_steps(points[0], cfg) if cfg.bench_at_step is not None else None)
+    warmup = dict(steps=len(warmup_steps), **compiled_since(start))
+    gen, clock = torch.Generator().manual_seed(cfg.init_seed), Stopwatch(device, world_size)
     results = []
     for step in points:
         before = compile_counts()
-        times, losses = time_steps(runner, step, gen, clock)
+        timed, times, losses = time_steps(runner, step, gen, clock)
         results.append(dict(step=step, window_blocks=attention_windows(step, cfg)[0],
-                            tokens_per_step=batch_tokens(step, cfg), times_ms=times, losses=losses,
-                            **compiled_since(before, "_added")))
+                            tokens_per_step=batch_tokens(step, cfg), timed_steps=timed, times_ms=times,
+                            losses=losses, **compiled_since(before, "_added")))
     before = compile_counts()
     runner.evaluate(points[-1], torch.randint(0, cfg.vocab_size, (cfg.val_tokens + 1,), generator=gen))
     evaluation = dict(tokens=cfg.val_tokens, **compiled_since(before, "_added"))
@@ -4932,7 +5010,11 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
     peak = peak_bf16_tflops(name) if device.type == "cuda" else None
     flops, step_tokens = flops_per_token(cfg, runner.model)["total"], cfg.batch_slices * cfg.train_seq_len
     for result in results:
-        median = statistics.median(result["times_ms"])
+        # the typical step of a run: the mean over the point's steps (both parities) of each one's median
+        by_step = {s: statistics.median(t for t, ts in zip(result["times_ms"], result["timed_steps"]) if ts == s)
+                   for s in dict.fromkeys(result["timed_steps"])}
+        median = statistics.fmean(by_step.values())
+        result.update(median_ms_by_step={str(s): ms for s, ms in by_step.items()})
         per_process = result["tokens_per_step"] / world_size / (median / 1000)
         tflops = flops * per_process / 1e12
         result.update(median_ms=median, min_ms=min(result["times_ms"]), tokens_per_s_per_process=per_process,
@@ -4945,7 +5027,8 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
         peak_tflops_per_device=peak, points=results, **compiled_counts,
         peak_memory_allocated_mib=int(memory_mib[0]), peak_memory_reserved_mib=int(memory_mib[1]),
         device_memory_mib=torch.cuda.get_device_properties(device).total_memory // 2**20 if device.type == "cuda" else None,
-        allocator_settings=allocator_settings() if device.type == "cuda" else None)
+        **dict(zip(("allocator_settings", "allocator_settings_source"),
+                   allocator_settings() if device.type == "cuda" else (None, "no CUDA allocator on the CPU"))))
 
 
 def bench_lines(report: dict) -> list[str]:
@@ -4957,8 +5040,10 @@ def bench_lines(report: dict) -> list[str]:
              f"(--dry_run's flops_per_token)"]
     for p in r["points"]:
         mfu = f", MFU {100 * p['mfu']:.1f}% of {r['peak_tflops_per_device']} TFLOP/s" if p["mfu"] is not None else ""
+        steps = " and ".join(dict.fromkeys(map(str, p["timed_steps"])))
         lines.append(f"step {p['step']} (long window {p['window_blocks']} blocks, {p['tokens_per_step']:,} tokens): "
-                     f"{len(p['times_ms'])} timed steps, "
+                     f"{len(p['times_ms'])} timed steps (steps {steps}"
+                     f"{', alternating' if ' and ' in steps else ''}), "
                      f"median {p['median_ms']:.2f} ms, min {p['min_ms']:.2f} ms; tokens/s {p['tokens_per_s_per_process']:,.0f} "
                      f"per process, {p['tokens_per_s']:,.0f} in all; {p['tflops_per_process']:.4g} TFLOP/s per process{mfu}; "
                      f"compiled graphs added {p['graphs_added']}, recompiles {p['recompiles_added']}")

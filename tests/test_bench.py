@@ -1,6 +1,7 @@
 """--bench_steps (time training steps on random tokens: no data, no log) and tools/gpu_check.sh (the
 GPU verdict in one command), both run on the CPU with the tiny preset."""
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -65,7 +66,28 @@ def test_bench_times_the_first_step_of_each_batch_size_and_the_last_step(tiny_be
     assert [p["tokens_per_step"] for p in points] == BENCH_TOKENS
     for p in points:
         assert len(p["times_ms"]) == 3 and min(p["times_ms"]) > 0
-        assert len(p["losses"]) == 4  # the untimed first step's too
+        assert len(p["losses"]) == 5  # the two untimed first steps' too
+
+
+def test_bench_alternates_the_two_parities_of_each_point_and_says_which_steps_it_timed(tiny_bench):
+    """Each point times its step and the next one (the last step of the run: the one before),
+    alternately, so an odd step (Adam steps) and an even one (Adam holds) are both in the numbers."""
+    points = tiny_bench["report"]["points"]
+    partners = [1, 17, 33, 48, 188]
+    for p, other in zip(points, partners, strict=True):
+        assert p["timed_steps"] == [p["step"], other, p["step"]]
+        assert {p["step"] % 2, other % 2} == {0, 1}
+    step_lines = [line for line in tiny_bench["lines"] if line.startswith("step 189 ")]
+    assert "3 timed steps (steps 189 and 188, alternating)" in step_lines[0]
+
+
+def test_a_point_keeps_its_partner_inside_its_phase():
+    """The partner shares the point's batch, windows, multi-token weights and tie: step 15 is the
+    ramp's last 256-token step, so it pairs with 14, not with 16 (512 tokens)."""
+    assert tg.point_steps(15, TINY) == [15, 14] and tg.point_steps(16, TINY) == [16, 17]
+    assert tg.grid_phase(15, TINY) != tg.grid_phase(16, TINY)
+    one_step = tg.make_config("tiny", num_iterations=1, extension_steps=0, muon_momentum_cooldown_steps=0)
+    assert tg.point_steps(0, one_step) == [0]
 
 
 def test_bench_prints_a_line_per_point_before_the_json_line(tiny_bench):
@@ -83,12 +105,17 @@ def test_bench_flops_per_token_is_the_dry_runs(tiny_bench, tmp_path, monkeypatch
 
 
 def test_bench_rates_follow_from_the_median_step_time(tiny_bench):
-    """tokens/s = the point's tokens per step / median time; TFLOP/s = FLOPs per token x tokens/s; no
-    MFU on a CPU. The report's tokens_per_step is the full batch (the ramp's last size)."""
+    """The point's step time is the mean over its two steps of each one's median (a run's typical
+    step, both parities); tokens/s = the point's tokens per step / that time; TFLOP/s = FLOPs per
+    token x tokens/s; no MFU on a CPU. The report's tokens_per_step is the full batch (the ramp's
+    last size)."""
     report = tiny_bench["report"]
     assert report["tokens_per_step"] == TINY.batch_slices * TINY.train_seq_len == BENCH_TOKENS[-1]
     for p, tokens in zip(report["points"], BENCH_TOKENS, strict=True):
-        median_s = statistics.median(p["times_ms"]) / 1000
+        first, second = p["times_ms"][0::2], p["times_ms"][1::2]  # the point's step, then its partner
+        assert p["median_ms_by_step"] == {str(p["timed_steps"][0]): statistics.median(first),
+                                          str(p["timed_steps"][1]): statistics.median(second)}
+        median_s = (statistics.median(first) + statistics.median(second)) / 2 / 1000
         assert p["median_ms"] == pytest.approx(median_s * 1000) and p["min_ms"] == min(p["times_ms"])
         assert p["tokens_per_s"] == pytest.approx(tokens / median_s)
         assert p["tokens_per_s_per_process"] == pytest.approx(p["tokens_per_s"])
@@ -111,6 +138,22 @@ def test_bench_at_step_times_that_step_only(tmp_path, monkeypatch, capsys):
     assert code == 0
     # slot floor(12 x 120 / 188) = 7 of the window schedule: 21 blocks
     assert [(p["step"], p["window_blocks"], p["tokens_per_step"]) for p in report["points"]] == [(120, 21, 1024)]
+    assert report["points"][0]["timed_steps"] == [120] and report["warmup"]["steps"] == 0
+
+
+def test_bench_at_step_warms_up_that_points_phase_only(tmp_path, monkeypatch):
+    """With --bench_at_step the warm-up runs the point's two steps, not the first warmup_steps and
+    the steps around every change of the grid (which compile the other phases' graphs)."""
+    ran = []
+    monkeypatch.setattr(tg.Runner, "train_step", lambda self, step, batches, mtp_weights=None: ran.append(step)
+                        or torch.zeros(()))
+    monkeypatch.chdir(tmp_path)
+    config = tg.make_config("tiny", bench_steps=2, bench_at_step=47, warmup_steps=2, compile=False)
+    tg.bench(config, torch.device("cpu"))
+    assert ran == [47, 48] + [47, 48] + [47, 48]  # warm-up, the untimed pair, the timed pair
+    ran.clear()
+    tg.bench(dataclasses.replace(config, bench_at_step=None, bench_steps=1), torch.device("cpu"))
+    assert ran[:2] == [0, 1] and ran[2:4] == [0, 1]  # the whole run's warm-up (eager: the first 2 steps)
 
 
 def test_bench_at_a_step_beyond_the_run_exits_2_naming_the_flag(tmp_path, monkeypatch, capsys):
@@ -285,3 +328,85 @@ def test_the_training_check_keeps_every_phase_of_the_bulk_recipe_at_its_length()
     assert (short.muon_momentum_warmup_steps, short.muon_momentum_cooldown_steps) == (1, 1)
     assert 0 < tg.untie_step(short) < short.num_iterations - 1  # the split happens within the check
     assert len(set(map(lambda s: tg.batch_tokens(s, short), range(20)))) == 4  # every batch size of the ramp
+
+
+# ---- tools/gpu_check.sh --quick: two processes, one phase each
+
+
+@pytest.mark.slow
+def test_the_quick_check_gives_its_verdict_from_a_benchmark_and_a_one_phase_training_run(tmp_path, capsys):
+    """Without shards the training run trains on generated tokens; one benchmark point (the first
+    full-batch step, 47 in the tiny grid) and a 10-step training run validated once."""
+    code, out, err, summary = run_gpu_check(capsys, "--quick", f"--train_files={tmp_path / 'none_*.bin'}")
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert summary["ok"] and summary["quick"]
+    names = [c["check"] for c in summary["checks"]]
+    assert names == ["attention backends", "bench, CPU, step 47 (window 13)", "compiled graphs after warm-up, CPU", "into evaluation, CPU",
+                     "peak memory, CPU", "allocator, CPU", "training 10 steps at one phase, CPU"]
+    assert "generated tokens" in summary["checks"][-1]["measured"]
+    assert "(time limit 240 s)" in out
+
+
+@pytest.mark.parametrize("recipe", ["bulk", "mudd"])
+def test_the_quick_checks_training_run_stays_in_the_bench_points_phase(recipe, tmp_path):
+    """At the record's size: the benchmark times the first full-batch step (bulk: 1175), and every
+    step of the training run has that step's batch, windows, loss and tie, so each process compiles
+    one phase; coordinate-descent tuning is off in both, whatever the recipe sets."""
+    argv = [f"--recipe={recipe}"]
+    config = tg.parse_args(argv)
+    step = gpu_check.first_full_batch_step(config)
+    assert tg.batch_tokens(step, config) == config.batch_slices * config.train_seq_len
+    assert tg.batch_tokens(step - 1, config) < tg.batch_tokens(step, config)
+    if recipe == "bulk":
+        assert step == 1175
+    commands = gpu_check.quick_commands(config, argv, [], tmp_path / "logs")
+    bench, training = (tg.parse_args(commands[name]) for name in ("bench", "training"))
+    assert (bench.bench_at_step, bench.bench_steps) == (step, gpu_check.QUICK_BENCH_STEPS)
+    assert not bench.coordinate_descent_tuning and not training.coordinate_descent_tuning
+    assert training.num_iterations == gpu_check.QUICK_TRAIN_STEPS and training.val_every == 0
+    phases = {tg.grid_phase(s, training) for s in range(training.num_iterations)}
+    want = tg.grid_phase(step, config)
+    loss_terms = len(tg.multi_token_weights(step, config)) if config.multi_token_prediction else 0
+    assert phases == {(want[0], want[1], 0 if loss_terms == 1 else loss_terms, want[3])}
+    assert tg.warmup_schedule(training) == [0]  # no change of the grid to visit: the first step only
+
+
+def test_a_check_that_runs_out_of_time_is_stopped_with_a_line_saying_so_and_leaves_no_process(tmp_path):
+    marker = f"--run_id=limit_{os.getpid()}"
+    run = gpu_check.run_trainer("bench, CPU", ["--preset=tiny", "--device=cpu", "--bench_steps=1000", marker], 1,
+                                time_limit=3)
+    assert run.failure == ("bench, CPU: stopped at its time limit of 3 s before it finished "
+                           "(more time: --time_limit=SECONDS)")
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout == ""
+
+
+@pytest.mark.parametrize("flag", ["--time_limit=0", "--time_limit=soon", "--time_limit"])
+def test_gpu_check_refuses_a_time_limit_that_is_not_seconds(flag, capsys):
+    assert gpu_check.main(["--preset=tiny", flag]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: --time_limit: ")
+
+
+def test_the_allocator_settings_are_read_on_a_torch_that_cannot_report_them(monkeypatch):
+    """torch 2.11 has no _accelerator_getAllocatorSettings: the settings then come from the variable
+    the allocator read when CUDA started (the trainer sets it unless you did), and say so; torch 2.13
+    reports what the allocator parsed."""
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    settings, source = tg.allocator_settings({"PYTORCH_ALLOC_CONF": tg.EXPANDABLE_SEGMENTS})
+    assert settings == tg.EXPANDABLE_SEGMENTS and source.startswith("$PYTORCH_ALLOC_CONF (this torch does not")
+    assert tg.allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"})[0] == \
+        "garbage_collection_threshold:0.6"
+    assert tg.allocator_settings({})[0] == ""
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:True", raising=False)
+    assert tg.allocator_settings({}) == ("expandable_segments:True", "the allocator")
+
+
+@pytest.mark.parametrize("settings,source,ok", [(None, "no CUDA allocator on the CPU", True),
+                                                ("expandable_segments:True", "the allocator", True),
+                                                ("", "no variable set (...)", False)])
+def test_the_allocator_row_is_never_dropped(settings, source, ok, monkeypatch):
+    for name in tg.ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    line = gpu_check.allocator_row("1 GPU", dict(allocator_settings=settings, allocator_settings_source=source))
+    assert line["check"] == "allocator, 1 GPU" and source in line["measured"] and line["ok"] is ok

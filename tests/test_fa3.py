@@ -127,3 +127,47 @@ def test_the_dry_run_of_fa3_names_the_missing_kernels_package(monkeypatch, capsy
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kernels" else real_find_spec(name, *a))
     assert tg.main(["--dry_run", "--attention=fa3", "--recipe=bulk", "--device=cuda"]) == 0
     assert "needs the `kernels` package" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error", [OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your network."),
+                                   ImportError("libcudart.so.12: cannot open shared object file")])
+def test_fa3_whose_kernel_cannot_be_fetched_or_loaded_is_refused_in_one_line_naming_flex(error, monkeypatch):
+    """No network on the machine (the hub's fetch fails) or a kernel that does not load: one line
+    naming --attention=flex, raised before anything is built."""
+    def get_kernel(name):
+        raise error
+    module = types.ModuleType("kernels")
+    module.get_kernel = get_kernel
+    monkeypatch.setitem(sys.modules, "kernels", module)
+    monkeypatch.setattr(tg, "_fa3_kernel", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(tg.ConfigError) as refusal:
+        tg.check_fa3_device(torch.device("cuda", 0))
+    line = str(refusal.value)
+    assert "\n" not in line and "--attention=flex" in line and type(error).__name__ in line
+    assert line.startswith(f"--attention: fa3's kernel {tg.FA3_KERNEL} could not be fetched or loaded")
+
+
+def test_fa3_whose_kernel_loads_passes_the_device_check(fake_kernels, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    tg.check_fa3_device(torch.device("cuda", 0))
+    assert "varlen" in tg._fa3_kernel  # fetched once, before the Runner asks for it
+
+
+def test_the_backends_of_a_machine_are_named_with_why_one_cannot_run(monkeypatch, fake_kernels):
+    """What tools/gpu_check.sh prints: on the CPU sdpa only; on an A100 (8.0) flex and sdpa, fa3
+    refused for its capability; on a Hopper with the kernel at hand, all three."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    here = tg.attention_backends_here()
+    assert here["sdpa"] is None and "CPU" in here["flex"] and "Hopper" in here["fa3"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(tg, "importable", lambda name: name == "kernels")
+    assert tg.attention_backends_here()["flex"] == "needs triton (torch's CUDA builds bring it)"
+    monkeypatch.setattr(tg, "importable", lambda name: name in ("kernels", "triton"))
+    here = tg.attention_backends_here()
+    assert here["flex"] is None and here["sdpa"] is None and here["fa3"].startswith("compute capability 8.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert tg.attention_backends_here() == dict(flex=None, sdpa=None, fa3=None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "8.0 or more" in tg.attention_backends_here()["flex"]

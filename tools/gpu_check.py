@@ -1,10 +1,22 @@
 """The first GPU hour's verdict in one command: does the trainer run here, how fast, in how much memory.
 
-    tools/gpu_check.sh                    # the record's shapes on this machine's GPUs (1 to 8)
+    tools/gpu_check.sh --quick            # a verdict in minutes on one GPU (the first thing to run)
+    tools/gpu_check.sh --quick --recipe mudd
+    tools/gpu_check.sh                    # the full check: the record's shapes on this machine's GPUs (1 to 8)
     tools/gpu_check.sh --preset tiny      # the same checks at toy size; on the CPU where there is no GPU
     tools/gpu_check.sh --compile=false    # any trainer flag is passed on to every run
+    tools/gpu_check.sh --time_limit=900   # seconds each trainer process may take (quick: 240, full: 600)
 
-Each check is a run of train_gpt_medium.py in its own process (torchrun for several GPUs):
+--quick runs two processes on one GPU, each compiling one phase of the step grid only: a benchmark at
+the first full-batch step (its two parities, warm-up limited to that phase, one evaluation step), then
+a short training run held at that phase (full batch, that step's windows; validated once, at the end):
+losses finite, the validation loss below the step-0 training loss. The compiler's
+coordinate-descent tuning is off. It proves the compiled path runs, its speed and memory at the
+record's full batch, and that the model learns; not the other phases, activation checkpointing or
+several GPUs (the full check's).
+
+The full check: each check is a run of train_gpt_medium.py in its own process (torchrun for several GPUs):
+
   1. --bench_steps at the first and the last step of the schedule, on one GPU: ms/step, tokens/s,
      MFU; compiled graphs after the warm-up, across the window change and into evaluation;
      peak memory against the device's; the allocator's settings;
@@ -26,6 +38,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +57,8 @@ BENCH_STEPS, CHECKPOINTED_BENCH_STEPS = 5, 2  # timed steps per point (each poin
 WARMUP_STEPS = 1  # enough to compile the training graphs; every timed point starts with an untimed step
 TRAIN_STEPS, VAL_EVERY = 20, 10
 RUN_TIMEOUT_S = 600
+# --quick: 4 timed steps (2 of each parity), a 10-step training run, each process at most 240 s
+QUICK_BENCH_STEPS, QUICK_TRAIN_STEPS, QUICK_TIMEOUT_S = 4, 10, 240
 MEMORY_LIMIT = 0.95  # of the device's memory: above it a longer run or another evaluation can run out
 # First losses of two runs that compute the same thing differently (recomputed blocks and a chunked
 # loss; another world size), compared relative to the reference's loss: the record's training loss
@@ -63,13 +78,15 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 
 
 class Run:
-    """One finished trainer process: exit code, output, seconds, and why it failed (or None)."""
+    """One finished trainer process: exit code, output, seconds, and why it failed (or None).
+    time_limit: the seconds it was allowed, given when it ran out of them."""
 
-    def __init__(self, name: str, returncode: int, output: str, seconds: float, timed_out: bool = False):
+    def __init__(self, name: str, returncode: int, output: str, seconds: float, time_limit: float | None = None):
         self.name, self.returncode, self.output, self.seconds = name, returncode, output, seconds
         self.failure = None
-        if timed_out:
-            self.failure = f"{name}: timed out after {RUN_TIMEOUT_S} s"
+        if time_limit is not None:
+            self.failure = (f"{name}: stopped at its time limit of {time_limit:.0f} s before it finished "
+                            f"(more time: --time_limit=SECONDS)")
         elif returncode != 0:
             errors = [line for line in output.splitlines() if line.startswith("error")]
             last = errors[-1] if errors else (output.strip().splitlines() or ["no output"])[-1]
@@ -81,24 +98,47 @@ class Run:
         return json.loads(lines[-1]) if lines else None
 
 
-def run_trainer(name: str, flags: list[str], processes: int) -> Run:
-    """train_gpt_medium.py with `flags`, as one process or through torchrun, from the repository root."""
+def run_trainer(name: str, flags: list[str], processes: int, time_limit: float = RUN_TIMEOUT_S) -> Run:
+    """train_gpt_medium.py with `flags`, as one process or through torchrun, from the repository root,
+    stopped (with every process it started: its own session) after time_limit seconds."""
     command = [sys.executable, str(TRAINER)] if processes <= 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", str(TRAINER)]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    print(f"[gpu_check] {name} ...", flush=True)
+    print(f"[gpu_check] {name} (time limit {time_limit:.0f} s) ...", flush=True)
     start = time.perf_counter()
+    proc = subprocess.Popen(command + flags, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        done = subprocess.run(command + flags, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)
-        run = Run(name, done.returncode, done.stdout + done.stderr, time.perf_counter() - start)
-    except subprocess.TimeoutExpired as e:
-        output = "".join(b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in (e.stdout, e.stderr))
-        run = Run(name, -1, output, time.perf_counter() - start, timed_out=True)
+        output, _ = proc.communicate(timeout=time_limit)
+        run = Run(name, proc.returncode, output, time.perf_counter() - start)
+    except subprocess.TimeoutExpired:
+        output = stop_session(proc)
+        run = Run(name, -1, output, time.perf_counter() - start, time_limit=time_limit)
+        print(f"[gpu_check] {name}: TIME LIMIT: stopped after {time_limit:.0f} s", flush=True)
+    except BaseException:  # Ctrl-C: no trainer is left behind
+        stop_session(proc)
+        raise
     print(f"[gpu_check] {name}: {'ok' if run.failure is None else 'FAILED'} ({run.seconds:.0f} s)", flush=True)
     if run.failure:
         print("\n".join("    " + line for line in run.output.strip().splitlines()[-15:]), flush=True)
     return run
+
+
+def stop_session(proc: subprocess.Popen) -> str:
+    """End a trainer and everything it started (torchrun's workers): SIGTERM to its session, SIGKILL
+    10 s later. Returns what it printed."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            output, _ = proc.communicate(timeout=wait)
+            return output or ""
+        except subprocess.TimeoutExpired:
+            continue
+    output, _ = proc.communicate()
+    return output or ""
 
 
 # ---- data for the training check
@@ -134,18 +174,38 @@ def write_markov_shards(folder: Path, vocab_size: int, eot_token: int, train_tok
     tg.write_shard(folder / "generated_train_000001.bin", stream[val_tokens:val_tokens + train_tokens])
 
 
-def training_data(config: tg.Hyperparameters, folder: Path) -> tuple[list[str], str]:
+def training_data(config: tg.Hyperparameters, folder: Path, steps: int) -> tuple[list[str], str]:
     """Flags naming the training check's shards, and where they come from: the configured ones when
-    both globs match files, else generated tokens written to `folder`."""
+    both globs match files, else generated tokens for `steps` full steps written to `folder`."""
     if glob.glob(config.train_files) and glob.glob(config.val_files):
         return [], f"shards {config.train_files}"
     step_tokens = config.batch_slices * config.train_seq_len
     # whole documents per slice (--document_aligned_batches) leave the rest of each slice's last one unused
     waste = 3 if config.document_aligned_batches else 1
-    write_markov_shards(folder, config.vocab_size, config.eot_token, waste * TRAIN_STEPS * step_tokens + 1,
+    write_markov_shards(folder, config.vocab_size, config.eot_token, waste * steps * step_tokens + 1,
                         config.batch_slices * config.val_seq_len + 1)
     return [f"--train_files={folder / 'generated_train_*.bin'}", f"--val_files={folder / 'generated_val_*.bin'}",
             "--token_bytes_file="], "generated tokens, no shards found"
+
+
+BACKENDS_PROBE = "import json, train_gpt_medium as tg; print(json.dumps(tg.attention_backends_here()))"
+
+
+def backends_row(config: tg.Hyperparameters, gpus: int) -> dict:
+    """Which attention backends this machine has (asked in a child process, so this one never starts
+    CUDA), and whether the runs' own is one of them."""
+    used = tg.attention_backend(config, "cuda" if gpus else "cpu")
+    try:
+        done = subprocess.run([sys.executable, "-c", BACKENDS_PROBE], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, ValueError) as e:
+        return row("attention backends", "could not be asked", f"{used} available",
+                   f"attention backends: the probe failed ({type(e).__name__})")
+    measured = "; ".join(f"{name}: yes" if why is None else f"{name}: no ({why})" for name, why in found.items())
+    problem = found.get(used)
+    return row("attention backends", measured, f"{used} (the runs' backend) available",
+               None if problem is None else f"attention backends: --attention={used} cannot run here: {problem}")
 
 
 # ---- the checks: each returns rows of the table
@@ -203,15 +263,23 @@ def bench_rows(label: str, run: Run, config: tg.Hyperparameters) -> list[dict]:
                        if is_record_shape(config) else ""),
                     f"peak memory, {label}: {reserved:,} MiB reserved is over {100 * MEMORY_LIMIT:.0f}% of "
                     f"{device_mib:,} MiB" if too_much else None))
-    if report["allocator_settings"] is not None:
-        user_set = any(os.environ.get(name) for name in tg.ALLOC_CONF_VARIABLES)
-        on = tg.EXPANDABLE_SEGMENTS in report["allocator_settings"]
-        rows.append(row(f"allocator, {label}", report["allocator_settings"] or "(defaults)",
-                        "set by you" if user_set else tg.EXPANDABLE_SEGMENTS,
-                        None if on or user_set else f"allocator, {label}: expandable segments are not on"))
+    rows.append(allocator_row(label, report))
     if run.failure and all(r["ok"] for r in rows):  # a report, yet the run failed after it
         rows.append(row(f"bench, {label}", "exit code", "0", run.failure))
     return rows
+
+
+def allocator_row(label: str, report: dict) -> dict:
+    """The CUDA allocator's settings and where they were read (every torch: what the allocator
+    parsed, or the variable it read at start); on the CPU a row saying there is none."""
+    settings, source = report.get("allocator_settings"), report.get("allocator_settings_source", "not reported")
+    if settings is None:
+        return row(f"allocator, {label}", f"none ({source})", "a CUDA allocator on a GPU", None)
+    user_set = any(os.environ.get(name) for name in tg.ALLOC_CONF_VARIABLES)
+    on = tg.EXPANDABLE_SEGMENTS in settings
+    return row(f"allocator, {label}", f"{settings or '(defaults)'}, from {source}",
+               "set by you" if user_set else tg.EXPANDABLE_SEGMENTS,
+               None if on or user_set else f"allocator, {label}: expandable segments are not on")
 
 
 def graph_rows(label: str, report: dict, config: tg.Hyperparameters) -> list[dict]:
@@ -249,6 +317,7 @@ def losses_row(name: str, run: Run, reference: Run, tolerance: float) -> dict:
 
 
 VAL_LINE = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+) train_time:\d+ms step_avg:([\d.]+)ms", re.M)
+STEP0_LINE = re.compile(r"^step0_train_loss:(\S+)$", re.M)
 
 
 def training_row(label: str, run: Run, log_dir: Path, source: str) -> dict:
@@ -266,17 +335,72 @@ def training_row(label: str, run: Run, log_dir: Path, source: str) -> dict:
                None if falling else f"{name}: validation losses {losses} are not finite and falling")
 
 
+def quick_training_row(label: str, run: Run, log_dir: Path, source: str, config: tg.Hyperparameters) -> dict:
+    """--quick's training run, validated once at its end: the validation loss finite and below the
+    step-0 training loss per token (a sum over a slice's tokens with train_loss_reduction=sum)."""
+    name = f"training {QUICK_TRAIN_STEPS} steps at one phase, {label}"
+    if run.failure:
+        return row(name, "did not finish", "exit code 0", run.failure)
+    logs = sorted(log_dir.glob("*.txt"))
+    text = logs[-1].read_text() if logs else ""
+    found, step0 = VAL_LINE.findall(text), STEP0_LINE.findall(text)
+    if not found or not step0:
+        return row(name, "no step-0 loss or validation line in the log", "both", f"{name}: the log lacks them")
+    per_token = float(step0[0]) / (config.train_seq_len if config.train_loss_reduction == "sum" else 1)
+    val_loss = float(found[-1][1])
+    ok = math.isfinite(val_loss) and val_loss < per_token
+    return row(name, f"step 0 {per_token:.4f} per token -> validation {val_loss:.4f}, "
+               f"{float(found[-1][2]):,.1f} ms/step ({source})", "finite, below the step-0 loss",
+               None if ok else f"{name}: validation loss {val_loss} is not finite and below {per_token:.4f}")
+
+
 # ---- the trainer's command lines
 
 
-def short_run_flags(config: tg.Hyperparameters) -> list[str]:
+def first_full_batch_step(config: tg.Hyperparameters) -> int:
+    """The first step at the step grid's largest batch (the full batch, once the ramp reaches it)."""
+    sizes = [tg.batch_tokens(step, config) for step in range(config.num_iterations)]
+    return sizes.index(max(sizes))
+
+
+def one_phase_flags(config: tg.Hyperparameters, step: int, steps: int) -> list[str]:
+    """A `steps`-step run held at the phase of `step` (tg.grid_phase): its batch, its windows, its
+    tie, next-token loss where that step has it; no extension. Its graphs are that step's (with the
+    embedding untied from the start, the head is stored fp32 rather than in the model dtype)."""
+    split = tg.untie_step(config)
+    untied = split and step > split
+    flags = [*short_run_flags(config, steps), "--extension_steps=0",
+             f"--batch_schedule={tg.batch_tokens(step, config)}",
+             f"--window_schedule={tg.attention_windows(step, config)[0]}",
+             # untied at `step`: untied from the start; tied: the split after the run's end (odd: an Adam step)
+             f"--untie_embed_after_step={0 if untied or not split else (steps + 1) | 1}"]
+    if config.multi_token_prediction and tg.multi_token_weights(step, config) == (1.0,):
+        flags.append("--multi_token_prediction=false")  # the next-token loss: the same graph
+    return flags
+
+
+def short_run_flags(config: tg.Hyperparameters, steps: int = None) -> list[str]:
     """The training check as a TRAIN_STEPS-step run of config's recipe: num_iterations and every
     value that counts steps (the extension, the momentum warm-up and cool-down, the embedding split:
     tg.with_num_iterations) scaled to its length, so that each phase of the recipe still happens."""
-    short = tg.with_num_iterations(config, TRAIN_STEPS)
+    short = tg.with_num_iterations(config, steps or TRAIN_STEPS)
     scaled = [f.name for f in dataclasses.fields(config) if f.name == "num_iterations" or f.metadata.get("counts_steps")]
     return [f"--{name}={tg.to_text(getattr(short, name))}" for name in scaled
             if getattr(short, name) != getattr(config, name)]
+
+
+def quick_commands(config: tg.Hyperparameters, argv: list[str], data_flags: list[str], log_dir: Path) -> dict:
+    """--quick's two trainer runs, each compiling one phase: the benchmark at the first full-batch step
+    and a training run held at that step's phase; coordinate-descent tuning off. The user's flags
+    (argv) may override the seed, the warm-up and the tuning."""
+    step = first_full_batch_step(config)
+    base = ["--seed=0", f"--warmup_steps={WARMUP_STEPS}", "--coordinate_descent_tuning=false", *argv]
+    return {
+        "bench": [*base, f"--bench_steps={QUICK_BENCH_STEPS}", f"--bench_at_step={step}"],
+        "training": [*base, *data_flags, *one_phase_flags(config, step, QUICK_TRAIN_STEPS), "--val_every=0",
+                     "--save_every=0", f"--val_tokens={config.batch_slices * config.val_seq_len}",
+                     "--synthetic_data=false", f"--log_dir={log_dir}"],
+    }
 
 
 def check_commands(config: tg.Hyperparameters, argv: list[str], data_flags: list[str], log_dir: Path) -> dict:
@@ -303,11 +427,62 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip())
 
 
+def own_flags(argv: list[str]) -> tuple[bool, float | None, list[str]]:
+    """(--quick, --time_limit in seconds or None, the trainer's flags): gpu_check's own flags taken out."""
+    quick, limit, rest = False, None, []
+    for arg in argv:
+        if arg in ("--quick", "--quick=true"):
+            quick = True
+        elif arg == "--quick=false":
+            quick = False
+        elif arg.startswith("--time_limit"):
+            text = arg.partition("=")[2]
+            try:
+                limit = float(text)
+            except ValueError:
+                limit = None
+            if limit is None or not limit > 0:
+                raise tg.ConfigError(f"--time_limit: {text!r} is not a number of seconds > 0 (e.g. --time_limit=600)")
+        else:
+            rest.append(arg)
+    return quick, limit, rest
+
+
+def quick_main(config: tg.Hyperparameters, argv: list[str], gpus: int, dtype: str, limit: float) -> int:
+    """--quick: the benchmark and the one-phase training run on one GPU (or the CPU)."""
+    label = "1 GPU" if gpus else "CPU"
+    rows = [backends_row(config, gpus)]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        tmp = Path(tmp)
+        data_flags, source = training_data(config, tmp / "data", QUICK_TRAIN_STEPS)
+        flags = quick_commands(config, argv, data_flags, tmp / "logs")
+        bench = run_trainer(f"bench, {label}", flags["bench"], 1, limit)
+        rows += bench_rows(label, bench, config)
+        training = run_trainer(f"training, {label}", flags["training"], 1, limit)
+        rows.append(quick_training_row(label, training, tmp / "logs", source, config))
+    return finish(rows, bench, gpus, dtype, LOSS_TOLERANCE[dtype], quick=True)
+
+
+def finish(rows: list[dict], reference: Run, gpus: int, dtype: str, tolerance: float, quick: bool = False) -> int:
+    """The table, the summary JSON line, the exit code."""
+    print()
+    print_table(rows)
+    failures = [r["reason"] for r in rows if not r["ok"]]
+    report = reference.json() or {}
+    print(json.dumps(dict(ok=not failures, quick=quick, gpus=gpus, device_name=report.get("device_name"), dtype=dtype,
+                          loss_tolerance=tolerance, checks=rows)), flush=True)
+    if failures:
+        print("gpu_check: FAILED: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
     try:
+        quick, limit, argv = own_flags(argv)
         config = tg.parse_args(argv)
     except tg.InputError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -317,34 +492,31 @@ def main(argv: list[str]) -> int:
     tolerance = LOSS_TOLERANCE[dtype]
     rows, runs = [], {}
     where = f"{gpus} GPU(s)" if gpus else "the CPU"
-    print(f"[gpu_check] {where}; trainer flags: {' '.join(argv) or '(the record)'}", flush=True)
+    print(f"[gpu_check] {where}{', quick check on one' if quick else ''}; trainer flags: "
+          f"{' '.join(argv) or '(the record)'}", flush=True)
+    if quick:
+        return quick_main(config, argv, gpus, dtype, limit or QUICK_TIMEOUT_S)
+    limit = limit or RUN_TIMEOUT_S
+    rows.append(backends_row(config, gpus))
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)
-        data_flags, source = training_data(config, tmp / "data")
+        data_flags, source = training_data(config, tmp / "data", TRAIN_STEPS)
         all_gpus = max([w for w in range(1, gpus + 1) if config.batch_slices % w == 0], default=1)
         for processes in [1] + ([all_gpus] if all_gpus > 1 else []):  # a world size must divide batch_slices
             label = f"{processes} GPU(s)" if gpus else "CPU"
             log_dir = tmp / f"logs_{processes}"
             flags = check_commands(config, argv, data_flags, log_dir)
-            bench = runs[processes] = run_trainer(f"bench, {label}", flags["bench"], processes)
+            bench = runs[processes] = run_trainer(f"bench, {label}", flags["bench"], processes, limit)
             rows += bench_rows(label, bench, config)
             if processes == 1:
-                checkpointed = run_trainer("bench with activation checkpointing", flags["checkpointed bench"], 1)
+                checkpointed = run_trainer("bench with activation checkpointing", flags["checkpointed bench"], 1,
+                                           limit)
                 rows.append(losses_row("activation checkpointing: first losses", checkpointed, bench, tolerance))
             else:
                 rows.append(losses_row(f"{label} vs 1: first bench losses", bench, runs[1], tolerance))
-            training = run_trainer(f"training, {label}", flags["training"], processes)
+            training = run_trainer(f"training, {label}", flags["training"], processes, limit)
             rows.append(training_row(label, training, log_dir, source))
-    print()
-    print_table(rows)
-    failures = [r["reason"] for r in rows if not r["ok"]]
-    report = runs[1].json() or {}
-    print(json.dumps(dict(ok=not failures, gpus=gpus, device_name=report.get("device_name"), dtype=dtype,
-                          loss_tolerance=tolerance, checks=rows)), flush=True)
-    if failures:
-        print("gpu_check: FAILED: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+    return finish(rows, runs[1], gpus, dtype, tolerance)
 
 
 if __name__ == "__main__":
