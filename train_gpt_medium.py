@@ -1579,11 +1579,19 @@ def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: floa
     in fp32 (an FP8 code is exact in fp32), times the two scales' product formed in fp32 from
     their fp32 values, as _scaled_mm takes them."""
     if a8.is_cuda:
-        scale = lambda s: torch.tensor(s, dtype=torch.float32, device=a8.device)
-        return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=scale(scale_a),
-                                scale_b=scale(scale_b), out_dtype=out_dtype, use_fast_accum=fast_accum)
-    scale = torch.tensor(scale_a, dtype=torch.float32) * torch.tensor(scale_b, dtype=torch.float32)  # as the GPU: fp32
+        return scaled_mm(a8, b8, scale_a, scale_b, out_dtype, fast_accum)
+    scale = torch.full((), scale_a, dtype=torch.float32) * torch.full((), scale_b, dtype=torch.float32)  # fp32, as the GPU
     return ((a8.float() @ b8.float()) * scale).to(out_dtype)
+
+
+def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: float, out_dtype: torch.dtype,
+              fast_accum: bool) -> torch.Tensor:
+    """fp8_matmul on a device: torch._scaled_mm, a row-major and b column-major (callers pass them so,
+    and the layouts below then copy nothing). Its 0-d scales are made on the device by a fill kernel:
+    torch.tensor(s, device=...) would be a blocking host-to-device copy, a stream sync per operand."""
+    scale = lambda s: torch.full((), s, dtype=torch.float32, device=a8.device)
+    return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=scale(scale_a), scale_b=scale(scale_b),
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def fp8_head_codes(x: torch.Tensor, weight: torch.Tensor, scales: tuple[float, float, float]
@@ -1606,9 +1614,49 @@ def fp8_head_backward(g8: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, tran
     and the weight's in its stored layout, accumulated in fp32 and then cast to weight_dtype."""
     s_x, s_w, s_g = scales
     dx = fp8_matmul(g8, w8.t() if transposed else w8, s_g, s_w, x_dtype)
-    dw = (fp8_matmul(x8.t(), g8, s_x, s_g, torch.float32) if transposed
-          else fp8_matmul(g8.t(), x8, s_g, s_x, torch.float32))
+    # both layouts of the weight's gradient contract over the tokens, so FP8's product needs the codes
+    # token-major: (V, T) made once by a tiled transpose (CUDA), not by an eager copy of a strided view
+    g8_t = fp8_transpose(g8)
+    dw = (fp8_matmul(x8.t(), g8_t.t(), s_x, s_g, torch.float32) if transposed
+          else fp8_matmul(g8_t, x8, s_g, s_x, torch.float32))
     return dx, dw.to(weight_dtype)
+
+
+def fp8_transpose(codes: torch.Tensor) -> torch.Tensor:
+    """The (n, m) row-major transpose of (m, n) FP8 codes (the same bits). CUDA: a Triton kernel in
+    square tiles (each read and written in whole rows); elsewhere torch's copy."""
+    if not codes.is_cuda:
+        return codes.t().contiguous()
+    m, n = codes.shape
+    out = torch.empty((n, m), dtype=codes.dtype, device=codes.device)
+    kernel = _transpose_kernel()
+    kernel[(-(-m // TRANSPOSE_TILE), -(-n // TRANSPOSE_TILE))](codes.contiguous().view(torch.uint8),
+                                                                out.view(torch.uint8), m, n, TILE=TRANSPOSE_TILE)
+    return out
+
+
+TRANSPOSE_TILE = 64
+_TRANSPOSE_KERNEL = None
+
+
+def _transpose_kernel():
+    """fp8_transpose's Triton kernel, made on first use (triton is imported only here)."""
+    global _TRANSPOSE_KERNEL
+    if _TRANSPOSE_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def transpose_kernel(src, dst, M, N, TILE: tl.constexpr):
+            # one program per TILE x TILE tile: read its rows of src, write them as columns of dst
+            rows = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+            cols = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+            inside = (rows[:, None] < M) & (cols[None, :] < N)
+            tile = tl.load(src + rows[:, None] * N + cols[None, :], mask=inside)
+            tl.store(dst + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+        _TRANSPOSE_KERNEL = transpose_kernel
+    return _TRANSPOSE_KERNEL
 
 
 class FP8HeadProduct(torch.autograd.Function):

@@ -5,6 +5,10 @@ its quantizers pass gradients straight through and only the codes are kept for b
 fp8_yarn recipe: marked as PR #248's unmerged claim, its parameter count and predicted peak, its
 refusals, and its tiny form visits every phase (its runs: tests/test_frontier_recipes.py)."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +332,28 @@ def test_the_gradient_codes_follow_the_loss_scale_so_they_are_the_records_at_any
     config = tg.make_config("tiny", recipe="fp8_yarn")
     head = tg.build_model(config).head
     assert head.fp8_scales == tg.fp8_training_scales(config) == (s_x, s_w, s_g / config.batch_slices)
+
+
+TRANSPOSE_SCRIPT = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import train_gpt_medium as tg
+kernel, tile = tg._transpose_kernel(), tg.TRANSPOSE_TILE
+gen = torch.Generator().manual_seed(0)
+for m, n in ((1, 1), (3, 200), (64, 64), (70, 130), (129, 63)):
+    codes = torch.randint(0, 256, (m, n), dtype=torch.uint8, generator=gen).view(torch.float8_e5m2)
+    out = torch.empty((n, m), dtype=torch.uint8)
+    kernel[(-(-m // tile), -(-n // tile))](codes.view(torch.uint8), out, m, n, TILE=tile)
+    assert torch.equal(out, codes.t().contiguous().view(torch.uint8)), (m, n)
+print("equal")
+"""
+
+
+def test_the_tiled_transpose_kernel_gives_the_transposed_codes_bit_for_bit():
+    """fp8_transpose's Triton kernel (run by Triton's interpreter), against torch's copy of the
+    transposed view, on shapes that are not multiples of the tile and smaller than one."""
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", TRANSPOSE_SCRIPT, str(Path(tg.__file__).parent)], capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert done.returncode == 0 and done.stdout.split() == ["equal"], done.stderr[-3000:]

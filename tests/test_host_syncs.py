@@ -1,0 +1,104 @@
+"""No host-device sync in a training step: every recipe's step, on the CPU path, calls none of the
+operations that make the host wait for a GPU (a tensor's value read on the host: .item(), bool(),
+float(), .tolist(); a data-dependent shape: nonzero; a tensor made from Python data, which on a
+GPU is a blocking host-to-device copy), and the device branch of the FP8 product makes its scales
+on the device.
+
+Why the CPU path and not a faked CUDA device: torch's CPU build can fake CUDA tensors
+(FakeTensorMode), but a training step on them stops at the first int index or .contiguous() of a
+strided one ("PyTorch is not linked with support for cuda devices"). What only runs on CUDA is
+checked on its own below: the FP8 product's _scaled_mm branch on the meta device, whose tensors,
+like a GPU's, live away from the host. The Triton kernels' launches read shapes only."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train_gpt_medium as tg
+
+aten = torch.ops.aten
+# reads of a tensor's value on the host, data-dependent shapes, tensors from Python data
+SYNCING = {aten._local_scalar_dense.default: "a value read on the host (.item(), bool(), float())",
+           aten.nonzero.default: "nonzero (a data-dependent shape)",
+           aten.masked_select.default: "masked_select (a data-dependent shape)",
+           aten.lift_fresh.default: "torch.tensor(data) (a host-to-device copy on a GPU)"}
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records each call of a syncing operation (and .tolist(), which no dispatch sees) with where
+    in this project's code it was made."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNCING:
+            self.calls.append(f"{SYNCING[func]} at {caller()}")
+        if func in (aten._to_copy.default, aten.copy_.default):
+            source = args[1] if func is aten.copy_.default else args[0]
+            target = args[0].device if func is aten.copy_.default else (kwargs or {}).get("device") or source.device
+            if source.device.type == "cpu" and torch.device(target).type != "cpu":
+                self.calls.append(f"a host-to-device copy at {caller()}")
+        return func(*args, **(kwargs or {}))
+
+
+def caller() -> str:
+    import traceback
+    frames = [f for f in traceback.extract_stack() if f.filename == tg.__file__]
+    return f"train_gpt_medium.py:{frames[-1].lineno} ({frames[-1].name})" if frames else "(outside the trainer)"
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = SyncRecorder()
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: rec.calls.append(f".tolist() at {caller()}")
+                        or real_tolist(t))
+    return rec
+
+
+@pytest.mark.parametrize("recipe", ["bulk", "fp8_yarn", "bigram", "mudd"])
+def test_a_training_step_of_each_recipe_reads_nothing_back_from_the_device(recipe, recorder):
+    """Steps 0 and 1 (an even step leaves Adam's gradients waiting, an odd one steps Adam), each
+    over its micro-batches: forward, backward, the gradient exchange, both optimizers, the schedules."""
+    config = tg.make_config("tiny", recipe=recipe, dtype="float32")
+    runner = tg.Runner(config, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for step in (0, 1):
+        batches = runner.random_batches(gen, tg.slice_tokens(step, config))
+        with recorder:
+            runner.train_step(step, batches)
+    assert recorder.calls == []
+
+
+def test_the_recorder_sees_each_kind_of_sync(recorder):
+    """The check can fail: each syncing call is recorded."""
+    x = torch.ones(3)
+    with recorder:
+        x.sum().item()
+        bool(x.sum() > 0)
+        x.nonzero()
+        torch.tensor(2.0)
+        x.tolist()
+    assert [c.split(" at ")[0] for c in recorder.calls] == [
+        SYNCING[aten._local_scalar_dense.default], SYNCING[aten._local_scalar_dense.default],
+        SYNCING[aten.nonzero.default], SYNCING[aten.lift_fresh.default], ".tolist()"]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_fp8_products_device_branch_makes_its_scales_on_the_device(transposed, recorder, monkeypatch):
+    """torch._scaled_mm on meta tensors (it has a meta kernel): the scales are 0-d fp32 tensors of the
+    operands' device, filled there, and the operands already in the layouts it takes are not copied.
+    (A meta tensor made from Python data reaches no dispatch, so torch.tensor is watched itself.)"""
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: recorder.calls.append(f"torch.tensor at {caller()}")
+                        or real_tensor(*a, **k))
+    x8 = torch.empty(64, 32, dtype=torch.float8_e4m3fn, device="meta")
+    w8 = torch.empty((32, 96) if transposed else (96, 32), dtype=torch.float8_e4m3fn, device="meta")
+    g8 = torch.empty(64, 96, dtype=torch.float8_e5m2, device="meta")
+    with recorder:
+        logits = tg.scaled_mm(x8, w8 if transposed else w8.t(), 0.1, 0.01, torch.bfloat16, True)
+        dw = (tg.scaled_mm(x8.t(), g8.t().contiguous().t(), 0.1, 0.001, torch.float32, False) if transposed
+              else tg.scaled_mm(g8.t().contiguous(), x8, 0.001, 0.1, torch.float32, False))
+    assert logits.shape == (64, 96) and dw.shape == ((32, 96) if transposed else (96, 32))
+    assert recorder.calls == []
