@@ -73,12 +73,14 @@ from torch.utils.checkpoint import checkpoint
 
 def _flag(group: str):
     # counts_steps: a recipe value that is a number of training steps (or a step), so a run of another
-    # length scales it (with_num_iterations); tools that shorten a run read this, never a list of names
+    # length scales it (with_num_iterations); tools that shorten a run read this, never a list of names.
+    # needs: the switches (fields) of which one must be on for this value to act; a run given another
+    # value without them says so (inert_setting_notes)
     def make(default, meaning: str, *, choices=None, at_least=None, above=None, at_most=None, below=None,
-             counts_steps=False):
+             counts_steps=False, needs=()):
         return field(default=default, metadata=dict(group=group, meaning=meaning, choices=choices, at_least=at_least,
                                                      above=above, at_most=at_most, below=below,
-                                                     counts_steps=counts_steps))
+                                                     counts_steps=counts_steps, needs=needs))
     return make
 
 
@@ -88,6 +90,9 @@ recipe, idea = _flag("recipe"), _flag("seed ideas")
 execution, bookkeeping = _flag("execution"), _flag("bookkeeping")
 TRAINING_GROUPS = ("recipe", "seed ideas")  # a resumed checkpoint must match these
 EXPERIMENT_GROUPS = ("recipe", "seed ideas", "execution")  # runs that agree on these are one experiment
+
+
+LR_LIMIT = 1.0  # no learning rate of this model trains above it: every record's is 0.5 or less
 
 
 @dataclass
@@ -106,7 +111,7 @@ class Hyperparameters:
                                             "cut at document_cut_tokens, the slice's last one cut to fit (off: "
                                             "contiguous slices)")
     document_cut_tokens: int = recipe(4096, "with document_aligned_batches: a document longer than this keeps only "
-                                      "its first N tokens", at_least=1)
+                                      "its first N tokens", at_least=1, needs=("document_aligned_batches",))
     # ---- model (docs/bulk-model.md)
     model_dim: int = recipe(1024, "width of the residual stream", at_least=1)
     num_layers: int = recipe(16, "transformer blocks", at_least=1)
@@ -155,7 +160,7 @@ class Hyperparameters:
     backout: bool = recipe(True, "head input norm(h - lambda h_b) from the last block's output h and backout_layer's "
                            "output h_b, lambda learned from 0.5 (off: norm(h))")
     backout_layer: int = recipe(11, "the block whose output backout subtracts (with --mudd: h_b of its mixes)",
-                                at_least=0)
+                                at_least=0, needs=("backout", "mudd"))
     mlp_proj_transposed: bool = recipe(True, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
                                        "multiplier 2")
     logit_softcap_form: str = recipe("sigmoid", "sigmoid: 23 sigmoid((z+5)/7.5), in the model dtype when training, "
@@ -172,7 +177,7 @@ class Hyperparameters:
                                    "1/batch_slices (/T for a mean), the backward's input ignored; S_w over all "
                                    "multi-token weights even where the sequence ends; the gradient's FP8 scale "
                                    "times that loss scale; e5m2 codes saturating) (docs/fused-ce.md)",
-                                   choices=("pr252", "pr261"))
+                                   choices=("pr252", "pr261"), needs=("fused_softcap_ce",))
     multi_token_prediction: bool = recipe(True, "training loss over the next 3, then 2, then 1 tokens per position, "
                                           "weighted by the step grid's multi-token schedule (mtp_weights)")
     train_loss_reduction: str = recipe("sum", "training loss over a slice's tokens (validation is a mean)",
@@ -189,7 +194,8 @@ class Hyperparameters:
                        "the product comes out in the model dtype (bf16; fp32 on a float32 CPU run, from the "
                        "same codes); validation stays the plain product")
     fp8_ranges: tuple[float, ...] = recipe((100.0, 1.6, 0.75), "with --fp8: 448 x (s_x, s_w, s_g), i.e. the |h| and "
-                                           "|H| that fill e4m3's range (448), and the gradient scale's numerator")
+                                           "|H| that fill e4m3's range (448), and the gradient scale's numerator",
+                                           needs=("fp8",))
     head_transposed: bool = recipe(False, "head stored (model_dim, padded vocab) and used as x @ H (the exact "
                                    "transpose of the usual head, same init); while tied the input embedding "
                                    "reads its columns")
@@ -201,8 +207,9 @@ class Hyperparameters:
                                 "hash of (previous token, token); the table: Adam lr x75 wd x5 of embed_lr, betas "
                                 "0.75/0.95 (table_multipliers off: x1), gamma: lr x1, no decay, betas 0.9/0.95")
     bigram_table_multiple: int = recipe(5, "with --bigram_embed: the hash table has N x the vocabulary table's rows "
-                                        "(the record's 5 x 50304 = 251,520)", at_least=1)
-    bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start")
+                                        "(the record's 5 x 50304 = 251,520)", at_least=1, needs=("bigram_embed",))
+    bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start",
+                                       needs=("bigram_embed",))
     # PR #261's MuddFormer pieces (docs/mudd.md)
     attn_input_from_layer: Optional[int] = recipe(
         None, "the blocks after block N attend from norm(block N's output) instead of norm(x): q, k, v and their "
@@ -218,9 +225,9 @@ class Hyperparameters:
                             "dynamic weights, no final mix (head input: the backout with --backout, else the "
                             "plain norm); final: only the mix after the last block, which is the ordinary block. "
                             "The weights keep both nets' slices (the unused one gets no gradient)",
-                            choices=("both", "penultimate", "final"))
+                            choices=("both", "penultimate", "final"), needs=("mudd",))
     mudd_lr: float = recipe(0.004, "with --mudd: Adam lr of its weights, x0.25 (betas 0.9/0.99; decay on the two "
-                            "matrices, none on the biases)", at_least=0)
+                            "matrices, none on the biases)", at_least=0, needs=("mudd",), at_most=LR_LIMIT)
     # ---- the step grid (docs/bulk-data.md). Its schedules span the scheduled steps S = num_iterations -
     # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
     num_iterations: int = recipe(4740, "training steps", at_least=1)
@@ -242,12 +249,13 @@ class Hyperparameters:
                                               "min(11, long // 2); the final validation's long window is "
                                               "max_window_tokens")
     # ---- optimizers (docs/bulk-optimizers.md): Adam for tables, head and scalars; NorMuon for matrices
-    head_lr: float = recipe(0.004, "Adam lr of the output head", at_least=0)
-    embed_lr: float = recipe(0.004, "Adam lr of the input and value embeddings", at_least=0)
+    head_lr: float = recipe(0.004, "Adam lr of the output head", at_least=0, at_most=LR_LIMIT)
+    embed_lr: float = recipe(0.004, "Adam lr of the input and value embeddings", at_least=0, at_most=LR_LIMIT)
     scalar_lr: float = recipe(0.008, "Adam lr of the scalar vector (residual and attention weights, skip gains)",
-                              at_least=0)
-    x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer input-embedding weights", at_least=0)
-    gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates", at_least=0)
+                              at_least=0, at_most=LR_LIMIT)
+    x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer input-embedding weights", at_least=0,
+                                  at_most=LR_LIMIT)
+    gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates", at_least=0, at_most=LR_LIMIT)
     adam_beta1: float = recipe(0.8, "Adam beta1", at_least=0, below=1)
     adam_beta2: float = recipe(0.95, "Adam beta2", at_least=0, below=1)
     scalar_adam_beta1: Optional[float] = recipe(0.9, "Adam beta1 of the scalar group (auto: adam_beta1)",
@@ -259,7 +267,8 @@ class Hyperparameters:
                                       "weight's wd_mul) where update and weight agree in sign", at_least=0)
     adam_odd_steps_only: bool = recipe(True, "Adam steps on odd steps only, on the summed gradients of the step "
                                        "before and its own (Muon steps every step)")
-    muon_lr: float = recipe(0.015, "Muon lr (times the shape factor sqrt(max(1, rows/cols)))", at_least=0)
+    muon_lr: float = recipe(0.015, "Muon lr (times the shape factor sqrt(max(1, rows/cols)))", at_least=0,
+                            at_most=LR_LIMIT)
     muon_momentum: float = recipe(0.95, "Muon momentum after the warm-up", at_least=0, below=1)
     muon_momentum_start: float = recipe(0.85, "Muon momentum at step 0", at_least=0, below=1)
     muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0,
@@ -299,13 +308,14 @@ class Hyperparameters:
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
     lore_input: bool = idea(False, "LoRE: input embeddings as a V x r table and an r -> d projection")
     lore_output: bool = idea(False, "LoRE: head as d -> r -> V")
-    lore_rank: int = idea(128, "LoRE rank r", at_least=1)
-    lore_init: str = idea("corrected", "LoRE factor init", choices=("none", "original", "corrected"))
+    lore_rank: int = idea(128, "LoRE rank r", at_least=1, needs=("lore_input", "lore_output"))
+    lore_init: str = idea("corrected", "LoRE factor init", choices=("none", "original", "corrected"),
+                          needs=("lore_input", "lore_output"))
     ve_mode: str = idea("native", "value embeddings: one table per layout index (native, grouped) or a basis of K "
                         "tables mixed by coefficients (learned, frozen)", choices=("native", "grouped", "learned", "frozen"))
     ve_tables: int = idea(0, "K basis tables for learned/frozen (0: as many as value_embed_layout names)", at_least=0)
     ve_coeff_init: str = idea("canonical", "learned/frozen coefficient init", choices=("canonical", "assignment"))
-    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0)
+    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0, at_most=LR_LIMIT)
     ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
                         choices=("direct", "materialized"))
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
@@ -346,7 +356,8 @@ class Hyperparameters:
                                    "tokens (no data, no log) and print ms/step, tokens/s, TFLOP/s, MFU, memory; "
                                    "0: train", at_least=0)
     bench_at_step: Optional[int] = bookkeeping(None, "with --bench_steps: time at this step of the schedule only; "
-                                               "unset: at the first and the last step", at_least=0)
+                                               "unset: at the first and the last step", at_least=0,
+                                               needs=("bench_steps",))
 
     # ---- derived quantities (no state of their own)
     @property
@@ -1544,6 +1555,7 @@ class LowRankEmbedding(nn.Module):
 # with a fixed scale (fp8_ranges / 448): codes = fp8(t / scale), rounded once from fp32 (the records
 # divide and cast inside compiled code, which does not round the quotient to bf16 first).
 FP8_E4M3_MAX = 448.0
+FP8_RANGE_BOUNDS = (1e-30, 1e30)  # --fp8_ranges: r / 448 / batch_slices and its reciprocal stay normal float32
 
 
 def fp8_scales(config: Hyperparameters) -> tuple[float, float, float]:
@@ -3752,6 +3764,11 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
              "applies to the record's full head, not LoRE's low-rank one: drop --lore_output or this flag")
     need(len(cfg.fp8_ranges) == 3 and all(r > 0 for r in cfg.fp8_ranges), "fp8_ranges",
          f"{to_text(cfg.fp8_ranges)} must be three positive numbers (|h|, |H| and the gradient's, each / 448 a scale)")
+    low, high = FP8_RANGE_BOUNDS
+    need(all(low <= r <= high for r in cfg.fp8_ranges), "fp8_ranges",
+         f"{to_text(cfg.fp8_ranges)}: each range must be in [{low:g}, {high:g}]; beyond, its scale r/448 (the "
+         "gradient's times 1/batch_slices) or the scale's reciprocal leaves float32's normal numbers and the codes "
+         "become 0 or inf")
     if cfg.fused_softcap_ce:
         need(cfg.logit_softcap_form == "sigmoid", "fused_softcap_ce",
              "computes the sigmoid cap: it needs --logit_softcap_form=sigmoid")
@@ -4092,10 +4109,22 @@ def ensure_synthetic_data(config: Hyperparameters) -> None:
         raise ConfigError(f"--synthetic_data: {e}")
 
 
+def inert_setting_notes(config: Hyperparameters) -> list[str]:
+    """A note for each value set away from its preset's (by a flag or the recipe) whose switch is
+    off (its field's `needs`), so that it has no effect: `--mudd_nets=final` without `--mudd`."""
+    notes, preset = [], make_config(config.preset)
+    for f in fields(config):
+        needs, value = f.metadata.get("needs"), getattr(config, f.name)
+        if needs and value != getattr(preset, f.name) and not any(getattr(config, n) for n in needs):
+            switches = " or ".join(f"--{n}" for n in needs)
+            notes.append(f"note: --{f.name}={to_text(value)} has no effect without {switches}")
+    return notes
+
+
 def recipe_notes(config: Hyperparameters) -> list[str]:
-    """Log lines for choices that change training where a memory switch would not, and for a
-    recipe phase the run is too short to reach."""
-    notes, split = [], untie_step(config)
+    """Log lines for choices that change training where a memory switch would not, for a
+    recipe phase the run is too short to reach, and for values whose switch is off."""
+    notes, split = inert_setting_notes(config), untie_step(config)
     if split and split >= config.num_iterations - 1:
         notes.append(f"note: the embedding split after step {split} (--untie_embed_after_step="
                      f"{to_text(config.untie_embed_after_step)}) comes after the run's last training step "

@@ -237,7 +237,7 @@ def test_help_lists_every_field_with_its_default_and_exits_0(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for f in tg.fields(tg.Hyperparameters):
         assert f"--{f.name}" in out, f.name
-    assert "[default 4740; >= 1]" in out and "[default 0.015; >= 0]" in out
+    assert "[default 4740; >= 1]" in out and "[default 0.015; >= 0 and <= 1.0]" in out
 
 
 def test_the_log_says_when_a_choice_changes_training_and_how_many_cpu_threads(synthetic_dir, tmp_path):
@@ -259,3 +259,48 @@ def test_the_recipe_line_is_one_short_line(recipe):
     the config lines, not this line."""
     line = tg.recipe_summary(tg.make_config(recipe=recipe))
     assert "\n" not in line and len(line) <= 160 and tg.RECIPES[recipe].folder in line
+
+
+def test_a_value_whose_switch_is_off_is_noted_once():
+    """--mudd_nets without --mudd, --fused_ce_variant without --fused_softcap_ce: one note each; a
+    value left at the preset's, or whose switch is on, is not noted."""
+    notes = tg.recipe_notes(tg.make_config("tiny", mudd_nets="final", fused_ce_variant="pr261"))
+    assert notes == ["note: --fused_ce_variant=pr261 has no effect without --fused_softcap_ce",
+                     "note: --mudd_nets=final has no effect without --mudd"]
+    assert tg.inert_setting_notes(tg.make_config("tiny", recipe="mudd", mudd_nets="final", backout=False)) == []
+    # the recipe's own value, once its switch is turned off (an ablation): noted too
+    assert tg.inert_setting_notes(tg.make_config("tiny", recipe="mudd", fused_softcap_ce=False)) == [
+        "note: --fused_ce_variant=pr261 has no effect without --fused_softcap_ce"]
+    for recipe in tg.RECIPES:  # no recipe sets a value it does not use
+        assert tg.inert_setting_notes(tg.make_config("medium", recipe=recipe)) == []
+        assert tg.inert_setting_notes(tg.make_config("tiny", recipe=recipe)) == []
+
+
+def test_a_note_on_a_value_without_effect_is_in_the_log_and_on_the_screen(synthetic_dir, tmp_path, capsys):
+    argv = ["--preset=tiny", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
+            f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=3",
+            "--val_every=0", "--val_tokens=1024", "--warmup_steps=0", "--batch_schedule=", "--mudd_nets=final",
+            f"--log_dir={tmp_path}"]
+    assert tg.main(argv) == 0
+    note = "note: --mudd_nets=final has no effect without --mudd"
+    assert capsys.readouterr().out.count(note) == 1
+    (log,) = tmp_path.glob("*.txt")
+    assert log.read_text().split("=" * 100 + "\n")[-1].count(note) == 1
+
+
+@pytest.mark.parametrize("flag,value", [("head_lr", "2"), ("muon_lr", "1.5"), ("mudd_lr", "10"), ("ve_coeff_lr", "5")])
+def test_a_learning_rate_past_any_sane_bound_is_refused_with_the_bound(flag, value):
+    with pytest.raises(tg.ConfigError) as refusal:
+        tg.parse_args([f"--{flag}={value}"])
+    assert str(refusal.value) == f"--{flag}: {float(value)} is not allowed; it must be >= 0 and <= 1.0"
+    tg.parse_args([f"--{flag}=1"])  # the bound itself trains (badly, but it is a number)
+
+
+@pytest.mark.parametrize("ranges", ["1e-40,1.6,0.75", "100,1e31,0.75", "100,1.6,1e-35"])
+def test_an_fp8_range_whose_scale_leaves_float32_is_refused_with_the_bounds(ranges):
+    with pytest.raises(tg.ConfigError) as refusal:
+        tg.parse_args(["--preset=tiny", "--fp8", f"--fp8_ranges={ranges}"])
+    message = str(refusal.value)
+    assert message.startswith("--fp8_ranges: ") and "[1e-30, 1e+30]" in message
+    low = tg.FP8_RANGE_BOUNDS[0] / tg.FP8_E4M3_MAX / 8  # the smallest gradient scale the bounds allow (8 slices)
+    assert low > torch.finfo(torch.float32).tiny and 1 / low < torch.finfo(torch.float32).max
