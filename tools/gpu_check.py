@@ -188,20 +188,21 @@ def training_data(config: tg.Hyperparameters, folder: Path, steps: int) -> tuple
             "--token_bytes_file="], "generated tokens, no shards found"
 
 
-BACKENDS_PROBE = "import json, train_gpt_medium as tg; print(json.dumps(tg.attention_backends_here()))"
+BACKENDS_PROBE = ("import json, torch, train_gpt_medium as tg; "
+                  "print(json.dumps([torch.cuda.is_available(), tg.attention_backends_here()]))")
 
 
 def backends_row(config: tg.Hyperparameters, gpus: int) -> dict:
-    """Which attention backends this machine has (asked in a child process, so this one never starts
-    CUDA), and whether the runs' own is one of them."""
-    used = tg.attention_backend(config, "cuda" if gpus else "cpu")
+    """Which attention backends this machine has (asked in a child process, as the trainer's runs see
+    the machine, so this one never starts CUDA), and whether the runs' own is one of them."""
     try:
         done = subprocess.run([sys.executable, "-c", BACKENDS_PROBE], cwd=ROOT, capture_output=True, text=True,
                               timeout=120)
-        found = json.loads(done.stdout.strip().splitlines()[-1])
+        cuda, found = json.loads(done.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, IndexError, ValueError) as e:
-        return row("attention backends", "could not be asked", f"{used} available",
+        return row("attention backends", "could not be asked", "the runs' backend available",
                    f"attention backends: the probe failed ({type(e).__name__})")
+    used = tg.attention_backend(config, "cuda" if cuda and config.device != "cpu" else "cpu")
     measured = "; ".join(f"{name}: yes" if why is None else f"{name}: no ({why})" for name, why in found.items())
     problem = found.get(used)
     return row("attention backends", measured, f"{used} (the runs' backend) available",
