@@ -453,7 +453,8 @@ def _raise_interrupted(signum, frame):
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent dies
-STOP_GRACE_S = 10  # after SIGTERM, the run's processes have this long before SIGKILL
+STOP_GRACE_S = 40  # after SIGTERM, the run's processes have this long before SIGKILL: more than the 30 s
+# torchrun gives its workers (which sit in sessions of their own) before it kills them itself
 
 
 def _die_with_parent():
