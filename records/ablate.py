@@ -474,25 +474,40 @@ def _die_with_parent():
 # The run's first process: the leader of a process group of its own (a new session) that starts the
 # command in that group and waits for it. A SIGTERM (from the sweep, or from the kernel when the
 # sweep died: parent-death signal) or a SIGINT goes to the whole group, so a command that started
-# processes of its own (a shell script, torchrun) leaves none behind; what still runs after the grace
-# period is killed, the guard with it. The exit status is the command's (128 + N for signal N).
-GUARD = """import os, signal, subprocess, sys
+# processes of its own (a shell script, run.sh's torchrun) leaves none behind. On Linux the guard is
+# a subreaper: what the run started and left becomes its child, so after a stop it waits for all of
+# it (torchrun ending its workers), not only for the command. The handler only signals and sets an
+# alarm (waiting inside it would deadlock with the wait it interrupted); at the alarm, after the grace
+# period, what still runs in the group is killed, the guard with it. The exit status is the command's
+# (128 + N for signal N).
+GUARD = """import ctypes, os, signal, subprocess, sys
+grace = int(sys.argv[1])
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+stopping = False
 def stop(signum, frame):
+    global stopping
+    stopping = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
+    signal.alarm(grace)
     os.killpg(0, signal.SIGTERM)
-    try:
-        child.wait(timeout=float(sys.argv[1]))
-    finally:
-        os.killpg(0, signal.SIGKILL)
-child = None
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
 try:
     child = subprocess.Popen(sys.argv[2:])
 except OSError as e:
     sys.exit(f"{sys.argv[2]}: cannot start: {e.strerror or e}")
+if stopping:  # the stop came while the command was being started
+    os.killpg(0, signal.SIGTERM)
 code = child.wait()
+if stopping:
+    try:
+        while True:
+            os.wait()  # the rest of the run, until none is left (or the alarm kills the group)
+    except ChildProcessError:
+        pass
 sys.exit(code if code >= 0 else 128 - code)
 """
 

@@ -405,6 +405,41 @@ def test_a_sigkilled_ab_leaves_no_process_that_its_run_started(tmp_path):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
+GRACEFUL = '''import os, signal, sys, time
+def leave(signum, frame):
+    time.sleep(1)  # like torchrun ending its workers: a while after SIGTERM
+    open({marker!r}, "w").write("ended cleanly")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, leave)
+open({pidfile!r}, "w").write(str(os.getpid()))
+time.sleep(120)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard waits for orphans as a Linux subreaper")
+def test_a_stopped_run_gets_its_grace_period_even_after_its_first_process_is_gone(tmp_path):
+    """SIGTERM to the sweep: the run's shell dies at once, but the process it started (here one
+    that takes a second to end, as torchrun does with its workers) is waited for, not killed."""
+    pidfile, marker = tmp_path / "child.pid", tmp_path / "ended.txt"
+    (tmp_path / "graceful.py").write_text(GRACEFUL.format(pidfile=str(pidfile), marker=str(marker)))
+    shell = shlex.quote(f"{PY} {tmp_path / 'graceful.py'}; echo after")
+    argv = ["--preset", "tiny", "--arm", f"a=sh -c {shell}", "--arm", f"b=sh -c {shell}", "--seeds", "1",
+            "--out", str(tmp_path / "out")]
+    sweep = subprocess.Popen([sys.executable, str(ROOT / "records" / "ablate.py"), *argv], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait(lambda: pidfile.exists() and pidfile.read_text(), 60), sweep.stderr.read() if sweep.poll() else ""
+        child = int(pidfile.read_text())
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=60) == 143
+        assert marker.read_text() == "ended cleanly" and not _alive(child)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
 # -----------------------------------------------------------------------------
 # The plan, and input an A/B cannot use (no run made, nothing written)
 
