@@ -416,8 +416,11 @@ class Outcome:
 
 
 def last_line(path: Path) -> str:
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
-    return lines[-1].strip() if lines else ""
+    """The line of a failed run's stderr that says why: its last `error: ...` line (the trainer's
+    refusal, which torchrun follows with its own report), else its last line."""
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
+    errors = [line for line in lines if line.startswith("error: ")]
+    return (errors or lines or [""])[-1]
 
 
 def inspect(run: Run) -> Outcome:

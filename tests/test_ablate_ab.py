@@ -534,3 +534,14 @@ def test_a_script_that_writes_no_log_is_a_failed_run_that_says_where_it_looked(t
     row = next(r for r in read_csv(tmp_path / "out" / "runs.csv") if r["arm"] == "up")
     assert row["reason"] == (f"exit 0 but no finished log (no log of {tmp_path / 'fake_upstream.py'} appeared in "
                              f"{tmp_path / 'logs'})")
+
+
+def test_a_failed_runs_reason_is_its_error_line_not_the_launchers_report_after_it(tmp_path, monkeypatch):
+    """torchrun follows a rank's `error: ...` with its own report (lines of `=`): the reason is the error."""
+    script = shlex.quote("echo 'error: --train_files: too few shards' >&2; echo '=====' >&2; exit 1")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--preset", "tiny", "--arm", f"a=sh -c {script}", "--arm", f"b=sh -c {script}", "--seeds", "1",
+            "--out", str(tmp_path / "out")]
+    assert ablate.main(argv) == 1
+    assert [r["reason"] for r in read_csv(tmp_path / "out" / "runs.csv")] == [
+        "exit 1: error: --train_files: too few shards"] * 2
