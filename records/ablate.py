@@ -16,8 +16,9 @@ An A/B arm (--arm NAME=COMMAND, two or more) is a whole command: a launcher and 
 NAME=VALUE launcher settings in front (TRAINER=..., NPROC_PER_NODE=...; `env` in front works too).
 Its script takes the sweep's flags (--preset, --seed, --run_id, --log_dir and the flags after --)
 when it is a trainer of this project's kind (a make_config, a parse_args and a Hyperparameters
-dataclass with run_id and log_dir: the live script, the frozen x01 one); a script of another kind (upstream's
-record scripts) gets no flags, and its log is picked up from the logs/ folder it writes into.
+dataclass with run_id and log_dir: the live script, the frozen x01 one); a script of another kind
+(upstream's record scripts) gets no flags, and its log is picked up from the logs/ folder it writes
+into.
 Runs go seed-major (every arm of seed 1, then every arm of seed 2, ...; each seed's block starts
 one arm later than the one before: A B, B A, A B for two arms), so drift of the machine hits all
 arms alike. Every arm of a seed gets the same --seed (an A/B: where its script takes one): the
