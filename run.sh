@@ -78,8 +78,11 @@ fi
 
 # Several processes: the flags and the world size are checked once here, with the trainer's own
 # messages, before torchrun starts (the ranks' refusals can be lost when torchrun stops the others).
+# Only for a trainer of this project's kind (it defines parse_args and check_world_size, and importing
+# it runs nothing); a script of another kind (upstream's record scripts train as they are imported)
+# is not imported here: its ranks check their own input.
 world=$((nnodes * nproc))
-if [ "$world" -gt 1 ]; then
+if [ "$world" -gt 1 ] && grep -q '^def parse_args(' "$TRAINER" && grep -q '^def check_world_size(' "$TRAINER"; then
   "$PYTHON" -c 'import contextlib, importlib.util, io, sys
 spec = importlib.util.spec_from_file_location("trainer", sys.argv[2])
 t = importlib.util.module_from_spec(spec)

@@ -1,31 +1,50 @@
-"""Seed-matched ablations: run a grid of trainer configurations x seeds, then compare the arms.
+"""Seed-matched ablations and interleaved A/Bs: run trainer configurations (or whole commands) x seeds,
+then compare the arms.
 
     python records/ablate.py --preset tiny --grid lore_input=false,true --grid lore_output=false,true \\
         --seeds 1,2,3 [--launcher "./run.sh"] [--out DIR] [--baseline ARM] \\
         [--band-loss 0.002] [--band-time 1.05] [--band-metric loss|bpb] [--dry_run] [-- extra trainer flags]
+    python records/ablate.py --arm base=./run.sh --arm cand="./run.sh --recipe mudd" \\
+        --arm up="TRAINER=records/x01_lineage/train_gpt_medium.py ./run.sh" --seeds 1,2,3,4,5 \\
+        [--preset medium] [--out DIR] [--baseline NAME] [--target 2.92] [--dry_run] [-- flags for every arm]
     python records/ablate.py --report-only --out DIR [--baseline ARM] [--band-loss X] [--band-time R]
 
-An arm is one combination of the --grid values (the grid is their product, in the order given).
+A grid arm is one combination of the --grid values (the grid is their product, in the order given).
 --grid FIELD=V1,V2 splits on commas; values that hold commas themselves (value_embed_layout) are
 separated by semicolons instead: --grid 'value_embed_layout=0,1,2,...;0,0,1,...'.
+An A/B arm (--arm NAME=COMMAND, two or more) is a whole command: a launcher and its flags, with
+NAME=VALUE launcher settings in front (TRAINER=..., NPROC_PER_NODE=...; `env` in front works too).
+Its script takes the sweep's flags (--preset, --seed, --run_id, --log_dir and the flags after --)
+when it is a trainer of this project's kind (a make_config, a parse_args and a Hyperparameters
+dataclass with run_id and log_dir: the live script, the frozen x01 one); a script of another kind
+(upstream's record scripts) gets no flags, and its log is picked up from the logs/ folder it writes
+into.
 Runs go seed-major (every arm of seed 1, then every arm of seed 2, ...; each seed's block starts
-one arm later than the one before), so drift of the machine hits all arms alike. Every arm of a
-seed gets the same --seed: the trainer derives each parameter's init from the seed and the
-parameter's name, so the tensors two arms share start identical.
-Each run is one launcher call logging to <out>/logs/<arm>/seed<S>/ (with stdout.log, stderr.log
-and run.json beside the log). Runs whose folder already holds a finished log of the same
-experiment and seed are skipped, so rerunning an interrupted sweep completes only what is
-missing; each finished log is read once (records/runlogs.py caches it). Results: <out>/runs.csv,
-<out>/report.md and <out>/report.json (the same statistics at full precision).
-Stopping the sweep (Ctrl-C, SIGTERM, even SIGKILL on Linux) stops the run it was making.
+one arm later than the one before: A B, B A, A B for two arms), so drift of the machine hits all
+arms alike. Every arm of a seed gets the same --seed (an A/B: where its script takes one): the
+trainer derives each parameter's init from the seed and the parameter's name, so the tensors two
+arms share start identical. In an A/B the k-th seed makes slot k, and the arms are compared paired
+by slot.
+Each grid run is one launcher call logging to <out>/logs/<arm>/seed<S>/ (with stdout.log, stderr.log
+and run.json beside the log); each A/B run logs to <out>/<arm>/ (so records/stats.py reads an arm's
+folder like any folder of logs), with its stdout.log, stderr.log and run.json in <out>/<arm>/slot<k>/.
+Runs that already hold a finished log of the same experiment and seed are skipped, so rerunning an
+interrupted sweep completes only what is missing; each finished log is read once (records/runlogs.py
+caches it). Results: <out>/runs.csv, <out>/report.md and <out>/report.json (the same statistics at
+full precision); an A/B also draws <out>/slots.png (training time per slot and arm).
+Stopping the sweep (Ctrl-C, SIGTERM, even SIGKILL on Linux) stops the run it was making, and every
+process that run started (each run is a process group of its own, led by a guard that ends the
+group when the sweep dies).
 Exit status: 0 all runs finished (or --dry_run, --report-only), 1 some run failed, 2 unusable input,
 130 / 143 interrupted by SIGINT / SIGTERM.
 """
 
 import argparse
+import ast
 import csv
 import ctypes
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -85,6 +104,18 @@ class Arm:
         return [f"--{f}={v}" for f, v in self.settings]
 
 
+@dataclass(frozen=True)
+class CommandArm:
+    """One arm of an A/B: its name (its folder) and its command (a launcher and its flags)."""
+
+    name: str
+    command: str
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
 @dataclass
 class Sweep:
     """What a sweep runs (saved as <out>/sweep.json, which --report-only reads back)."""
@@ -98,12 +129,20 @@ class Sweep:
     band_loss: float | None = None
     band_time: float | None = None
     band_metric: str = "loss"
+    commands: list = field(default_factory=list)  # [[name, command], ...]: an A/B of commands; [] for a grid
+    target: float = stats.MEDIUM_TARGET  # an A/B's report: each arm's chance of a run below it
 
-    def arms(self) -> list[Arm]:
+    @property
+    def is_ab(self) -> bool:
+        return bool(self.commands)
+
+    def arms(self) -> list:
+        if self.is_ab:
+            return [CommandArm(name, command) for name, command in self.commands]
         fields_ = [f for f, _ in self.grid]
         return [Arm(tuple(zip(fields_, combo))) for combo in itertools.product(*(v for _, v in self.grid))]
 
-    def baseline_arm(self) -> Arm:
+    def baseline_arm(self):
         """The --baseline arm (by name or label), else the first arm."""
         arms = self.arms()
         if self.baseline is None:
@@ -116,21 +155,42 @@ class Sweep:
 
 @dataclass(frozen=True)
 class Run:
-    arm: Arm
+    arm: Arm | CommandArm
     seed: int
-    folder: Path
+    folder: Path  # the run's own files: stdout.log, stderr.log, run.json (a grid run's log too)
+    slot: int | None = None  # an A/B: the slot (1, 2, ...: the seed's place in --seeds); None in a grid
+    log_dir: Path | None = None  # an A/B: the arm's folder, which its logs go to; None: `folder`
 
     @property
     def run_id(self) -> str:
-        return f"{self.arm.name}_s{self.seed}"
+        return f"{self.arm.name}_slot{self.slot}" if self.slot is not None else f"{self.arm.name}_s{self.seed}"
+
+    @property
+    def logs_folder(self) -> Path:
+        return self.log_dir or self.folder
+
+    @property
+    def pair(self) -> int:
+        """What pairs this run with the other arms' runs: its slot in an A/B, its seed in a grid."""
+        return self.slot if self.slot is not None else self.seed
+
+    def logs(self) -> list[Path]:
+        """This run's log files, oldest first: every *.txt of a grid run's folder; an A/B run's
+        <run_id>_*.txt in its arm's folder (which holds the other slots' logs too)."""
+        pattern = f"{self.run_id}_*.txt" if self.slot is not None else "*.txt"
+        return sorted(self.logs_folder.glob(pattern), key=lambda p: p.stat().st_mtime)
 
 
 def plan(sweep: Sweep, out: Path) -> list[Run]:
     """Every run in launch order: seed-major; the k-th seed starts at the k-th arm (arms rotated), so
-    no arm always runs first in its block, where a slower or faster machine state would bias it."""
+    no arm always runs first in its block, where a slower or faster machine state would bias it
+    (two arms: A B, B A, A B, ...)."""
     arms = sweep.arms()
-    return [Run(arm, seed, out / "logs" / arm.name / f"seed{seed}")
-            for k, seed in enumerate(sweep.seeds) for arm in arms[k % len(arms):] + arms[:k % len(arms)]]
+    order = [(k, seed, arm) for k, seed in enumerate(sweep.seeds) for arm in arms[k % len(arms):] + arms[:k % len(arms)]]
+    if sweep.is_ab:
+        return [Run(arm, seed, out / arm.name / f"slot{k + 1}", slot=k + 1, log_dir=out / arm.name)
+                for k, seed, arm in order]
+    return [Run(arm, seed, out / "logs" / arm.name / f"seed{seed}") for k, seed, arm in order]
 
 
 def trainer_flags(sweep: Sweep, run: Run) -> list[str]:
@@ -139,7 +199,22 @@ def trainer_flags(sweep: Sweep, run: Run) -> list[str]:
 
 
 def command(sweep: Sweep, run: Run) -> list[str]:
+    """The words the run executes (an A/B arm's launcher settings not included: settings() has them)."""
+    if sweep.is_ab:
+        arm = arm_launch(run.arm)
+        return [*arm.words, *ab_flags(sweep, run, arm)]
     return [*shlex.split(sweep.launcher), *trainer_flags(sweep, run)]
+
+
+def settings(sweep: Sweep, run: Run) -> dict[str, str]:
+    """The environment variables the run's command sets for itself (an A/B arm's NAME=VALUE words)."""
+    return dict(arm_launch(run.arm).settings) if sweep.is_ab else {}
+
+
+def shown_command(sweep: Sweep, run: Run) -> str:
+    """The run's command as a shell line one can paste (its settings in front, through env)."""
+    env = [f"{k}={v}" for k, v in settings(sweep, run).items()]
+    return shlex.join((["env", *env] if env else []) + command(sweep, run))
 
 
 def parse_grid(text: str) -> list:
@@ -162,6 +237,160 @@ def parse_seeds(text: str) -> list[int]:
     if not seeds or len(set(seeds)) != len(seeds):
         raise SweepError(f"--seeds {text!r}: give at least one seed, each once")
     return seeds
+
+
+# -----------------------------------------------------------------------------
+# An A/B arm's command: what it runs, and which flags its script takes (read, never run)
+
+OURS, FOREIGN, LAUNCHER = "this project's trainer", "a script of another kind", "a launcher"
+AB_SET = ("preset", "seed", "run_id", "log_dir")  # the flags an A/B passes to a trainer of this project's kind
+ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+_SETTING = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.S)
+
+
+def parse_arm(text: str) -> list[str]:
+    """'NAME=COMMAND' -> [name, command]; SweepError for a bad name or an empty command."""
+    name, eq, command_text = text.partition("=")
+    if not eq or not name:
+        raise SweepError(f"--arm {text!r}: write NAME=COMMAND, e.g. --arm base=./run.sh --arm cand='./run.sh --recipe mudd'")
+    if not ARM_NAME.fullmatch(name):
+        raise SweepError(f"--arm {text!r}: write NAME=COMMAND with a NAME of letters, digits, - and _ (it names "
+                         "the arm's folder), e.g. --arm cand='./run.sh --recipe mudd'")
+    if not command_text.strip():
+        raise SweepError(f"--arm {text!r}: the command is empty; e.g. --arm {name}=./run.sh")
+    return [name, command_text.strip()]
+
+
+def check_arm_names(arms: list[list[str]]) -> None:
+    if len(arms) < 2:
+        raise SweepError(f"--arm: an A/B needs two arms or more, got {len(arms)}; add another --arm NAME=COMMAND")
+    seen = {}
+    for name, _ in arms:
+        if name.casefold() in seen:
+            raise SweepError(f"--arm {name}: the name is given twice (as {seen[name.casefold()]!r} before); "
+                             "give each arm a name of its own")
+        seen[name.casefold()] = name
+
+
+@dataclass(frozen=True)
+class ArmLaunch:
+    """What an arm's command runs."""
+
+    settings: tuple  # ((NAME, VALUE), ...): the launcher settings in front of the program
+    words: tuple  # the command from its program on
+    script: Path | None  # the Python script it trains with, where the command names it (run.sh: TRAINER)
+    kind: str  # OURS: takes the sweep's flags; FOREIGN: takes none; LAUNCHER: script unknown, takes them all
+    fields: frozenset  # OURS: the fields of the script's Hyperparameters
+    trainer_words: tuple  # the words its script reads as flags
+    workdir: Path  # the folder its script runs in (run.sh changes to its own): a FOREIGN script's logs/ is there
+
+    @property
+    def takes(self) -> frozenset:
+        """The sweep's own flags this arm's script takes."""
+        return {OURS: frozenset(AB_SET) & self.fields, FOREIGN: frozenset(), LAUNCHER: frozenset(AB_SET)}[self.kind]
+
+
+def script_kind(path: Path, where: str) -> tuple[str, frozenset]:
+    """(OURS and its config fields) for a script with a top-level make_config and parse_args and a
+    Hyperparameters class with run_id and log_dir fields; (FOREIGN, {}) for any other. Read with ast:
+    never run."""
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except OSError as e:
+        raise SweepError(f"{where}: cannot read the script {path}: {e.strerror or e}") from None
+    except (SyntaxError, ValueError) as e:
+        raise SweepError(f"{where}: the script {path} is not Python this interpreter reads ({e})") from None
+    functions = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    fields_ = {s.target.id for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters"
+               for s in n.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    if {"make_config", "parse_args"} <= functions and {"run_id", "log_dir"} <= fields_:
+        return OURS, frozenset(fields_)
+    return FOREIGN, frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def _arm_launch(name: str, text: str, cwd: str, trainer_env: str | None) -> ArmLaunch:
+    where = f"--arm {name}={text!r}"
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise SweepError(f"{where}: the command does not parse as shell words ({e}); check its quotes") from None
+    if words and Path(words[0]).name == "env":
+        words = words[1:]
+        if words and words[0].startswith("-"):
+            raise SweepError(f"{where}: env's options are not read here; write the settings as NAME=VALUE words "
+                             "(e.g. --arm up='TRAINER=path/to/script.py ./run.sh')")
+    pairs = []
+    while words and _SETTING.fullmatch(words[0]):
+        pairs.append(_SETTING.fullmatch(words.pop(0)).groups())
+    if not words:
+        raise SweepError(f"{where}: no command after the settings; e.g. --arm {name}='{text} ./run.sh'")
+    program = words[0]
+    if shutil.which(program) is None:
+        raise SweepError(f"{where}: {program} is not an executable here (not on PATH, or no such file with execute "
+                         "permission); give its path from this folder, e.g. ./run.sh")
+    env = dict(pairs)
+    if "RUNS" in env:
+        raise SweepError(f"{where}: RUNS= would make run.sh repeat the run; the A/B makes the runs itself "
+                         "(one per --seeds entry): drop RUNS")
+    if Path(program).name == "run.sh":
+        home = Path(shutil.which(program)).resolve().parent
+        trainer = env.get("TRAINER", trainer_env or "train_gpt_medium.py")
+        script = home / trainer
+        if not script.is_file():
+            raise SweepError(f"{where}: TRAINER={trainer}: no such script in {home} (run.sh reads TRAINER from its "
+                             "own folder); give its path from there, e.g. TRAINER=records/x01_lineage/train_gpt_medium.py")
+        trainer_words, workdir = words[1:], home
+    else:
+        at = next((i for i, w in enumerate(words[1:], start=1) if w.endswith(".py")), None)
+        script = None if at is None else Path(cwd) / words[at]
+        if script is not None and not script.is_file():
+            raise SweepError(f"{where}: {words[at]}: no such script (paths are from this folder, {cwd})")
+        trainer_words, workdir = (words[at + 1:] if at is not None else words[1:]), Path(cwd)
+    kind, fields_ = script_kind(script, where) if script is not None else (LAUNCHER, frozenset())
+    return ArmLaunch(tuple(pairs), tuple(words), script, kind, fields_, tuple(trainer_words), workdir)
+
+
+def arm_launch(arm: CommandArm) -> ArmLaunch:
+    """The arm's command, read (cached per command, working folder and inherited TRAINER); SweepError
+    when it cannot run: bad quotes, a program or a TRAINER script that is not there, RUNS=."""
+    return _arm_launch(arm.name, arm.command, os.getcwd(), os.environ.get("TRAINER"))
+
+
+def ab_flags(sweep: Sweep, run: Run, arm: ArmLaunch) -> list[str]:
+    """The flags an A/B run adds to its arm's command: those of AB_SET its script takes, then the
+    flags after -- (a FOREIGN script gets none of them)."""
+    if arm.kind == FOREIGN:
+        return []
+    values = dict(preset=sweep.preset, seed=run.seed, run_id=run.run_id, log_dir=run.logs_folder)
+    return [f"--{k}={values[k]}" for k in AB_SET if k in arm.takes] + list(sweep.extra)
+
+
+def script_text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def foreign_logs(arm: ArmLaunch) -> dict[Path, int]:
+    """{log: modification time in ns} of the *.txt files in the logs/ folder a FOREIGN script writes to."""
+    folder = arm.workdir / "logs"
+    return {p: p.stat().st_mtime_ns for p in folder.glob("*.txt") if p.is_file()} if folder.is_dir() else {}
+
+
+def collect_foreign_log(arm: ArmLaunch, before: dict[Path, int], run: Run) -> list[Path]:
+    """Move the logs that appeared (or changed) in the script's logs/ folder during the run, and that
+    embed this script's source, into the arm's folder as <run_id>_<their name>; returns them."""
+    digest = runlogs.script_digest(script_text(arm.script))
+    moved = []
+    for path, stamp in sorted(foreign_logs(arm).items(), key=lambda kv: kv[1]):
+        if before.get(path) == stamp:
+            continue
+        source = runlogs.embedded_source(path.read_bytes().decode("utf-8", errors="replace"))
+        if source is None or runlogs.script_digest(source) != digest:
+            continue  # another program's file
+        target = run.logs_folder / f"{run.run_id}_{path.name}"
+        shutil.move(path, target)
+        moved.append(target)
+    return moved
 
 
 # -----------------------------------------------------------------------------
@@ -188,15 +417,16 @@ class Outcome:
 
 
 def last_line(path: Path) -> str:
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
-    return lines[-1].strip() if lines else ""
+    """The line of a failed run's stderr that says why: its last `error: ...` line (the trainer's
+    refusal, which torchrun follows with its own report), else its last line."""
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
+    errors = [line for line in lines if line.startswith("error: ")]
+    return (errors or lines or [""])[-1]
 
 
 def inspect(run: Run) -> Outcome:
-    """What the run's folder says: the newest finished log wins; else run.json's exit code and stderr."""
-    if not run.folder.is_dir():
-        return Outcome(run, "not run")
-    logs = sorted(run.folder.glob("*.txt"), key=lambda p: p.stat().st_mtime)
+    """What the run's files say: the newest finished log wins; else run.json's exit code and stderr."""
+    logs = run.logs() if run.logs_folder.is_dir() else []
     reads = [read_run(p) for p in logs]
     done = [m for m, _ in reads if m is not None]
     if done:
@@ -204,11 +434,17 @@ def inspect(run: Run) -> Outcome:
     record = run.folder / "run.json"
     if not record.exists():
         return Outcome(run, "not run")
-    code = json.loads(record.read_text())["exit_code"]
+    made = json.loads(record.read_text())
+    code = made["exit_code"]
     if code != 0:
         err = last_line(run.folder / "stderr.log")
         return Outcome(run, "failed", reason=f"exit {code}" + (f": {err}" if err else ""))
-    why = reads[-1][1] if reads else "no log written"
+    if reads:
+        why = reads[-1][1]
+    elif made.get("looked_in"):
+        why = f"no log of {made['script']} appeared in {made['looked_in']}"
+    else:
+        why = "no log written"
     return Outcome(run, "failed", reason=f"exit 0 but no finished log ({why})")
 
 
@@ -221,6 +457,8 @@ def _raise_interrupted(signum, frame):
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent dies
+STOP_GRACE_S = 40  # after SIGTERM, the run's processes have this long before SIGKILL: more than the 30 s
+# torchrun gives its workers (which sit in sessions of their own) before it kills them itself
 
 
 def _die_with_parent():
@@ -237,35 +475,96 @@ def _die_with_parent():
     return setup
 
 
+# The run's first process: the leader of a process group of its own (a new session) that starts the
+# command in that group and waits for it. A SIGTERM (from the sweep, or from the kernel when the
+# sweep died: parent-death signal) or a SIGINT goes to the whole group, so a command that started
+# processes of its own (a shell script, run.sh's torchrun) leaves none behind. On Linux the guard is
+# a subreaper: what the run started and left becomes its child, so after a stop it waits for all of
+# it (torchrun ending its workers), not only for the command. The handler only signals and sets an
+# alarm (waiting inside it would deadlock with the wait it interrupted); at the alarm, after the grace
+# period, what still runs in the group is killed, the guard with it. The exit status is the command's
+# (128 + N for signal N).
+GUARD = """import ctypes, os, signal, subprocess, sys
+grace = int(sys.argv[1])
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+stopping = False
+def stop(signum, frame):
+    global stopping
+    stopping = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
+    signal.alarm(grace)
+    os.killpg(0, signal.SIGTERM)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+try:
+    child = subprocess.Popen(sys.argv[2:])
+except OSError as e:
+    sys.exit(f"{sys.argv[2]}: cannot start: {e.strerror or e}")
+if stopping:  # the stop came while the command was being started
+    os.killpg(0, signal.SIGTERM)
+code = child.wait()
+if stopping:
+    try:
+        while True:
+            os.wait()  # the rest of the run, until none is left (or the alarm kills the group)
+    except ChildProcessError:
+        pass
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def guarded(cmd: list[str]) -> list[str]:
+    """`cmd` run under GUARD."""
+    return [sys.executable, "-c", GUARD, str(STOP_GRACE_S), *cmd]
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    """Ask the child to stop (SIGTERM: torchrun passes it to its workers), then kill it after 10 s."""
+    """Ask the run to stop (SIGTERM to its guard, which passes it to the run's processes; torchrun
+    passes it to its workers), then kill the run's process group after the guard's grace period."""
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=STOP_GRACE_S + 5)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
 
 
 def launch(sweep: Sweep, run: Run) -> Outcome:
     """One launcher call, its output in the run's folder; a rerun first sets unfinished logs aside.
-    An interrupt of the sweep while the run goes on stops the run, then propagates."""
+    An A/B run of a FOREIGN script: its log, found in the logs/ folder it writes to, is moved to the
+    arm's folder (an unfinished one too). An interrupt of the sweep while the run goes on stops the
+    run, then propagates."""
     run.folder.mkdir(parents=True, exist_ok=True)
-    for old in run.folder.glob("*.txt"):
+    for old in run.logs():
         if read_run(old)[0] is None:
             old.rename(old.with_name(f"{old.name}.incomplete"))  # kept for a post-mortem, no longer read as a log
-    cmd = command(sweep, run)
+    cmd, own = command(sweep, run), settings(sweep, run)
+    foreign = arm_launch(run.arm) if sweep.is_ab and arm_launch(run.arm).kind == FOREIGN else None
+    before = foreign_logs(foreign) if foreign else {}
+    record = dict(command=cmd, settings=own, started_at=time.strftime("%Y-%m-%d %H:%M:%S"), started_unix=time.time())
+    if foreign:
+        record.update(script=str(foreign.script), looked_in=str(foreign.workdir / "logs"))
     start = time.perf_counter()
     with open(run.folder / "stdout.log", "w") as out, open(run.folder / "stderr.log", "w") as err:
         env = {k: v for k, v in os.environ.items() if k != "RUNS"}  # run.sh would repeat the run RUNS times
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, preexec_fn=_die_with_parent())
+        proc = subprocess.Popen(guarded(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={**env, **own},
+                                start_new_session=True, preexec_fn=_die_with_parent())
         try:
             code = proc.wait()
         except BaseException:
             _stop(proc)
             raise
-    record = dict(command=cmd, exit_code=code, wall_s=round(time.perf_counter() - start, 3),
+        finally:
+            if foreign:
+                record["logs"] = [str(p) for p in collect_foreign_log(foreign, before, run)]
+    record.update(exit_code=code, wall_s=round(time.perf_counter() - start, 3),
                   finished_at=time.strftime("%Y-%m-%d %H:%M:%S"))
     (run.folder / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     return inspect(run)
@@ -364,12 +663,81 @@ def check_sweep(sweep: Sweep, out: Path) -> None:
                                  f"{expected[name]}; use another --out (or delete that run's folder)")
 
 
+def check_ab_flags(sweep: Sweep, out: Path) -> None:
+    """An A/B's checks that need no trainer: every arm's command can run (its program and script
+    are there), sets none of the flags the A/B sets itself, and takes the flags after -- when there
+    are some; the baseline; the output folder. Raises SweepError naming the flag and the fix."""
+    check_arm_names(sweep.commands)
+    own = set(AB_SET) | set(NOT_TRAINING)
+    for flag in sweep.extra:
+        if flag_name(flag) in own:
+            raise SweepError(f"extra trainer flag {flag!r}: the A/B sets it itself or cannot use it "
+                             "(use --preset / --seeds / --out)")
+    for arm in sweep.arms():
+        launch_ = arm_launch(arm)
+        if launch_.kind == FOREIGN and sweep.extra:
+            raise SweepError(f"--arm {arm.name}: its script {launch_.script} takes no flags of this project (it is not "
+                             f"a trainer of its kind), so the flags after -- ({' '.join(sweep.extra)}) would not reach "
+                             "it; put them into the other arms' commands instead")
+        if launch_.kind == FOREIGN:
+            continue
+        for word in launch_.trainer_words:
+            if word.startswith("--") and flag_name(word) in own:
+                raise SweepError(f"--arm {arm.name}: its command sets {word.partition('=')[0]}, which the A/B sets "
+                                 "itself (--preset, and --seed, --run_id, --log_dir from --seeds and --out) or "
+                                 "cannot use; drop it from the command")
+    sweep.baseline_arm()
+    check_out(out)
+
+
+def check_ab(sweep: Sweep, out: Path) -> None:
+    """check_ab_flags, then for each arm whose script is of this project's kind: its flags make a
+    valid config (the script's own parse_args, imported, not run); and no finished log in `out` from
+    another version of its script, or (scripts of this project's kind) of another experiment or
+    seed than its run asks for. Raises SweepError naming the problem."""
+    check_ab_flags(sweep, out)
+    from records import diff  # its trainer loader: the live script as train_gpt_medium, others by their folder
+
+    modules = {}
+    for run in plan(sweep, out)[:len(sweep.arms())]:
+        arm = arm_launch(run.arm)
+        if arm.kind != OURS:
+            continue
+        try:
+            module = modules[run.arm.name] = diff.load_trainer(arm.script)
+        except diff.DiffError as e:
+            raise SweepError(f"--arm {run.arm.name}: {e}") from None
+        try:
+            module.parse_args([*arm.trainer_words, *ab_flags(sweep, run, arm)])
+        except (Exception, SystemExit) as e:
+            raise SweepError(f"--arm {run.arm.name}: {e}") from None
+    for run in plan(sweep, out):
+        outcome = inspect(run)
+        arm = arm_launch(run.arm)
+        if outcome.status != "finished" or arm.script is None:
+            continue
+        log, now = outcome.metrics, runlogs.script_digest(script_text(arm.script))
+        if log.script != now:
+            raise SweepError(f"--out {out}: {log.path} was made by another version of {arm.script} (script "
+                             f"{log.script}, now {now}); use another --out (or delete that log)")
+        module = modules.get(run.arm.name)
+        if module is None or not callable(getattr(module, "config_lines", None)):
+            continue
+        expected = runlogs.parse_text("\n".join(module.config_lines(
+            module.parse_args([*arm.trainer_words, *ab_flags(sweep, run, arm)])))).config
+        checked = {**runlogs.experiment_config(log), **({"seed": log.seed} if log.seed is not None else {})}
+        for name, text in checked.items():
+            if name in expected and expected[name] != text:
+                raise SweepError(f"--out {out}: {log.path} ran with {name} = {text}, this A/B asks for "
+                                 f"{expected[name]}; use another --out (or delete that log)")
+
+
 # -----------------------------------------------------------------------------
 # Statistics (all tests from records/stats.py)
 
 def _values(outcomes: list[Outcome], metric: str) -> dict[int, float]:
-    """{seed: value} of the finished runs that report the metric."""
-    return {o.run.seed: getattr(o.metrics, metric) for o in outcomes
+    """{seed (an A/B: slot): value} of the finished runs that report the metric."""
+    return {o.run.pair: getattr(o.metrics, metric) for o in outcomes
             if o.status == "finished" and getattr(o.metrics, metric) is not None}
 
 
@@ -379,7 +747,8 @@ def _mean(values) -> float | None:
 
 
 def compare(base: list[Outcome], arm: list[Outcome], metric: str) -> dict | None:
-    """B - A for one metric: per-seed deltas, the paired test over shared seeds, Welch over all runs."""
+    """B - A for one metric: per-seed (an A/B: per-slot) deltas, the paired test over the seeds both
+    finished, Welch over all runs."""
     a, b = _values(base, metric), _values(arm, metric)
     if not a or not b:
         return None
@@ -485,12 +854,16 @@ CSV_COLUMNS = ["arm", "seed", "status", "val_loss", "val_bpb", "step0_train_loss
                "peak_memory_mib", "params_total", "script", "log", "reason"]
 
 
-def write_csv(outcomes: list[Outcome], path: Path) -> None:
+def write_csv(outcomes: list[Outcome], path: Path, ab: bool = False) -> None:
+    """One row per run in launch order. An A/B's rows start with the slot, and their seed is the one
+    the run's log reports (empty for a script that takes none, and for a run not finished)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, CSV_COLUMNS)
+        writer = csv.DictWriter(f, (["slot"] if ab else []) + CSV_COLUMNS)
         writer.writeheader()
         for o in outcomes:
             row = dict(arm=o.run.arm.name, seed=o.run.seed, status=o.status, reason=o.reason)
+            if ab:
+                row.update(slot=o.run.slot, seed=o.metrics.seed if o.metrics is not None else None)
             if o.metrics is not None:
                 row.update({k: getattr(o.metrics, k) for k in CSV_COLUMNS[3:-2]}, log=o.metrics.path)
             writer.writerow(row)
@@ -615,12 +988,214 @@ def render_report(sweep: Sweep, s: dict) -> str:
 
 
 def write_results(sweep: Sweep, out: Path, outcomes: list[Outcome]) -> dict:
-    """runs.csv, report.md and report.json from the outcomes; returns the summary."""
-    summary = summarize(sweep, outcomes)
-    write_csv(outcomes, out / "runs.csv")
-    (out / "report.md").write_text(render_report(sweep, summary))
+    """runs.csv, report.md and report.json from the outcomes (an A/B: and slots.png); returns the summary."""
+    if sweep.is_ab:
+        summary = summarize_ab(sweep, outcomes)
+        write_csv(outcomes, out / "runs.csv", ab=True)
+        (out / "report.md").write_text(render_ab_report(sweep, summary))
+        if any(slot["train_time_s"] for slot in summary["slots"]):
+            plot_slots(summary, out / "slots.png")
+    else:
+        summary = summarize(sweep, outcomes)
+        write_csv(outcomes, out / "runs.csv")
+        (out / "report.md").write_text(render_report(sweep, summary))
     (out / "report.json").write_text(json.dumps(stats.json_safe(summary), indent=2) + "\n")
     return summary
+
+
+# -----------------------------------------------------------------------------
+# An A/B's statistics, report and picture
+
+AB_COMPARED = ("train_time_s", "val_loss")
+AB_TITLES = {"train_time_s": "training time (s)", "val_loss": "final val loss"}
+
+
+def _by_slot(c: dict | None) -> dict | None:
+    """compare()'s result with its pairs called slots."""
+    if c is None:
+        return None
+    c = dict(c)
+    c["slots"] = c.pop("seeds")
+    return c
+
+
+def ab_verdict(name: str, base: str, c: dict) -> str:
+    """One line: is the arm faster or slower than the baseline (the paired 95% CI of the time
+    difference excludes 0), or is no difference shown; with the tests' p and the loss difference."""
+    t, loss = c["train_time_s"], c["val_loss"]
+    if t is None or t["paired"] is None:
+        n = len(t["slots"]) if t else 0
+        return (f"{name} against {base}: no verdict yet: {n} slot(s) where both finished a run with a training time; "
+                "a paired test needs 2 or more")
+    p = t["paired"]
+    low, high, d = p["ci95"][0], p["ci95"][1], p["mean_diff"]
+    if high < 0:
+        head = f"{name} is faster than {base} by {-d:.3f} s per run"
+    elif low > 0:
+        head = f"{name} is slower than {base} by {d:.3f} s per run"
+    else:
+        head = f"{name} against {base}: no time difference shown, {d:+.3f} s per run"
+    text = (f"{head} (paired over {p['n']} slots: 95% CI [{_num(low, '+.3f')}, {_num(high, '+.3f')}] s, "
+            f"p = {_num(p['p_two_sided'], '.3g')}")
+    if t["welch"]:
+        text += f"; Welch p = {_num(t['welch']['p_two_sided'], '.3g')}"
+    text += ")"
+    if loss and loss["paired"]:
+        text += (f"; final val loss {_num(loss['paired']['mean_diff'], '+.6f')} "
+                 f"(paired p = {_num(loss['paired']['p_two_sided'], '.3g')})")
+    return text
+
+
+def _log_seed(log: runlogs.RunLog) -> int | str | None:
+    """The seed the log reports, as an int where it is one."""
+    return int(log.seed) if log.seed is not None and log.seed.lstrip("-").isdigit() else log.seed
+
+
+def summarize_ab(sweep: Sweep, outcomes: list[Outcome]) -> dict:
+    """The A/B report's numbers: per arm n, mean and spread of the training time and final loss, the
+    chance of a run below the target; per arm against the baseline the paired (by slot) and Welch
+    tests of both and the verdict; per slot its seed, its order and each arm's numbers."""
+    arms, base = sweep.arms(), sweep.baseline_arm()
+    by_arm = {arm.name: [o for o in outcomes if o.run.arm == arm] for arm in arms}
+    entries = []
+    for arm in arms:
+        runs = by_arm[arm.name]
+        done = [o.metrics for o in runs if o.status == "finished"]
+        losses = [m.val_loss for m in done]
+        times = [m.train_time_s for m in done if m.train_time_s is not None]
+        entry = dict(name=arm.name, command=arm.command, n=len(done), failed=sum(o.status == "failed" for o in runs),
+                     not_run=sum(o.status == "not run" for o in runs),
+                     train_time_s=stats.describe(times) if times else None,
+                     val_loss=stats.describe(losses) if losses else None,
+                     p_run_below_target=stats.single_run_chance(losses, sweep.target)["p"] if losses else None,
+                     p_mean_below_target=stats.claim_test(losses, sweep.target, 0.05)["p"] if losses else None,
+                     seeds=[_log_seed(m) for m in done if m.seed is not None],
+                     scripts=sorted({m.script for m in done if m.script}))
+        if arm != base:
+            entry["vs_baseline"] = {m: _by_slot(compare(by_arm[base.name], runs, m)) for m in AB_COMPARED}
+            entry["verdict"] = ab_verdict(arm.name, base.name, entry["vs_baseline"])
+        entries.append(entry)
+    slots = []
+    for k, seed in enumerate(sweep.seeds, start=1):
+        in_slot = [o for o in outcomes if o.run.slot == k]  # launch order
+        done = [o for o in in_slot if o.status == "finished"]
+        slots.append(dict(slot=k, seed=seed, order=[o.run.arm.name for o in in_slot],
+                          train_time_s={o.run.arm.name: o.metrics.train_time_s for o in done},
+                          val_loss={o.run.arm.name: o.metrics.val_loss for o in done}))
+    return dict(kind="ab", baseline=base.name, target=sweep.target,
+                runs={s: sum(o.status == s for o in outcomes) for s in ("finished", "failed", "not run")},
+                arms=entries, verdicts=[e["verdict"] for e in entries if "verdict" in e], slots=slots,
+                failures=[dict(arm=o.run.arm.name, slot=o.run.slot, reason=o.reason)
+                          for o in outcomes if o.status == "failed"],
+                mixed_arms=mixed_arms(sweep, by_arm))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _min_max(d: dict | None, spec: str) -> str:
+    return "n/a" if d is None else f"{d['min']:{spec}} – {d['max']:{spec}}"
+
+
+def render_ab_report(sweep: Sweep, s: dict) -> str:
+    """report.md of an A/B: the verdicts, the arms, the tests against the baseline, the slots, the picture."""
+    target = f"{s['target']:g}"
+    out = ["# A/B report", "",
+           f"Arms: {', '.join(f'`{a}`' for a in (e['name'] for e in s['arms']))}; baseline `{s['baseline']}`. "
+           f"{len(sweep.seeds)} slots, seeds {', '.join(map(str, sweep.seeds))} (slot k: the k-th seed, the same for "
+           f"every arm of the slot whose script takes --seed). Preset `{sweep.preset}` (for the scripts that take "
+           f"--preset); flags after `--` for every arm: `{' '.join(sweep.extra) or '(none)'}`.",
+           f"Runs: {s['runs']['finished']} finished, {s['runs']['failed']} failed, {s['runs']['not run']} not run. "
+           "Differences are arm − baseline (negative time: faster).", *_mixed_warning(s), "",
+           "## Verdict", "",
+           "A difference is shown when the paired 95% CI of the training time excludes 0.", "",
+           *[f"- **{v}.**" for v in s["verdicts"]], "",
+           "## Arms", "",
+           f"P(run < {target}): the chance that one more run ends below {target} (normal model with the arm's mean and "
+           f"std; records/stats.py). p (mean < {target}): the one-sided t-test of a record claim (stats.py's).", "",
+           f"| arm | command | n | train time s (mean ± std) | min – max | final val loss (mean ± std) | min – max | "
+           f"P(run < {target}) | p (mean < {target}) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for a in s["arms"]:
+        out.append(f"| `{a['name']}` | `{_cell(a['command'])}` | {a['n']} | {_mean_std(a['train_time_s'], '.3f')} | "
+                   f"{_min_max(a['train_time_s'], '.3f')} | {_mean_std(a['val_loss'])} | {_min_max(a['val_loss'], '.6f')} | "
+                   f"{_num(a['p_run_below_target'], '.3g')} | {_num(a['p_mean_below_target'], '.3g')} |")
+    others = [a for a in s["arms"] if "vs_baseline" in a]
+    out += ["", "## Against the baseline", "",
+            "Paired: over the slots where both arms finished (the two runs of a slot ran back to back, with the same "
+            "seed where both scripts take one). Welch: all finished runs, unpaired. 95% confidence intervals, "
+            "two-sided p (scipy.stats ttest_rel and ttest_ind).", "",
+            "| arm | metric | slots | mean Δ (paired) | 95% CI | t | p | Welch Δ | 95% CI | t | p |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in others:
+        for metric in AB_COMPARED:
+            c = a["vs_baseline"][metric]
+            if c is None:
+                out.append(f"| `{a['name']}` | {AB_TITLES[metric]} | 0 | n/a | | | | n/a | | | |")
+                continue
+            spec = ".3f" if metric == "train_time_s" else ".6f"
+            p, w = c["paired"], c["welch"]
+            paired = (f"{_num(p['mean_diff'], spec)} | [{_num(p['ci95'][0], spec)}, {_num(p['ci95'][1], spec)}] | "
+                      f"{_num(p['t'], '.4f')} | {_num(p['p_two_sided'], '.4g')}") if p else "n/a (< 2 pairs) | | |"
+            welch = (f"{_num(w['diff_b_minus_a'], spec)} | [{_num(w['ci95'][0], spec)}, {_num(w['ci95'][1], spec)}] | "
+                     f"{_num(w['t'], '.4f')} | {_num(w['p_two_sided'], '.4g')}") if w else "n/a (< 2 runs per arm) | | |"
+            out.append(f"| `{a['name']}` | {AB_TITLES[metric]} | {len(c['slots'])} | {paired} | {welch} |")
+    names = [a["name"] for a in s["arms"]]
+    out += ["", "## Slots", "",
+            "Training time in seconds per slot, the arms in the order they ran; Δ: arm − baseline in that slot.", "",
+            "| slot | seed | order | " + " | ".join(f"`{n}` s" for n in names) + " | "
+            + " | ".join(f"Δ `{a['name']}` s" for a in others) + " |",
+            "|---|---|---|" + "---|" * (len(names) + len(others))]
+    for slot in s["slots"]:
+        t = slot["train_time_s"]
+        deltas = [t[a["name"]] - t[s["baseline"]] if a["name"] in t and s["baseline"] in t and t[a["name"]] is not None
+                  and t[s["baseline"]] is not None else None for a in others]
+        out.append(f"| {slot['slot']} | {slot['seed']} | {' '.join(slot['order'])} | "
+                   + " | ".join(_num(t.get(n), ".3f") for n in names) + " | "
+                   + " | ".join(_num(d, "+.3f") for d in deltas) + " |")
+    out += ["", "![training time per slot and arm, and each arm's difference from the baseline](slots.png)"]
+    if s["failures"]:
+        out += ["", "## Failed runs", ""]
+        out += [f"- `{f['arm']}` slot {f['slot']}: {f['reason']}" for f in s["failures"]]
+    return "\n".join(out) + "\n"
+
+
+def plot_slots(s: dict, path: Path) -> None:
+    """slots.png: left, each arm's training time per slot (drift of the machine shows as a trend
+    every arm shares); right, each arm's difference from the baseline per slot, with its mean."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    slots = [slot["slot"] for slot in s["slots"]]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    base = s["baseline"]
+    for i, a in enumerate(s["arms"]):
+        color = colors[i % len(colors)]  # an arm's colour in both panels
+        ys = [slot["train_time_s"].get(a["name"]) for slot in s["slots"]]
+        xs = [x for x, y in zip(slots, ys) if y is not None]
+        if xs:
+            left.plot(xs, [y for y in ys if y is not None], marker="o", color=color, label=a["name"])
+        pairs = [(slot["slot"], slot["train_time_s"][a["name"]] - slot["train_time_s"][base]) for slot in s["slots"]
+                 if slot["train_time_s"].get(a["name"]) is not None and slot["train_time_s"].get(base) is not None]
+        if pairs and a["name"] != base:
+            right.plot(*zip(*pairs), marker="o", color=color, label=a["name"])
+            right.axhline(float(np.mean([d for _, d in pairs])), color=color, linestyle="--", linewidth=1)
+    right.axhline(0, color="black", linewidth=0.8)
+    for ax, title, ylabel in ((left, "training time per slot", "train time (s)"),
+                              (right, f"difference from {base} per slot (dashed: mean)", "Δ train time (s)")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("slot")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(slots)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
@@ -635,6 +1210,14 @@ def _say(line: str) -> None:
     """A progress line on stdout, printed around the progress bar (if one is drawn on stderr)."""
     with tqdm.tqdm.external_write_mode(file=sys.stdout):
         print(line, flush=True)
+
+
+def describe_run(sweep: Sweep, run: Run) -> str:
+    """'arm X, seed S' (a grid); 'slot K, arm X, seed S' (an A/B; 'no seed' for a script that takes none)."""
+    if not sweep.is_ab:
+        return f"arm {run.arm.label}, seed {run.seed}"
+    seeded = "seed" in arm_launch(run.arm).takes
+    return f"slot {run.slot}, arm {run.arm.name}, " + (f"seed {run.seed}" if seeded else "no seed (its script takes none)")
 
 
 def run_sweep(sweep: Sweep, out: Path) -> list[Outcome]:
@@ -652,7 +1235,7 @@ def run_sweep(sweep: Sweep, out: Path) -> list[Outcome]:
                     dynamic_ncols=True)
     start, durations = time.perf_counter(), []
     for i, run in enumerate(runs):
-        where = f"[run {i + 1}/{len(runs)}] arm {run.arm.label}, seed {run.seed}"
+        where = f"[run {i + 1}/{len(runs)}] {describe_run(sweep, run)}"
         if outcomes[i].status == "finished":
             _say(f"{where}: finished before ({outcomes[i].metrics.path}), skipped")
             continue
@@ -664,8 +1247,10 @@ def run_sweep(sweep: Sweep, out: Path) -> list[Outcome]:
         outcomes[i] = launch(sweep, run)
         durations.append(time.perf_counter() - t0)
         bar.update(1)
-        result = (f"val_loss {outcomes[i].metrics.val_loss:.6f}" if outcomes[i].status == "finished"
-                  else f"FAILED: {outcomes[i].reason} (see {run.folder / 'stderr.log'})")
+        log = outcomes[i].metrics
+        result = (f"FAILED: {outcomes[i].reason} (see {run.folder / 'stderr.log'})" if log is None
+                  else f"val_loss {log.val_loss:.6f}, train time {_num(log.train_time_s, '.3f')} s" if sweep.is_ab
+                  else f"val_loss {log.val_loss:.6f}")
         _say(f"{where}: {result} in {durations[-1]:.1f} s")
         write_results(sweep, out, outcomes)
     bar.close()
@@ -687,23 +1272,83 @@ def load_sweep(out: Path) -> Sweep:
         raise SweepError(f"{path}: not a sweep description ({e}); re-run the sweep command to rewrite it") from None
 
 
+def summary_lines(sweep: Sweep, s: dict, out: Path) -> list[str]:
+    """What the sweep says when it ends (finished or interrupted): an A/B's arms and verdicts; the
+    counts of runs; where the report is."""
+    counts = f"{s['runs']['finished']} finished, {s['runs']['failed']} failed, {s['runs']['not run']} not run"
+    if not sweep.is_ab:
+        return [f"wrote {out / 'runs.csv'} and {out / 'report.md'}; {counts}"]
+    lines = []
+    for a in s["arms"]:
+        time_s = f"{_mean_std(a['train_time_s'], '.3f')} s" if a["train_time_s"] else "n/a"
+        lines.append(f"arm {a['name']}: {a['n']} finished, train time {time_s}, final val loss "
+                     f"{_mean_std(a['val_loss'])}, P(run < {s['target']:g}) {_num(a['p_run_below_target'], '.3g')}")
+    lines += [f"verdict: {v}" for v in s["verdicts"]]
+    pictures = " and slots.png" if (out / "slots.png").exists() else ""
+    return lines + [f"wrote {out / 'report.md'} (with runs.csv, report.json{pictures}); {counts}"]
+
+
+def continue_command(argv: list[str], out: Path, out_given: bool) -> str:
+    """The command that continues this sweep: the one given, with --out spelled out (before --)."""
+    head, tail = (argv[:argv.index("--")], argv[argv.index("--"):]) if "--" in argv else (argv, [])
+    if not out_given:
+        head = [*head, "--out", str(out)]
+    here = Path(__file__).resolve()
+    script = os.path.relpath(here) if not os.path.relpath(here).startswith("..") else str(here)
+    return shlex.join(["python", script, *head, *tail])
+
+
+def build_sweep(args, extra: list[str], overrides: dict) -> tuple[Sweep, Path]:
+    """The sweep the flags ask for and its output folder; SweepError for flags that cannot go together."""
+    if args.arm:
+        for flag, given in (("--grid", args.grid), ("--launcher", args.launcher is not None),
+                            ("--band-loss", args.band_loss is not None), ("--band-time", args.band_time is not None),
+                            ("--band-metric", args.band_metric is not None)):
+            if given:
+                why = ("an arm is a whole command: write each configuration as its own --arm "
+                       "(e.g. --arm a='./run.sh --lore_input=true')" if flag == "--grid" else
+                       "each arm's command is its own launcher (put the launcher in it)" if flag == "--launcher" else
+                       "tolerance bands are for --grid sweeps")
+                raise SweepError(f"--arm and {flag} cannot be combined: {why}")
+        commands = [parse_arm(a) for a in args.arm]
+        check_arm_names(commands)
+        sweep = Sweep(preset=args.preset, grid=[], seeds=parse_seeds(args.seeds), extra=extra, commands=commands,
+                      target=stats.MEDIUM_TARGET if args.target is None else args.target, **overrides)
+        default = Path("logs/ablations") / "-".join([args.preset, "ab", *(n for n, _ in commands)])
+    else:
+        if args.target is not None:
+            raise SweepError("--target is for an A/B of --arm commands; a --grid sweep compares its arms by "
+                             "--band-loss / --band-time")
+        sweep = Sweep(preset=args.preset, grid=[parse_grid(g) for g in args.grid], seeds=parse_seeds(args.seeds),
+                      extra=extra, launcher=args.launcher or DEFAULT_LAUNCHER, **overrides)
+        default = Path("logs/ablations") / "-".join([args.preset] + [f for f, _ in sweep.grid])
+    return sweep, (args.out or default).resolve()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    given = list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="medium", help="trainer preset (medium = the record, tiny = CPU)")
     parser.add_argument("--grid", action="append", default=[], metavar="FIELD=V1,V2",
                         help="one axis of the grid; repeat for more axes")
-    parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds, each run for every arm")
-    parser.add_argument("--launcher", default=DEFAULT_LAUNCHER,
-                        help="command that takes trainer flags (default: the repository's run.sh)")
-    parser.add_argument("--out", type=Path, help="output folder (default: logs/ablations/<preset>-<fields>)")
+    parser.add_argument("--arm", action="append", default=[], metavar="NAME=COMMAND",
+                        help="one arm of an A/B: a name and a command (launcher settings, launcher, flags); "
+                             "repeat for each arm (two or more); not with --grid")
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds, each run for every arm "
+                                                          "(an A/B: one slot per seed)")
+    parser.add_argument("--launcher", help="a grid's command that takes trainer flags (default: the repository's run.sh)")
+    parser.add_argument("--out", type=Path, help="output folder (default: logs/ablations/<preset>-<fields>, "
+                                                 "an A/B: logs/ablations/<preset>-ab-<arm names>)")
     parser.add_argument("--baseline", help="arm to compare against, by name or label (default: the first arm)")
     parser.add_argument("--band-loss", type=float, help="tolerance: mean quality at most baseline + this")
     parser.add_argument("--band-time", type=float, help="tolerance: mean package time at most this x baseline")
     parser.add_argument("--band-metric", choices=sorted(QUALITY), help="quality metric of --band-loss (default loss)")
+    parser.add_argument("--target", type=float, help="an A/B's target loss: each arm's chance of a run below it "
+                                                     f"(default {stats.MEDIUM_TARGET})")
     parser.add_argument("--dry_run", action="store_true", help="list the runs and their commands, run nothing")
     parser.add_argument("--report-only", action="store_true", help="re-make runs.csv and the report from --out's logs")
     try:
@@ -714,7 +1359,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("band_loss", "band_time"):
             if getattr(args, name) is not None and not getattr(args, name) > 0:
                 raise SweepError(f"--{name.replace('_', '-')} must be positive")
-        overrides = {k: getattr(args, k) for k in ("baseline", "band_loss", "band_time", "band_metric")
+        if args.target is not None and not (0 < args.target < stats.MAX_LOSS):
+            raise SweepError(f"--target {args.target:g}: give a val loss in nats per token, e.g. --target 2.92")
+        overrides = {k: getattr(args, k) for k in ("baseline", "band_loss", "band_time", "band_metric", "target")
                      if getattr(args, k) is not None}
         if args.report_only:
             if args.out is None:
@@ -729,10 +1376,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise SweepError(f"--out {args.out}: no finished runs yet")
             print(f"wrote {args.out / 'runs.csv'} and {args.out / 'report.md'}")
             return 0
-        sweep = Sweep(preset=args.preset, grid=[parse_grid(g) for g in args.grid], seeds=parse_seeds(args.seeds),
-                      extra=extra, launcher=args.launcher, **overrides)
-        out = (args.out or Path("logs/ablations") / "-".join([args.preset] + [f for f, _ in sweep.grid])).resolve()
-        check_sweep(sweep, out)
+        overrides.pop("target", None)
+        sweep, out = build_sweep(args, extra, overrides)
+        check_ab(sweep, out) if sweep.is_ab else check_sweep(sweep, out)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -740,7 +1386,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for i, run in enumerate(runs, start=1):
             state = " (finished before: would be skipped)" if inspect(run).status == "finished" else ""
-            print(f"[run {i}/{len(runs)}] arm {run.arm.label}, seed {run.seed}{state}\n  {shlex.join(command(sweep, run))}")
+            print(f"[run {i}/{len(runs)}] {describe_run(sweep, run)}{state}\n  {shown_command(sweep, run)}")
         return 0
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -748,17 +1394,26 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: --out {out}: cannot write there: {e.strerror or e}; choose another --out", file=sys.stderr)
         return 2
-    print(f"{len(runs)} runs ({len(sweep.arms())} arms x {len(sweep.seeds)} seeds) into {out}", flush=True)
+    blocks = "slots, the arms alternating" if sweep.is_ab else "seeds"
+    print(f"{len(runs)} runs ({len(sweep.arms())} arms x {len(sweep.seeds)} {blocks}) into {out}", flush=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         outcomes = run_sweep(sweep, out)
     except (KeyboardInterrupt, Interrupted) as e:
-        print(f"\ninterrupted: rerun the same command to continue; finished runs are kept in {out}", file=sys.stderr)
+        on_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the summary is the last word: a 2nd Ctrl-C does not cut it
+        try:
+            summary = write_results(sweep, out, [inspect(r) for r in runs])
+            print("\n" + "\n".join(summary_lines(sweep, summary, out)), flush=True)
+        finally:
+            signal.signal(signal.SIGINT, on_int)
+        print(f"\ninterrupted: rerun the same command to continue; finished runs are kept in {out}\n"
+              f"  {continue_command(given, out, args.out is not None)}", file=sys.stderr)
         return 143 if isinstance(e, Interrupted) else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
     failed = [o for o in outcomes if o.status == "failed"]
-    print(f"wrote {out / 'runs.csv'} and {out / 'report.md'}; {len(outcomes) - len(failed)} finished, {len(failed)} failed")
+    print("\n".join(summary_lines(sweep, summarize_ab(sweep, outcomes), out)) if sweep.is_ab else
+          f"wrote {out / 'runs.csv'} and {out / 'report.md'}; {len(outcomes) - len(failed)} finished, {len(failed)} failed")
     return 1 if failed else 0
 
 

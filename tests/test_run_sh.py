@@ -62,6 +62,24 @@ def test_a_world_size_that_does_not_divide_the_slices_is_refused_before_torchrun
     assert not (tmp_path / "logs").exists()
 
 
+# A script of upstream's kind: no parse_args, and it trains as it is imported (here: it notes where).
+FOREIGN_TRAINER = '''import os
+with open(os.environ["MARKS"], "a") as f:
+    f.write(os.environ.get("RANK", "imported outside torchrun") + "\\n")
+'''
+
+
+def test_a_trainer_of_another_kind_is_not_imported_before_torchrun(tmp_path):
+    """The check before torchrun imports only a trainer of this project's kind: upstream's record
+    scripts (TRAINER=their script) would train right there, in one process without torchrun."""
+    script, marks = tmp_path / "their_train_gpt.py", tmp_path / "marks.txt"
+    script.write_text(FOREIGN_TRAINER)
+    env = clean_env(NPROC_PER_NODE="2", TRAINER=str(script), MARKS=str(marks), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([str(ROOT / "run.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(marks.read_text().splitlines()) == ["0", "1"]  # the two ranks of torchrun, nothing before them
+
+
 def test_the_trainer_ends_a_ctrl_c_with_one_line(monkeypatch, capsys):
     def interrupted(config, rank):
         raise KeyboardInterrupt
