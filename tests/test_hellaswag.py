@@ -170,6 +170,7 @@ def test_offline_the_hub_set_is_refused_in_one_line_saying_how_to_fetch_it(train
     assert err.count("\n") == 1 and "Rowan/hellaswag/default/validation/0000.parquet" in err
     assert "hf_hub_download('Rowan/hellaswag', 'default/validation/0000.parquet', repo_type='dataset', " \
            "revision='refs/convert/parquet')" in err
+    assert "or pass --hellaswag_file=PATH" in err
     assert [c.get("local_files_only") for c in calls] == [True]
 
 
@@ -220,3 +221,15 @@ def test_a_missing_hellaswag_file_stops_the_trainer_before_training(synthetic_di
     err = capsys.readouterr().err
     assert err.startswith("error: --hellaswag_file: ") and "none.jsonl: no such file" in err
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_failure_of_the_evaluation_after_training_is_a_line_and_the_run_still_succeeds(
+        synthetic_dir, fixture_file, tmp_path, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
+    monkeypatch.setattr(hs, "evaluate", out_of_memory)
+    assert tg.main(run_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
+    (log,) = (tmp_path / "logs").glob("*.txt")
+    lines = log.read_text().splitlines()
+    assert lines[-1] == "hellaswag: not scored (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)"
+    assert lines[-2].startswith("peak memory allocated:")

@@ -7,6 +7,8 @@ after_run_hooks makes one AfterRun on rank 0, before anything is built).
 - attach: the metrics stream (tools/metrics.py) listens to the run log from its first line on.
 - evaluate: after train() has returned (its clock stopped for good), HellaSwag on the final model
   at its last step, one log line `hellaswag: ...` after the record's closing lines, and a record.
+  An error there (out of memory, say) becomes that line, `hellaswag: not scored (...)`: the run
+  itself is done and logged, and still exits 0.
 - close: the stream's file and the tracker.
 """
 from __future__ import annotations
@@ -40,7 +42,11 @@ class AfterRun:
         if self.items is None:
             return
         t0 = time.perf_counter()
-        scores = hellaswag.evaluate(result["model"], self.config, self.config.num_iterations, self.items)
+        try:
+            scores = hellaswag.evaluate(result["model"], self.config, self.config.num_iterations, self.items)
+        except Exception as e:  # out of memory, say: the run itself is done and logged, so it still ends well
+            log.write(f"hellaswag: not scored ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''})")
+            return
         seconds = time.perf_counter() - t0
         if self.stream is not None:  # the full-precision numbers (the line rounds them)
             self.stream.emit(dict(kind="hellaswag", **scores, eval_time_s=seconds))

@@ -115,7 +115,8 @@ def items_of(rows: list[dict], where: str, vocab_size: int, tokenizer=None) -> l
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, HellaSwagError):
                 raise
-            raise HellaSwagError(f"{at}: needs ctx, endings and label (or ctx_ids, ending_ids and label) ({first_line(e)})")
+            raise HellaSwagError(f"{at}: needs ctx, endings and label (or ctx_ids, ending_ids and label) "
+                                 f"({first_line(e)})")
         if len(endings) < 2 or not all(endings) or not 0 <= label < len(endings):
             raise HellaSwagError(f"{at}: needs at least two non-empty endings and a label among them "
                                  f"(got {len(endings)} endings, label {label})")
@@ -176,7 +177,7 @@ def pack(items: list[Item], seq_len: int, eot: int) -> tuple[list[Packed], int]:
                 cut.add(i)
             if len(tokens) + 1 + len(context) + len(ending) > seq_len:
                 close()
-            start = len(tokens) + len(context)  # loss index of the ending's first token: predicted at its previous position
+            start = len(tokens) + len(context)  # the loss index of the ending's first token (its previous position)
             tokens.extend([eot, *context, *ending])
             spans.append((i, j, start, start + len(ending)))
     if tokens:
@@ -313,7 +314,7 @@ def prepare(config: tg.Hyperparameters) -> list[Item]:
     try:
         return load_items(config.hellaswag_file, config.vocab_size)
     except (HellaSwagError, HubFileUnavailable, TokenizerUnavailable) as e:
-        fix = "" if config.hellaswag_file else " (or pass --hellaswag_file=PATH)"
+        fix = "" if config.hellaswag_file else "; or pass --hellaswag_file=PATH (rows in .jsonl or .parquet)"
         raise tg.ConfigError(f"{flag}: {e}{fix}")
 
 
@@ -390,7 +391,8 @@ def main(argv=None, download=None, probe=None) -> int:
     try:
         items = load_items(str(args.hellaswag_file or ""), config.vocab_size, args.tokenizer_file, download, probe)
     except (HellaSwagError, HubFileUnavailable, TokenizerUnavailable) as e:
-        return fail(str(e))
+        return fail(str(e) + ("" if args.hellaswag_file else "; or pass --hellaswag_file=PATH (rows in .jsonl or "
+                                                             ".parquet)"))
     items = items[:args.limit] if args.limit else items
     t0 = time.perf_counter()
     result = evaluate(model, config, step, items, args.seq_len)
