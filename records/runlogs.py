@@ -272,7 +272,8 @@ def parse_metrics_text(text: str, path: Path = Path("<metrics>"), content_digest
             continue
         if kind == "run":
             log.script, log.config = record.get("script"), dict(record.get("config") or {})
-            log.groups, log.experiment_groups = record.get("config_groups"), tuple(record.get("experiment_groups") or ())
+            log.groups = record.get("config_groups")
+            log.experiment_groups = tuple(record.get("experiment_groups") or ())
             log.steps, log.device = record.get("num_iterations"), str(record.get("device", "")).split(":")[0] or None
         elif kind == "val":
             step, time_s = record["step"], record["train_time_ms"] / 1000

@@ -22,7 +22,7 @@ O(T^2) per token on a short context. A cache would need a second, incremental im
 the attention path (document masks, the two sliding windows, the key offset reading the previous
 position, value embeddings, smear and bigram rows reading the previous token, MUDD's mixes) next
 to the one the trainer runs and the tests check; recomputing keeps exactly the trained forward.
-Its cost: the whole forward per token, a few milliseconds for the tiny model on a CPU.
+Its cost: the whole forward per token (docs/after-run.md: about 40 ms for the tiny model on 2 CPU cores).
 
 Text prompts are encoded with GPT-2's tokenizer (the `tokenizers` package; its tokenizer.json is
 fetched from the hub once and cached, or given by --tokenizer_file). Output is decoded through the
