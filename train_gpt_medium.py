@@ -358,6 +358,17 @@ class Hyperparameters:
     bench_at_step: Optional[int] = bookkeeping(None, "with --bench_steps: time at this step of the schedule only; "
                                                "unset: at the first and the last step", at_least=0,
                                                needs=("bench_steps",))
+    # after the run (tools/metrics.py, tools/hellaswag.py; README "After the run"): no number of the run changes
+    metrics_jsonl: str = bookkeeping("", "write one JSON object per step line and per validation to this file ('auto': "
+                                     "beside the log, <log>.jsonl; '': off); made from the log's own lines, no "
+                                     "extra host sync")
+    tracker: str = bookkeeping("none", "also feed those records to wandb or tensorboard (imported only when asked)",
+                               choices=("none", "wandb", "tensorboard"))
+    eval_hellaswag: bool = bookkeeping(False, "after training, untimed: HellaSwag accuracy (acc_norm by mean ending "
+                                       "loss, acc by sum) on rank 0, in a log line of its own")
+    hellaswag_file: str = bookkeeping("", "HellaSwag rows (.jsonl or .parquet) for --eval_hellaswag; '': the "
+                                      "validation set from the Hugging Face hub, fetched once and cached",
+                                      needs=("eval_hellaswag",))
 
     # ---- derived quantities (no state of their own)
     @property
@@ -3517,12 +3528,20 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         data = load_data(config)
         resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
         on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
+        after = after_run_hooks(config, rank, world_size)  # None unless asked (and on ranks > 0)
         log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
         try:
+            if after:
+                after.attach(log, device, world_size)
             result = train(config, device, rank, world_size, log, data, resume)
+            if after:  # untimed: train() has returned, its clock is stopped for good
+                after.evaluate(result, device, log)
         except (InputError, NonFiniteLossError, WriteError) as e:
             log.record_error(e)
             raise
+        finally:
+            if after:
+                after.close()
         if rank == 0:
             print(run_summary(config, result, log))
         return 0
@@ -4152,6 +4171,7 @@ class RunLog:
 
     def __init__(self, path: Optional[Path], echo: bool = True):
         self.path, self.echo = path, echo
+        self.listeners = []  # called with each line after it is written (--metrics_jsonl, --tracker)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -4176,6 +4196,8 @@ class RunLog:
                 f.write(text + "\n")
         except OSError as e:
             raise WriteError(f"cannot write the log {self.path} ({e.strerror or e})")
+        for listener in self.listeners:
+            listener(text)
 
     def record_error(self, error: Exception) -> None:
         """The error that stops the run, as the log's last line if the log can still take it (the
@@ -5150,6 +5172,24 @@ def write_shard(path, tokens) -> None:
         f.write(header.tobytes())
         f.write(tokens.astype(np.uint16).tobytes())
     os.replace(tmp, path)
+
+
+# ---- after the run: the hooks of --metrics_jsonl, --tracker and --eval_hellaswag (their code: tools/)
+
+def after_run_hooks(config: Hyperparameters, rank: int, world_size: int):
+    """None if none of them is asked, and on ranks > 0; else rank 0's tools.after_run.AfterRun,
+    prepared before anything is built, so that a HellaSwag set that cannot be had or a metrics file
+    that cannot be written is an InputError before training, not after it."""
+    if not (config.metrics_jsonl or config.tracker != "none" or config.eval_hellaswag):
+        return None
+    sys.modules.setdefault("train_gpt_medium", sys.modules[__name__])  # run as a script: the tools get this module
+    from tools.after_run import AfterRun
+    made = {}
+
+    def prepare() -> None:
+        made["hooks"] = AfterRun(config)
+    on_rank0_for_all(prepare, rank, world_size)
+    return made.get("hooks")
 
 
 if __name__ == "__main__":

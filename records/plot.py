@@ -4,8 +4,8 @@
     python records/plot.py ablation PATH ... [--metric loss|bpb] [--baseline ARM] [--band-loss X] [--band-time R] [-o ablation.png]
     python records/plot.py lambdas LOG [-o lambdas.png]
 
-PATH is a log file (one run), a folder of logs (searched recursively), or the output folder of
-records/ablate.py (one group per arm). A group is drawn as its mean with a min-max band; a folder
+PATH is a log file (one run), a metrics stream of one run (`--metrics_jsonl`'s *.jsonl), a folder
+of logs (searched recursively, *.txt only), or the output folder of records/ablate.py (one group per arm). A group is drawn as its mean with a min-max band; a folder
 (or arm) whose runs are more than one experiment (records/runlogs.py's rule, the one stats.py
 tests by) is drawn as one group per experiment, labelled `PATH [A: what differs]`, never as one
 mix. Only finished logs count (those with the final `step:N/N val_loss` line). -o takes any file

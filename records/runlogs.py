@@ -21,6 +21,10 @@ A log, as the trainer writes it (upstream logs have the same step lines and no c
     lambdas layer <i>: <name>:<value> ...
     peak memory allocated: <MiB> MiB reserved: <MiB> MiB
 
+A metrics stream (the trainer's --metrics_jsonl, tools/metrics.py), named as a file ending in
+.jsonl, is read as the log it was made from (`parse_metrics_text`); a folder is searched for *.txt
+logs only, so a stream beside its log is not counted twice.
+
 The same experiment: runs are one experiment when their logs embed the same script, train for
 the same number of steps, and agree on every config field whose group is in the log's
 `experiment_groups` (the recipe, the seed ideas and the execution fields: what is computed and
@@ -239,14 +243,57 @@ def _read_extra(log: RunLog, key: str, hit: re.Match) -> None:
 
 
 def parse_log(path: Path) -> RunLog:
-    """Read a training log (ours or upstream's), uncached; `read_log` is the cached entry point.
-    Raises LogError if the file cannot be read."""
+    """Read a training log (ours or upstream's), or a metrics stream (*.jsonl, --metrics_jsonl),
+    uncached; `read_log` is the cached entry point. Raises LogError if the file cannot be read."""
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise LogError(f"cannot read {path}: {e.strerror or e}") from e
-    return parse_text(raw.decode("utf-8", errors="replace"), path, hashlib.sha256(raw).hexdigest())
+    parse = parse_metrics_text if path.suffix == ".jsonl" else parse_text
+    return parse(raw.decode("utf-8", errors="replace"), path, hashlib.sha256(raw).hexdigest())
+
+
+def parse_metrics_text(text: str, path: Path = Path("<metrics>"), content_digest: str = "") -> RunLog:
+    """The RunLog of a metrics stream (tools/metrics.py): its run record gives the script digest, the
+    config lines' values, the groups and the device; its val records the history; its final, step
+    and peak_memory records the rest. It is the same experiment as the log it was made from. A line
+    that is not a JSON object with a kind becomes a warning naming the file and line."""
+    log = RunLog(path, None, None, [], content_digest=content_digest)
+    last_seen = None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            kind = record["kind"]
+        except (ValueError, KeyError, TypeError):
+            log.warnings.append(f"{path}:{lineno}: unreadable metrics record ignored: {line[:120]!r}")
+            continue
+        if kind == "run":
+            log.script, log.config = record.get("script"), dict(record.get("config") or {})
+            log.groups = record.get("config_groups")
+            log.experiment_groups = tuple(record.get("experiment_groups") or ())
+            log.steps, log.device = record.get("num_iterations"), str(record.get("device", "")).split(":")[0] or None
+        elif kind == "val":
+            step, time_s = record["step"], record["train_time_ms"] / 1000
+            log.history.append(dict(step=step, val_loss=record["val_loss"], train_time_s=time_s,
+                                    val_bpb=record.get("val_bpb")))
+            last_seen = f"{step}/{log.steps}"
+            if step == log.steps:
+                log.result = RunResult(path, log.steps, record["val_loss"], time_s)
+                log.val_bpb = record.get("val_bpb")
+        elif kind == "step":
+            last_seen = f"{record['step']}/{log.steps}"
+            if "train_loss" in record and record["step"] == 1:
+                log.step0_train_loss = record["train_loss"]
+        elif kind == "final":
+            log.package_time_s = record["package_time_ms"] / 1000
+        elif kind == "peak_memory":
+            log.peak_memory_mib = record["allocated_mib"]
+    if log.result is None:
+        log.skip_reason = f"did not finish (last step seen: {last_seen or 'none'})"
+    return log
 
 
 def parse_text(text: str, path: Path = Path("<text>"), content_digest: str = "") -> RunLog:

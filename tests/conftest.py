@@ -78,3 +78,15 @@ def pytest_terminal_summary(terminalreporter):
              for name, value in getattr(report, "user_properties", []) if name == "golden_comparison"]
     for note in notes:
         terminalreporter.write_line(f"golden files: {note}")
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_checkpoint(tiny_seed0_run, tmp_path_factory):
+    """The tiny run at --seed=0 (tiny_seed0_run), a model of the synthetic data, saved as a checkpoint
+    at its last step (step_000190): what the after-run tools (sample, HellaSwag, export) read."""
+    config = tg.make_config("tiny", seed=0, checkpoint_dir=str(tmp_path_factory.mktemp("trained") / "ck"),
+                            train_files=str(ROOT / tg.PRESETS["tiny"]["train_files"]))
+    runner = tg.Runner(config, torch.device("cpu"))
+    runner.model.load_state_dict(tiny_seed0_run["result"]["model"].state_dict())
+    loader = tg.train_loader(config, tg.shard_files(config.train_files, "train_files"), 0, 1, torch.device("cpu"))
+    return tg.save_checkpoint(runner, loader, config.num_iterations, tiny_seed0_run["result"]["train_time_ms"])

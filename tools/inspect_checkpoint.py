@@ -38,27 +38,42 @@ if TYPE_CHECKING:
     import train_gpt_medium as tg
 
 
-def load_model(path: Path) -> tuple[tg.GPT, tg.Hyperparameters, int]:
-    """The checkpoint's model in fp32 on the CPU, its config and its step. CheckpointError naming the
-    file for anything that is not a checkpoint this script can read; OSError for an unreadable file."""
+def load_model(path: Path, device="cpu", dtype: str | None = "float32") -> tuple[tg.GPT, tg.Hyperparameters, int]:
+    """The checkpoint's model (in eval mode), its config and its step: on `device`, in `dtype`
+    (None: the dtype it was trained in; float32 by default, into which bf16 values copy exactly).
+    `path` is a checkpoint folder or a .safetensors file of tools/export.py. CheckpointError naming
+    the file for anything that is not a checkpoint this script can read; OSError for an unreadable file."""
     import train_gpt_medium as tg
     path = Path(path)
+    if path.suffix == ".safetensors" and not path.is_dir():
+        from tools.export import load_safetensors
+        return load_safetensors(path, device, dtype)
     try:
         tg.validate_checkpoint(path)
     except (TypeError, AttributeError, KeyError) as e:  # meta.json is JSON, but not a checkpoint's record
         raise tg.CheckpointError(f"{path / 'meta.json'}: not a checkpoint's meta.json ({first_line(e)})")
     saved = tg._load(path / "main.pt")  # the trainer's loader: CheckpointError naming the file
     try:
-        known = {f.name for f in tg.fields(tg.Hyperparameters)}
-        values = {k: v for k, v in saved["config"].items() if k in known}
-        config = tg.make_config(values.pop("preset"), **{**values, "dtype": "float32", "resume": "", "save_every": 0})
-        model = tg.build_model(config, "cpu")
+        model, config = model_of(saved["config"], device, dtype)
         model.load_state_dict(saved["model"])  # bf16 values copy exactly into fp32
         step = int(saved["step"])
     except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # RuntimeError: parameter names or shapes
         raise tg.CheckpointError(f"{path / 'main.pt'}: holds no model this version of the trainer builds "
                                  f"({first_line(e)})")
     return model.eval(), config, step
+
+
+def model_of(saved_config: dict, device="cpu", dtype: str | None = "float32") -> tuple[tg.GPT, tg.Hyperparameters]:
+    """The model a saved config (config_record) builds, initialized, and that config as the tools run
+    it: in `dtype` (None: the saved one), eagerly, with attention through SDPA's dense mask, which
+    applies the windows on any device (FlexAttention does so only compiled). KeyError, TypeError or
+    ConfigError for a config this trainer cannot build."""
+    import train_gpt_medium as tg
+    known = {f.name for f in tg.fields(tg.Hyperparameters)}
+    values = {k: v for k, v in saved_config.items() if k in known}
+    config = tg.make_config(values.pop("preset"), **{**values, "dtype": dtype or values["dtype"], "resume": "",
+                                                     "save_every": 0, "attention": "sdpa", "compile": False})
+    return tg.build_model(config, device), config
 
 
 class Vocabulary:
@@ -76,6 +91,17 @@ class Vocabulary:
             return f"<{token}>"
         raw = self.blob[self.offsets[token]:self.offsets[token + 1]]
         return repr(raw.decode("utf-8", errors="backslashreplace")) if raw else "<|endoftext|>"
+
+    def text(self, tokens) -> str:
+        """Tokens as the text they stand for. GPT-2: their raw bytes joined, then decoded as UTF-8 (a
+        byte that is not valid there shows as U+FFFD), end-of-text as `<|endoftext|>`; a byte-level
+        BPE decodes exactly so, no tokenizer needed. Other vocabularies: the ids, `<id>` each."""
+        if self.offsets is None:
+            return " ".join(f"<{t}>" for t in tokens)
+        eot = len(self.offsets) - 2
+        raw = b"".join(b"<|endoftext|>" if t == eot else self.blob[self.offsets[t]:self.offsets[t + 1]]
+                       for t in tokens)
+        return raw.decode("utf-8", errors="replace")
 
 
 def lens(model: tg.GPT, h: torch.Tensor, k: int, normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
