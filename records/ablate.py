@@ -367,7 +367,8 @@ def ab_flags(sweep: Sweep, run: Run, arm: ArmLaunch) -> list[str]:
 
 
 def script_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
+    """What a run of the script embeds in its log (its kernels file too, where it logs one)."""
+    return runlogs.logged_source(path)
 
 
 def foreign_logs(arm: ArmLaunch) -> dict[Path, int]:

@@ -124,8 +124,8 @@ def folder_scripts(folder: Path) -> list[tuple[str, str]]:
     """[(file name, script text)] of every script in a folder: its .py file and each log's embedded source."""
     found = []
     script = Path(folder) / SCRIPT_NAME
-    if script.is_file():
-        found.append((SCRIPT_NAME, script.read_text(encoding="utf-8")))
+    if script.is_file():  # with its triton_kernels.py where its logs embed that
+        found.append((SCRIPT_NAME, runlogs.logged_source(script)))
     for log in _logs(folder):
         source = runlogs.embedded_source(log.read_text(encoding="utf-8", errors="replace"))
         if source is not None:
@@ -137,17 +137,18 @@ def read_script(source: Path) -> tuple[str, str]:
     """(source text, label) of a .py file, or of a record folder's script.
 
     A folder's script is its train_gpt_medium.py, else the source embedded at the top of its first
-    log (by name): everything before the first line of exactly 100 `=`.
+    log (by name): everything before the first line of exactly 100 `=`. A script that logs the
+    triton_kernels.py beside it comes with that file, as its logs embed it (runlogs.logged_source).
     """
     source = Path(source)
     if source.is_file() and source.suffix == ".py":
-        return source.read_text(encoding="utf-8"), str(source)
+        return runlogs.logged_source(source), str(source)
     if not source.is_dir():
         raise DiffError(f"{source} is neither a record folder nor a .py file")
     folder = source.resolve().name  # labels name the folder even when it was given as "."
     script = source / SCRIPT_NAME
     if script.is_file():
-        return script.read_text(encoding="utf-8"), f"{folder}/{SCRIPT_NAME}"
+        return runlogs.logged_source(script), f"{folder}/{SCRIPT_NAME}"
     logs = _logs(source)
     if not logs:
         raise DiffError(f"{source} has neither {SCRIPT_NAME} nor a *.txt log to take the script from")

@@ -8,6 +8,7 @@ folders again and again parses each finished log once), and one rule for "the sa
 A log, as the trainer writes it (upstream logs have the same step lines and no config lines):
 
     <the training script's source>
+    <40 `-`> / # triton_kernels.py / <40 `-`>, then its source (a trainer that logs one; older logs: none)
     ==================================================================  (100 `=`)
     <Python, PyTorch and hardware versions>
     ==================================================================
@@ -42,6 +43,12 @@ from datetime import date
 from pathlib import Path
 
 SEPARATOR = "=" * 100  # ends the script source at the top of every log, and the versions block after it
+# A script that keeps its device kernels in a file beside it (this trainer; upstream's short track) logs
+# that file after its own source, under this header; the script's text holds the header's second line
+# as a Python string (KERNELS_MARK), which tells which scripts do.
+KERNELS_NAME = "triton_kernels.py"
+KERNELS_HEADER = "\n\n" + "-" * 40 + f"\n# {KERNELS_NAME}\n" + "-" * 40 + "\n\n"
+KERNELS_MARK = f"# {KERNELS_NAME}\\n"
 # Logs written before the trainer wrote its field groups: every config field but these, which differ
 # between the runs of one batch or sweep by construction.
 FALLBACK_IGNORED = ("seed", "run_id", "log_dir")
@@ -178,6 +185,25 @@ def embedded_source(text: str) -> str | None:
         if line.rstrip("\r\n") == SEPARATOR:
             return "".join(lines[:i])
     return None
+
+
+def logged_source(script: Path) -> str:
+    """What a run of `script` embeds at the top of its log: the script's text and, for a script that
+    logs its kernels file (KERNELS_MARK in its text) with that file beside it, the header and the
+    kernels' text after it. Its digest (script_digest) is then the logs' own."""
+    script = Path(script)
+    text = script.read_bytes().decode("utf-8", errors="replace")
+    kernels = script.parent / KERNELS_NAME
+    if KERNELS_MARK in text and kernels.is_file():
+        return text + KERNELS_HEADER + kernels.read_bytes().decode("utf-8", errors="replace")
+    return text
+
+
+def source_files(source: str) -> dict[str, str]:
+    """The files of an embedded (or logged) source, by name: {"script": ..., "triton_kernels.py": ...};
+    a log from before the kernels moved into their own file gives the script alone."""
+    script, header, kernels = source.partition(KERNELS_HEADER)
+    return {"script": script, KERNELS_NAME: kernels} if header else {"script": source}
 
 
 def script_digest(source: str) -> str:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
+import triton_kernels as kernels
 from reference import reference_loss as reference_bulk_loss  # the live model's float64 forward
 
 # every model switch of the bulk record at the record's value (the defaults; token windows, pre-norm
@@ -790,7 +791,7 @@ def test_fp8_codes_round_once_from_fp32_not_through_bf16():
     torch.manual_seed(0)
     h = torch.randn(4096).bfloat16()
     scale = 100 / 448
-    codes = tg.to_fp8(h, scale)
+    codes = kernels.to_fp8(h, scale)
     once = (h.double() / scale).float().to(torch.float8_e4m3fn)  # fp64 quotient: one rounding in effect
     assert torch.equal(codes.float(), once.float())
     twice = (h / scale).to(torch.float8_e4m3fn)
@@ -799,9 +800,9 @@ def test_fp8_codes_round_once_from_fp32_not_through_bf16():
 
 def test_fp8_matmul_on_the_cpu_is_the_scaled_mm_product():
     gen = torch.Generator().manual_seed(1)
-    a8 = tg.to_fp8(torch.randn(32, 64, generator=gen), 32 / 448)
-    b8 = tg.to_fp8(torch.randn(64, 48, generator=gen) * 0.01, 2.25 / 448)
-    ours = tg.fp8_matmul(a8, b8, 32 / 448, 2.25 / 448, torch.bfloat16)
+    a8 = kernels.to_fp8(torch.randn(32, 64, generator=gen), 32 / 448)
+    b8 = kernels.to_fp8(torch.randn(64, 48, generator=gen) * 0.01, 2.25 / 448)
+    ours = kernels.fp8_matmul(a8, b8, 32 / 448, 2.25 / 448, torch.bfloat16)
     theirs = torch._scaled_mm(a8, b8.t().contiguous().t(), scale_a=torch.tensor(32 / 448),
                               scale_b=torch.tensor(2.25 / 448), out_dtype=torch.bfloat16)
     assert torch.equal(ours, theirs)
@@ -812,6 +813,6 @@ def test_fp8_matmul_scales_by_the_fp32_product_of_fp32_scales():
     weight gradient (s_x = 32/448, s_g = 1.5/448) that is one fp32 step from the double product."""
     one = torch.ones(1, 1).to(torch.float8_e4m3fn)
     s_x, s_g = 32 / 448, 1.5 / 448
-    got = tg.fp8_matmul(one, one, s_x, s_g, torch.float32)
+    got = kernels.fp8_matmul(one, one, s_x, s_g, torch.float32)
     fp32 = np.float32(np.float32(s_x) * np.float32(s_g))
     assert got.item() == fp32 != np.float32(s_x * s_g)

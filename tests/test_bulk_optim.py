@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+import triton_kernels as kernels
 from test_distributed import on_ranks
 from test_muon import with_spectrum
 from test_training import all_state, assert_same_state, runner_and_loader
@@ -283,7 +284,7 @@ def test_a_gates_row_factors_are_the_fp32_reciprocal_square_root_rounded_once():
     (allowed: one result one step off, where fp32's own rounding of 1/sqrt sits on a bf16 tie)."""
     x = (torch.rand(4096, generator=torch.Generator().manual_seed(12)) * 0.05 + 1e-6).bfloat16()
     want = (1 / x.double().sqrt()).float().bfloat16()
-    got = torch.cat([tg.as_cuda.rsqrt_(x[i:i + 2].clone()) for i in range(0, x.numel(), 2)])  # (H, 1), H = 2
+    got = torch.cat([kernels.as_cuda.rsqrt_(x[i:i + 2].clone()) for i in range(0, x.numel(), 2)])  # (H, 1), H = 2
     off = (got != want).nonzero().flatten()
     assert off.numel() <= 1
     assert ((got[off].double() - want[off].double()).abs() <= want[off].double().abs() * 2**-7).all()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+import triton_kernels as kernels
 from test_inputs import refused
 
 
@@ -42,9 +43,9 @@ def fake_kernels(monkeypatch):
         return varlen_reference(*args, **kwargs)
     hub = types.SimpleNamespace(flash_attn_interface=types.SimpleNamespace(flash_attn_varlen_func=varlen))
     module = types.ModuleType("kernels")
-    module.get_kernel = lambda name: hub if name == tg.FA3_KERNEL else None
+    module.get_kernel = lambda name: hub if name == kernels.FA3_KERNEL else None
     monkeypatch.setitem(sys.modules, "kernels", module)
-    monkeypatch.setattr(tg, "_fa3_kernel", {})
+    monkeypatch.setattr(kernels, "_fa3_kernel", {})
     return calls
 
 
@@ -139,19 +140,19 @@ def test_fa3_whose_kernel_cannot_be_fetched_or_loaded_is_refused_in_one_line_nam
     module = types.ModuleType("kernels")
     module.get_kernel = get_kernel
     monkeypatch.setitem(sys.modules, "kernels", module)
-    monkeypatch.setattr(tg, "_fa3_kernel", {})
+    monkeypatch.setattr(kernels, "_fa3_kernel", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(tg.ConfigError) as refusal:
         tg.check_fa3_device(torch.device("cuda", 0))
     line = str(refusal.value)
     assert "\n" not in line and "--attention=flex" in line and type(error).__name__ in line
-    assert line.startswith(f"--attention: fa3's kernel {tg.FA3_KERNEL} could not be fetched or loaded")
+    assert line.startswith(f"--attention: fa3's kernel {kernels.FA3_KERNEL} could not be fetched or loaded")
 
 
 def test_fa3_whose_kernel_loads_passes_the_device_check(fake_kernels, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     tg.check_fa3_device(torch.device("cuda", 0))
-    assert "varlen" in tg._fa3_kernel  # fetched once, before the Runner asks for it
+    assert "varlen" in kernels._fa3_kernel  # fetched once, before the Runner asks for it
 
 
 def test_the_backends_of_a_machine_are_named_with_why_one_cannot_run(monkeypatch, fake_kernels):

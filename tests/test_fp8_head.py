@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
+import triton_kernels as kernels
 from records import published
 
 SCALES = (32 / 448, 2.25 / 448, 1.5 / 448)  # fp8_yarn's fp8_ranges (32, 2.25, 1.5) / 448
@@ -49,12 +50,12 @@ def test_the_fp8_product_is_its_emulation_exactly(transposed):
     x, W, G = head_inputs()
     H = W.t().contiguous() if transposed else W  # (d, V) or (V, d) as stored
     s_x, s_w, s_g = SCALES
-    x8, h8, g8 = tg.to_fp8(x, s_x), tg.to_fp8(H, s_w), tg.to_fp8(G, s_g, E5M2)
+    x8, h8, g8 = kernels.to_fp8(x, s_x), kernels.to_fp8(H, s_w), kernels.to_fp8(G, s_g, E5M2)
     k8 = h8 if transposed else h8.t()  # the (d, V) operand
-    want_logits = tg.fp8_matmul(x8, k8, s_x, s_w, torch.bfloat16, fast_accum=True)
-    want_dx = tg.fp8_matmul(g8, k8.t(), s_g, s_w, torch.bfloat16)
-    want_dH = (tg.fp8_matmul(x8.t(), g8, s_x, s_g, torch.float32) if transposed
-               else tg.fp8_matmul(g8.t(), x8, s_g, s_x, torch.float32)).bfloat16()
+    want_logits = kernels.fp8_matmul(x8, k8, s_x, s_w, torch.bfloat16, fast_accum=True)
+    want_dx = kernels.fp8_matmul(g8, k8.t(), s_g, s_w, torch.bfloat16)
+    want_dH = (kernels.fp8_matmul(x8.t(), g8, s_x, s_g, torch.float32) if transposed
+               else kernels.fp8_matmul(g8.t(), x8, s_g, s_x, torch.float32)).bfloat16()
     logits, dx, dH = product(x, H, transposed, G)
     assert logits.dtype == dx.dtype == dH.dtype == torch.bfloat16 and dH.shape == H.shape
     assert torch.equal(logits, want_logits) and torch.equal(dx, want_dx) and torch.equal(dH, want_dH)
@@ -98,7 +99,7 @@ def test_the_quantizers_pass_gradients_straight_through(transposed):
     logits, dx, dH = product(x, H, transposed, G)
     big_x, big_H = x.clone(), H.clone()
     big_x[0, 0], big_H[0, 0] = 1000.0, -50.0  # |h| > 32, |H| > 2.25: the codes saturate at +-448
-    assert tg.to_fp8(big_x, SCALES[0])[0, 0].float() == 448 and tg.to_fp8(big_H, SCALES[1])[0, 0].float() == -448
+    assert kernels.to_fp8(big_x, SCALES[0])[0, 0].float() == 448 and kernels.to_fp8(big_H, SCALES[1])[0, 0].float() == -448
     logits_x, dx_x, dH_x = product(big_x, H, transposed, G)
     assert not torch.equal(logits_x, logits) and torch.equal(dx_x, dx) and dx_x[0, 0] != 0
     logits_H, dx_H, dH_H = product(x, big_H, transposed, G)
@@ -112,11 +113,11 @@ def test_the_quantizer_saturates_past_the_range_on_every_torch(dtype):
     cast's; NaN stays NaN."""
     top = torch.finfo(dtype).max
     values = torch.tensor([0.0, 1.0, -3.5, top, 1.04 * top, 470.0, -500.0, 1e4, 6e4, -1e9, 1e30])
-    codes = tg.to_fp8(values, 1.0, dtype).float()
+    codes = kernels.to_fp8(values, 1.0, dtype).float()
     expected = torch.where(values.abs() > top, values.sign() * top, values.to(dtype).float())
     assert torch.equal(codes, expected) and torch.isfinite(codes).all()
-    assert tg.to_fp8(torch.tensor([float("nan")]), 1.0, dtype).float().isnan().all()
-    assert tg.to_fp8(values, 0.5, dtype).float()[-1] == top  # the scale divides first: 2e30 saturates too
+    assert kernels.to_fp8(torch.tensor([float("nan")]), 1.0, dtype).float().isnan().all()
+    assert kernels.to_fp8(values, 0.5, dtype).float()[-1] == top  # the scale divides first: 2e30 saturates too
 
 
 def test_the_product_traces_as_one_graph_with_the_same_bits():
@@ -339,7 +340,8 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt_medium as tg
-kernel, tile = tg._transpose_kernel(), tg.TRANSPOSE_TILE
+import triton_kernels as kernels
+kernel, tile = kernels._transpose_kernel(), kernels.TRANSPOSE_TILE
 gen = torch.Generator().manual_seed(0)
 for m, n in ((1, 1), (3, 200), (64, 64), (70, 130), (129, 63)):
     codes = torch.randint(0, 256, (m, n), dtype=torch.uint8, generator=gen).view(torch.float8_e5m2)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+import triton_kernels as kernels
 from test_training import small_run_config
 
 T, V, D = 48, 512, 64
@@ -166,9 +167,9 @@ def test_fp8_equals_the_reference_with_the_quantizations_inserted(n):
     assert rel(dh, ref_dh) < 2**-8 and rel(dH, ref_dH) < 1e-3  # dh: bf16
     # the emulation's codes, from its own logits
     s_x, s_w, s_g = SCALES
-    logits = tg.fp8_matmul(tg.to_fp8(h, s_x), tg.to_fp8(H, s_w).t(), s_x, s_w, torch.bfloat16, fast_accum=True)
-    cols, wts = tg.fused_ce_terms(y, torch.ones(1) if WEIGHTS[n] is None else torch.tensor(WEIGHTS[n]), V)
-    codes = tg._fused_ce_dlogits_torch(logits, tg._fused_ce_rows_torch(logits, cols, wts)[1], cols, wts,
+    logits = kernels.fp8_matmul(kernels.to_fp8(h, s_x), kernels.to_fp8(H, s_w).t(), s_x, s_w, torch.bfloat16, fast_accum=True)
+    cols, wts = kernels.fused_ce_terms(y, torch.ones(1) if WEIGHTS[n] is None else torch.tensor(WEIGHTS[n]), V)
+    codes = kernels._fused_ce_dlogits_torch(logits, kernels._fused_ce_rows_torch(logits, cols, wts)[1], cols, wts,
                                        torch.tensor(1.5), s_g, torch.float8_e5m2)
     ours, theirs = codes.float(), seen[0].float()
     assert ((ours - theirs).abs() <= 0.25 * theirs.abs()).all() and (ours != theirs).float().mean() < 1e-3
@@ -184,12 +185,12 @@ def test_the_gradient_codes_are_e5m2_of_dl_over_s_g():
     """The codes the backward multiplies: e5m2(dL/dl / s_g) of the fp32 dL/dl."""
     h, H, y = inputs(seed=6)
     s_x, s_w, s_g = SCALES
-    logits = tg.fp8_matmul(tg.to_fp8(h, s_x), tg.to_fp8(H, s_w).t(), s_x, s_w, torch.bfloat16, fast_accum=True)
-    cols, wts = tg.fused_ce_terms(y, torch.tensor([1.0, 0.5]), V)
-    _, lse = tg._fused_ce_rows_torch(logits, cols, wts)
+    logits = kernels.fp8_matmul(kernels.to_fp8(h, s_x), kernels.to_fp8(H, s_w).t(), s_x, s_w, torch.bfloat16, fast_accum=True)
+    cols, wts = kernels.fused_ce_terms(y, torch.tensor([1.0, 0.5]), V)
+    _, lse = kernels._fused_ce_rows_torch(logits, cols, wts)
     g = torch.tensor(2.0)
-    codes = tg._fused_ce_dlogits_torch(logits, lse, cols, wts, g, s_g, torch.float8_e5m2)
-    exact = tg._fused_ce_dlogits_torch(logits, lse, cols, wts, g, 1.0, torch.float32)
+    codes = kernels._fused_ce_dlogits_torch(logits, lse, cols, wts, g, s_g, torch.float8_e5m2)
+    exact = kernels._fused_ce_dlogits_torch(logits, lse, cols, wts, g, 1.0, torch.float32)
     assert codes.dtype == torch.float8_e5m2
     assert torch.equal(codes.float(), (exact / s_g).to(torch.float8_e5m2).float())
     # the same dL/dl by autograd from these logits
@@ -213,15 +214,15 @@ def test_row_blocks_do_not_change_the_result():
     """The CPU path's bound on its fp32 temporaries (a few rows at a time) is invisible."""
     h, H, y = inputs(seed=8)
     logits = (h @ H.t()).bfloat16()
-    cols, wts = tg.fused_ce_terms(y, torch.tensor([1.0, 0.5, 0.25]), V)
-    whole = tg._fused_ce_rows_torch(logits, cols, wts, chunk=T * V)
+    cols, wts = kernels.fused_ce_terms(y, torch.tensor([1.0, 0.5, 0.25]), V)
+    whole = kernels._fused_ce_rows_torch(logits, cols, wts, chunk=T * V)
     for chunk in (V, 5 * V):  # 1 and 5 rows (48 = 9 x 5 + 3)
-        assert all(torch.equal(a, b) for a, b in zip(tg._fused_ce_rows_torch(logits, cols, wts, chunk=chunk),
+        assert all(torch.equal(a, b) for a, b in zip(kernels._fused_ce_rows_torch(logits, cols, wts, chunk=chunk),
                                                       whole))
         for scale, dtype in ((1.0, torch.bfloat16), (SCALES[2], torch.float8_e5m2)):
             args = (logits, whole[1], cols, wts, torch.tensor(1.0), scale, dtype)
-            assert torch.equal(tg._fused_ce_dlogits_torch(*args, chunk=chunk).float(),
-                               tg._fused_ce_dlogits_torch(*args, chunk=T * V).float())
+            assert torch.equal(kernels._fused_ce_dlogits_torch(*args, chunk=chunk).float(),
+                               kernels._fused_ce_dlogits_torch(*args, chunk=T * V).float())
 
 
 def test_torch_compile_traces_it_as_one_opaque_op():
@@ -333,9 +334,9 @@ def fused261(h, H, y, weights, scales=None, grad_scale=1.0, g=1.0):
 def made_in_the_forward(h, H, y, weights, scales, grad_scale):
     """(loss, dL/dl as the forward stores it: e5m2 codes with scales, else h's dtype)."""
     w = torch.ones(1) if weights is None else torch.tensor(weights)
-    cols, wts = tg.fused_ce_terms(y, w, H.shape[0])
+    cols, wts = kernels.fused_ce_terms(y, w, H.shape[0])
     s_x, s_w, s_g = scales or (1.0, 1.0, 1.0)
-    return tg._fused_ce261_forward(h, H, cols, wts, w.sum(), False, scales is not None, s_x, s_w,
+    return kernels._fused_ce261_forward(h, H, cols, wts, w.sum(), False, scales is not None, s_x, s_w,
                                    s_g * grad_scale, grad_scale)
 
 
@@ -409,8 +410,8 @@ def test_pr261_codes_saturate_where_torchs_cast_gives_inf():
     theirs = reference261(h, H, y, WEIGHTS[2], scales, 1.0)[1].float()
     assert (codes != theirs).float().mean() < 1e-3
     lse = torch.logsumexp(23 * torch.sigmoid((h @ H.t() + 5) / 7.5), 1)
-    cols, wts = tg.fused_ce_terms(y, torch.tensor(WEIGHTS[2]), V)
-    assert tg._fused_ce_dlogits_torch((h @ H.t()).bfloat16(), lse, cols, wts, torch.tensor(1.0), 1e-7,
+    cols, wts = kernels.fused_ce_terms(y, torch.tensor(WEIGHTS[2]), V)
+    assert kernels._fused_ce_dlogits_torch((h @ H.t()).bfloat16(), lse, cols, wts, torch.tensor(1.0), 1e-7,
                                       torch.float8_e5m2).float().isinf().any()
 
 
@@ -566,15 +567,16 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt_medium as tg
+import triton_kernels as kernels
 logits, cols, wts, lse, g, s_g, lse261, s_w_all = torch.load(sys.argv[2])
-out = {"rows": tg._fused_ce_rows_triton(logits, cols, wts, block=128),
-       "rows261": tg._fused_ce_rows_triton(logits, cols, wts, block=128, variant="pr261")}
+out = {"rows": kernels._fused_ce_rows_triton(logits, cols, wts, block=128),
+       "rows261": kernels._fused_ce_rows_triton(logits, cols, wts, block=128, variant="pr261")}
 for name, scale, dtype in (("bf16", 1.0, torch.float32), ("e5m2", s_g, torch.float32),
                            ("e5m2_rounded", s_g, torch.float8_e5m2)):
-    out[name] = tg._fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, dtype, block=128)
+    out[name] = kernels._fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, dtype, block=128)
 for name, scale, dtype in (("261", s_g, torch.float32), ("261_rounded", s_g, torch.float8_e5m2),
                            ("261_saturated", 1e-7, torch.float8_e5m2)):
-    out[name] = tg._fused_ce_dlogits_triton(logits, lse261, cols, wts, g, scale, dtype, block=128,
+    out[name] = kernels._fused_ce_dlogits_triton(logits, lse261, cols, wts, g, scale, dtype, block=128,
                                             variant="pr261", s_w_all=s_w_all)
 torch.save(out, sys.argv[3])
 """
@@ -587,9 +589,9 @@ def kernel_run(tmp_path_factory):
     pytest.importorskip("triton")
     h, H, y = inputs(seed=12, cols=500)
     logits = (h @ H.t() * 3).bfloat16()
-    cols, wts = tg.fused_ce_terms(y, torch.tensor([1.0, 0.5, 0.25]), 500)
-    lse = tg._fused_ce_rows_torch(logits, cols, wts)[1]
-    lse261 = tg._fused_ce_rows_torch(logits, cols, wts, variant="pr261")[1]
+    cols, wts = kernels.fused_ce_terms(y, torch.tensor([1.0, 0.5, 0.25]), 500)
+    lse = kernels._fused_ce_rows_torch(logits, cols, wts)[1]
+    lse261 = kernels._fused_ce_rows_torch(logits, cols, wts, variant="pr261")[1]
     given = (logits, cols, wts, lse, torch.tensor(1.25), SCALES[2], lse261, torch.tensor(1.75))
     folder = tmp_path_factory.mktemp("kernel")
     torch.save(given, folder / "in.pt")
@@ -601,7 +603,7 @@ def kernel_run(tmp_path_factory):
 def test_the_kernels_forward_equals_the_emulation(kernel_run):
     (logits, cols, wts, *_), out = kernel_run
     loss, lse = out["rows"]
-    ref_loss, ref_lse = tg._fused_ce_rows_torch(logits, cols, wts)
+    ref_loss, ref_lse = kernels._fused_ce_rows_torch(logits, cols, wts)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=0)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
 
@@ -613,9 +615,9 @@ def test_the_kernels_gradient_equals_the_emulation(kernel_run):
     (logits, cols, wts, lse, g, s_g, *_), out = kernel_run
     for name, scale, dtype, step in (("bf16", 1.0, torch.bfloat16, 2**-8), ("e5m2", s_g, torch.float8_e5m2, 2**-2)):
         kernel = out[name]
-        exact = tg._fused_ce_dlogits_torch(logits, lse, cols, wts, g, scale, torch.float32)
+        exact = kernels._fused_ce_dlogits_torch(logits, lse, cols, wts, g, scale, torch.float32)
         torch.testing.assert_close(kernel, exact, rtol=1e-5, atol=1e-12)
-        codes = tg._fused_ce_dlogits_torch(logits, lse, cols, wts, g, scale, dtype).float()
+        codes = kernels._fused_ce_dlogits_torch(logits, lse, cols, wts, g, scale, dtype).float()
         ours = kernel.to(dtype).float()
         assert ((ours - codes).abs() <= step * codes.abs()).all()  # at most one code apart
         assert (ours != codes).float().mean() < 1e-3
@@ -623,7 +625,7 @@ def test_the_kernels_gradient_equals_the_emulation(kernel_run):
     # with triton 3.9: a value that rounds up to a power of two, and rounding up among the subnormals)
     rounded = out["e5m2_rounded"]
     assert rounded.dtype == torch.float8_e5m2
-    codes = tg._fused_ce_dlogits_torch(logits, lse, cols, wts, g, s_g, torch.float8_e5m2).float()
+    codes = kernels._fused_ce_dlogits_torch(logits, lse, cols, wts, g, s_g, torch.float8_e5m2).float()
     wrong = rounded.float() != codes
     rounds_up = out["e5m2"].abs() < codes.abs()
     interpreter_errs = rounds_up & ((torch.frexp(codes)[0].abs() == 0.5) | (codes.abs() <= 2**-14))
@@ -635,7 +637,7 @@ def test_the_kernels_pr261_forward_equals_the_emulation(kernel_run):
     kernel's sigma is tl.sigmoid, the emulation's 0.5 + 0.5 tanh(u/2): equal after the rounding here."""
     (logits, cols, wts, *_), out = kernel_run
     loss, lse = out["rows261"]
-    ref_loss, ref_lse = tg._fused_ce_rows_torch(logits, cols, wts, variant="pr261")
+    ref_loss, ref_lse = kernels._fused_ce_rows_torch(logits, cols, wts, variant="pr261")
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=0)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(lse, out["rows"][1], rtol=1e-5, atol=0)  # not the fp32 sigmoid's
@@ -645,7 +647,7 @@ def test_the_kernels_pr261_gradient_equals_the_emulation(kernel_run):
     """S_w = 1.75 on every row (the weights sum to 1.75 but the last rows have fewer terms); e5m2 codes
     as torch's cast but where the interpreter's cast errs; saturated at 57344 where torch's gives inf."""
     (logits, cols, wts, _, g, s_g, lse261, s_w_all), out = kernel_run
-    emulate = lambda scale, dtype: tg._fused_ce_dlogits_torch(logits, lse261, cols, wts, g, scale, dtype,
+    emulate = lambda scale, dtype: kernels._fused_ce_dlogits_torch(logits, lse261, cols, wts, g, scale, dtype,
                                                               variant="pr261", s_w_all=s_w_all)
     exact = emulate(s_g, torch.float32)
     torch.testing.assert_close(out["261"], exact, rtol=1e-5, atol=1e-12)

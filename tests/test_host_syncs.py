@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt_medium as tg
+import triton_kernels as kernels
 
 aten = torch.ops.aten
 # reads of a tensor's value on the host, data-dependent shapes, tensors from Python data
@@ -97,8 +98,8 @@ def test_the_fp8_products_device_branch_makes_its_scales_on_the_device(transpose
     w8 = torch.empty((32, 96) if transposed else (96, 32), dtype=torch.float8_e4m3fn, device="meta")
     g8 = torch.empty(64, 96, dtype=torch.float8_e5m2, device="meta")
     with recorder:
-        logits = tg.scaled_mm(x8, w8 if transposed else w8.t(), 0.1, 0.01, torch.bfloat16, True)
-        dw = (tg.scaled_mm(x8.t(), g8.t().contiguous().t(), 0.1, 0.001, torch.float32, False) if transposed
-              else tg.scaled_mm(g8.t().contiguous(), x8, 0.001, 0.1, torch.float32, False))
+        logits = kernels.scaled_mm(x8, w8 if transposed else w8.t(), 0.1, 0.01, torch.bfloat16, True)
+        dw = (kernels.scaled_mm(x8.t(), g8.t().contiguous().t(), 0.1, 0.001, torch.float32, False) if transposed
+              else kernels.scaled_mm(g8.t().contiguous(), x8, 0.001, 0.1, torch.float32, False))
     assert logits.shape == (64, 96) and dw.shape == ((32, 96) if transposed else (96, 32))
     assert recorder.calls == []

@@ -229,3 +229,23 @@ def test_scripts_import_their_siblings_through_the_package(script, argv):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_a_log_embeds_the_trainer_and_its_kernels_file_each_under_its_own_header(tmp_path):
+    """The trainer's logged source is this script, then triton_kernels.py after a header of its own
+    (as upstream's short-track logs embed theirs); runlogs splits it back into the two files, gives a
+    folder's script the same digest as its logs, and reads a log from before the split as one file."""
+    tg = pytest.importorskip("train_gpt_medium")
+    source = tg.logged_source()
+    files = runlogs.source_files(source)
+    assert files == {"script": (ROOT / "train_gpt_medium.py").read_text(),
+                     "triton_kernels.py": (ROOT / "triton_kernels.py").read_text()}
+    assert runlogs.logged_source(ROOT / "train_gpt_medium.py") == source
+    assert runlogs.source_files("print('one file')\n") == {"script": "print('one file')\n"}
+    # a script that does not log a kernels file keeps its text alone, even with one beside it
+    (tmp_path / "train_gpt.py").write_text("print('upstream medium')\n")
+    (tmp_path / "triton_kernels.py").write_text("# kernels\n")
+    assert runlogs.logged_source(tmp_path / "train_gpt.py") == "print('upstream medium')\n"
+    log = tmp_path / "run.txt"
+    log.write_text(source + "\n" + runlogs.SEPARATOR + "\nversions\n" + runlogs.SEPARATOR + "\nstep:1/1 train_time:1ms step_avg:1.00ms\n")
+    assert runlogs.read_log(log).script == runlogs.script_digest(runlogs.logged_source(ROOT / "train_gpt_medium.py"))

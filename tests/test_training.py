@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+from records import runlogs
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{6}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms"
@@ -108,7 +109,9 @@ def test_tiny_preset_learns_and_logs_in_the_documented_format(tiny_seed0_run):
     assert log_file.name.startswith("tiny_")
     text = log_file.read_text()
     source, versions, body = text.split("=" * 100 + "\n")
-    assert source.rstrip("\n") == (ROOT / "train_gpt_medium.py").read_text().rstrip("\n")
+    files = runlogs.source_files(source.rstrip("\n"))  # the script, then triton_kernels.py under its header
+    assert files["script"] == (ROOT / "train_gpt_medium.py").read_text()
+    assert files["triton_kernels.py"] == (ROOT / "triton_kernels.py").read_text().rstrip("\n")
     assert f"PyTorch {torch.__version__}" in versions
     step_lines = [line for line in body.splitlines() if line.startswith("step:")]
     vals = [VAL_LINE.match(line) for line in step_lines if "val_loss" in line]

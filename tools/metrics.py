@@ -120,7 +120,7 @@ def run_record(config: tg.Hyperparameters, log_path: Optional[Path], device, wor
     import train_gpt_medium as tg
     fields = dataclasses.fields(config)
     return dict(kind="run", step=0, format=FORMAT, log=str(log_path) if log_path else None,
-                script=script_digest(Path(tg.__file__).read_text()), num_iterations=config.num_iterations,
+                script=script_digest(tg.logged_source()), num_iterations=config.num_iterations,
                 world_size=world_size, device=str(device), seed=config.seed, started=time.time(),
                 config={f.name: repr(getattr(config, f.name)) for f in fields},
                 config_groups={f.name: f.metadata["group"] for f in fields},
