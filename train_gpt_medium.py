@@ -67,13 +67,17 @@ from triton_kernels import (FA3_KERNEL, FP8_E4M3_MAX, FUSED_CE_VARIANTS, SIGMOID
                             SIGMOID_TEMPERATURE, as_cuda, flash_attention_3, fp8_head_backward, fp8_head_codes,
                             fp8_head_logits, fp8_matmul, fp32_product, fp32_sum, fused_ce_ops, fused_ce_terms, to_fp8)
 
+
+# #############################################################################
+# Part I. The record (bulk, 2025-12-31): what ./run.sh runs, in the order data flows
+# #############################################################################
+
 # =============================================================================
 # 1. Hyperparameters: the defaults ARE the record recipe (docs/bulk.md)
 #
 # One line per flag: type, record default, meaning, allowed values. Each flag's group says what
 # changing it does, and so where `--help` lists it, what a resumed checkpoint must match and what
 # makes two runs the same experiment (the log writes every field's group; records/ reads it).
-
 
 def _flag(group: str):
     # counts_steps: a recipe value that is a number of training steps (or a step), so a run of another
@@ -515,7 +519,6 @@ def recipe_values(preset: str, name: str) -> dict:
     kept = {k: v for k, v in entry.values.items() if k not in PRESETS[preset]}
     return {**kept, **entry.at_preset.get(preset, {})}
 
-
 # =============================================================================
 # 2. Schedules on the step grid (docs/bulk-data.md): each a pure function of the step. S =
 # num_iterations - extension_steps scheduled steps; a schedule tuple of n entries cuts them into n
@@ -682,7 +685,8 @@ def warmup_schedule(config: Hyperparameters) -> list[int]:
 # =============================================================================
 # 3. Optimizers (docs/bulk-optimizers.md): Muon (NorMuon with Polar Express) for the matrices inside
 #    the blocks, a cautious Adam for tables, head, scalars and small gates. Each part of Muon is
-#    switched by its own field (section 1).
+#    switched by its own field (section 1); the arithmetic that rounds as CUDA does is in
+#    triton_kernels.py (as_cuda, fp32_product).
 
 _compiled_functions: dict = {}
 
@@ -1016,27 +1020,6 @@ def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: flo
     p.add_(update, alpha=-1.0)
 
 
-def fp32_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
-                   eps: float, weight_decay: float, wd_mul: float) -> None:
-    """The same Adam as #252 computes it (--adam_fp32_moments): fp32 moments, every operation in
-    fp32 in its compiled step's order, the weight rounded to its dtype once at the end. With
-    c = lr * sqrt(1 - beta2^t) / (1 - beta1^t) and d = lr^2 * wd * wd_mul, each a Python float
-    rounded once to fp32: m = m*b1 + g*(1-b1); v = v*b2 + (1-b2)*(g*g); u = m / (sqrt(v) + eps) * c;
-    u += d * p where u*p > 0; p = p - u. Each multiply and add is rounded separately (the GPU's
-    compiled kernel may fuse some into FMAs, one rounding fewer: not reproduced here)."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    state["step"] += 1
-    t = state["step"]
-    g, w = grad.float(), p.float()
-    step_size = np.float32(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))
-    decay = np.float32(lr * lr * weight_decay * wd_mul)  # #252's order of the product
-    m.mul_(beta1).add_(g * (1 - beta1))
-    v.mul_(beta2).add_(g.square().mul_(1 - beta2))
-    update = m.div(v.sqrt().add_(eps)).mul_(float(step_size))
-    update.add_((w * ((update * w) > 0)).mul_(float(decay)))
-    p.copy_(w.sub_(update))
-
-
 class CautiousAdam(torch.optim.Optimizer):
     """The bulk record's Adam (cautious_adam_step for each parameter with a gradient), replicated
     on every rank. A parameter's `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's
@@ -1070,7 +1053,7 @@ class CautiousAdam(torch.optim.Optimizer):
 
 
 # =============================================================================
-# 4. Model
+# 4. Model (docs/bulk-model.md)
 
 # ---- parameters: each says where it belongs where it is made (declare). Its optimizer group,
 # its lr and weight-decay multipliers (both optimizers read them) and how it starts are attributes
@@ -1117,10 +1100,7 @@ def constant_init(values) -> functools.partial:
     return functools.partial(constant, values=tuple(values))
 
 
-# With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
-# logits of 8192 tokens x 50304 are 1.6 GB instead of 13 GB for a 65,536-token sequence.
-LOSS_CHUNK_TOKENS = 8192
-
+# ---- rotary position embedding and YaRN
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),))
@@ -1196,7 +1176,8 @@ class RotaryTables(nn.Module):
         self.scale_value, self.freqs, self.changes = scale, freqs, changes
 
 
-# ---- document-causal sliding-window masks (block level first, then what each backend consumes)
+# ---- masks and the attention backends: document-causal sliding windows (block level first, then
+# what each backend consumes: flex's BlockMask, SDPA's dense mask, FA3's cumulative lengths)
 
 def candidate_blocks(ids: torch.Tensor, block_size: int, eot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block-level structure of document-causal attention over a packed sequence.
@@ -1221,7 +1202,6 @@ def most_recent_first(blocks: torch.Tensor) -> torch.Tensor:
     nb = blocks.size(-1)
     key = blocks.to(torch.int32) * nb + torch.arange(nb, device=blocks.device, dtype=torch.int32)
     return key.argsort(dim=-1, descending=True).to(torch.int32)
-
 
 # Token windows: a query at position q sees the keys k of its own document with q - W <= k <= q,
 # W = window x block size tokens. For query block i and w = window blocks, key blocks i-w+1 .. i-1
@@ -1287,10 +1267,9 @@ def attention_backend(config: Hyperparameters, device_type: str) -> str:
     return "flex" if device_type == "cuda" else "sdpa"
 
 
-# ---- --attention=fa3: FlashAttention-3's variable-length kernel, fetched from the `kernels` hub at
-# run time (the record's attention). It takes documents as cumulative lengths and a window of W
+# --attention=fa3: FlashAttention-3's variable-length kernel (the record's attention; its fetch:
+# triton_kernels.flash_attention_3). It takes documents as cumulative lengths and a window of W
 # tokens back, the token-window mask above; a window is a number, so each one is its own graph.
-
 
 @dataclass(frozen=True)
 class VarlenWindow:
@@ -1347,6 +1326,8 @@ def attend(q, k, v, mask, scale: float, scale_tensor: Optional[torch.Tensor] = N
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return y.transpose(1, 2)
 
+
+# ---- attention, MLP, block
 
 def shift_stationary_keys(k: torch.Tensor) -> torch.Tensor:
     """--key_offset: k (B, T, H, D) with the dims rotary leaves alone (the second quarter of each
@@ -1503,136 +1484,7 @@ class Block(nn.Module):
         return fp32_sum(x.dtype, (mix.resid_mlp, x), (mix.out_mlp, self.mlp(rms_norm(x))))
 
 
-# ---- the seed ideas' modules (docs/ideas.md), each switched by its Hyperparameters field
-
-class LowRankEmbedding(nn.Module):
-    """LoRE, input side (--lore_input): a V x r table followed by an r -> d projection."""
-
-    def __init__(self, vocab_size: int, rank: int, dim: int, init: str, dtype: torch.dtype,
-                 lr_mul: float = 1.0, wd_mul: float = 1.0):
-        super().__init__()
-        self.table = nn.Embedding(vocab_size, rank, dtype=dtype)
-        declare(self.table.weight, "embed", normal_init(1.0), lr_mul, wd_mul)
-        # Linear(r -> d) weight, fan_in r: `original` and `corrected` both draw it N(0, 1/r)
-        self.proj = declare(nn.Parameter(torch.empty(dim, rank, dtype=dtype)), "muon_lore",
-                            normal_init(rank**-0.5) if init != "none" else uniform_init(rank**-0.5))
-
-    def forward(self, ids):
-        return F.linear(self.table(ids), self.proj)
-
-
-FP8_RANGE_BOUNDS = (1e-30, 1e30)  # --fp8_ranges: r / 448 / batch_slices and its reciprocal stay normal float32
-
-
-def fp8_scales(config: Hyperparameters) -> tuple[float, float, float]:
-    """(s_x, s_w, s_g): the scales of the head's input, weight and output gradient."""
-    return tuple(r / FP8_E4M3_MAX for r in config.fp8_ranges)
-
-
-def fp8_training_scales(config: Hyperparameters) -> tuple[float, float, float]:
-    """The scales the training product quantizes with: s_g times the trainer's loss scale
-    (train_loss_scale, 1 / batch_slices). The records' 8 GPUs backpropagate each rank's summed loss
-    unscaled and average the gradients after; this trainer scales the loss first, so the gradient
-    reaching the head is that many times smaller, and dividing by s_g alone would move its e5m2
-    codes down by as many binades (more of them flushed to zero). Scaled so, the codes are the
-    records' at any world size and accumulation."""
-    s_x, s_w, s_g = fp8_scales(config)
-    return s_x, s_w, s_g * train_loss_scale(config)
-
-
-class FP8HeadProduct(torch.autograd.Function):
-    """--fp8: the head's training product from FP8 codes (PR #248's head): logits = s_x s_w (x8 @ w8)
-    in x's dtype; backward g8 = e5m2(G / s_g), dx = s_g s_w (g8 @ w8^T), dW = s_x s_g (x8^T @ g8)
-    in fp32, cast to the weight's dtype. The quantizers pass gradients straight through (no
-    derivative of the rounding, none lost to saturation). Only the codes are kept for backward.
-    apply(x (T, d), weight as stored, transposed, (s_x, s_w, s_g)) -> (T, V)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, transposed: bool, scales: tuple[float, float, float]):
-        x8, w8 = fp8_head_codes(x, weight, scales)
-        ctx.save_for_backward(x8, w8)
-        ctx.transposed, ctx.scales, ctx.dtypes = transposed, scales, (x.dtype, weight.dtype)
-        return fp8_head_logits(x8, w8, transposed, scales, x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x8, w8 = ctx.saved_tensors
-        g8 = to_fp8(grad, ctx.scales[2], torch.float8_e5m2)
-        dx, dw = fp8_head_backward(g8, x8, w8, ctx.transposed, ctx.scales, *ctx.dtypes)
-        return dx, dw, None, None
-
-
-def transposed_draw(shape, gen, init) -> torch.Tensor:
-    """init drawn in the transposed shape and transposed: a (d, V) head starts as the exact
-    transpose of the (V, d) one (same stream, same values)."""
-    return init(tuple(reversed(shape)), gen).t()
-
-
-class Head(nn.Module):
-    """The record's output head: d -> V_pad, fp32 storage, zero init, matmul in the model dtype.
-    With --untie_embed_after_step it doubles as the input embedding until the split: then it is
-    stored in the model dtype (it is looked up as a table) and starts N(0, 0.005^2).
-    --head_transposed stores it (d, V_pad) and computes x @ H; --fp8 (fp8_scales given) makes the
-    training product FP8HeadProduct (validation keeps the plain product)."""
-
-    def __init__(self, dim: int, padded_vocab: int, dtype: torch.dtype = torch.float32, init_std: float = 0.0,
-                 wd_mul: float = 1.0, transposed: bool = False,
-                 fp8_scales: Optional[tuple[float, float, float]] = None):
-        super().__init__()
-        init = normal_init(init_std) if init_std else zeros
-        shape = (dim, padded_vocab) if transposed else (padded_vocab, dim)
-        self.weight = declare(nn.Parameter(torch.empty(shape, dtype=dtype)), "head",
-                              functools.partial(transposed_draw, init=init) if transposed else init, wd_mul=wd_mul)
-        self.transposed, self.fp8_scales = transposed, fp8_scales
-
-    def table(self) -> torch.Tensor:
-        """The weight as a (V_pad, d) table (a view): row t is token t's vector."""
-        return self.weight.t() if self.transposed else self.weight
-
-    def forward(self, x):
-        if self.fp8_scales is not None and self.training:
-            return FP8HeadProduct.apply(x, self.weight, self.transposed, self.fp8_scales)
-        w = self.weight.to(x.dtype)
-        return x @ w if self.transposed else F.linear(x, w)
-
-
-class LowRankHead(nn.Module):
-    """LoRE, output side (--lore_output): d -> r (`down`) then r -> V_pad (`up`), fp32 storage.
-    Only `up` carries the vocabulary padding. Both factors start random (the --lore_init modes):
-    two zero factors would never receive a gradient."""
-
-    def __init__(self, dim: int, rank: int, padded_vocab: int, init: str, wd_mul: float = 1.0):
-        super().__init__()
-        # `original` draws down N(0, 1/r), `corrected` up; the other factor (both with `none`) is
-        # PyTorch's Linear default, uniform with bound 1/sqrt(fan_in)
-        factor_init = lambda name, fan_in: (normal_init(rank**-0.5) if (init, name) in {("original", "down"),
-                                                                                      ("corrected", "up")}
-                                            else uniform_init(fan_in**-0.5))
-        self.down = declare(nn.Parameter(torch.empty(rank, dim, dtype=torch.float32)), "muon_lore",
-                            factor_init("down", dim))  # Linear(d -> r) weight
-        self.up = declare(nn.Parameter(torch.empty(padded_vocab, rank, dtype=torch.float32)), "head",
-                          factor_init("up", rank), wd_mul=wd_mul)  # Linear(r -> V) weight: the head's table
-
-    def forward(self, x):
-        return F.linear(F.linear(x, self.down.to(x.dtype)), self.up.to(x.dtype))
-
-
-def value_coefficients(shape, gen, layout: tuple, assignment: bool) -> torch.Tensor:
-    """The (L, K) value-embedding coefficients (deterministic, `gen` unused). canonical: the first
-    K sites one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot of the layout's table. Rows
-    of layers without a value embedding are zero (unused)."""
-    L, K = shape
-    A = torch.zeros(L, K)
-    sites = [layer for layer, table in enumerate(layout) if table is not None]
-    for s, layer in enumerate(sites):
-        if assignment:
-            A[layer, layout[layer]] = 1.0
-        elif s < K:
-            A[layer, s] = 1.0
-        else:
-            A[layer] = K**-0.5
-    return A
-
+# ---- the pieces outside the blocks: value embeddings, the smear, the backout (each switched by its field)
 
 class ValueEmbeddings(nn.Module):
     """The per-layer value embeddings, from K tables B_k (docs/ideas.md).
@@ -1685,56 +1537,13 @@ class ValueEmbeddings(nn.Module):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
-# ---- --bigram_embed (PR #252, docs/bigram.md): a hashed table of (previous token, token) rows
-BIGRAM_CURRENT_MUL, BIGRAM_PREVIOUS_MUL = 36313, 27191
-BIGRAM_TABLE_BETAS, BIGRAM_LAMBDA_BETAS = (0.75, 0.95), (0.9, 0.95)
+def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.Tensor:
+    """--smear_embed: e (T, d) with row t >= 1 plus weight * sigmoid(gate(e_t)) * e_(t-1), from the
+    unsmeared rows, over the whole packed sequence (a document's first token gets some of the
+    previous document's last one). `weight` is the learned scalar, 0 at the start."""
+    amount = weight * torch.sigmoid(gate(e[1:]))  # (T-1, 1)
+    return torch.cat([e[:1], e[1:] + amount * e[:-1]])
 
-
-def int32_wrap(x):
-    """x as a 32-bit two's-complement int would hold it (wrap-around), for a Python int or an int64
-    tensor (both `%` are floor-mod): the record hashes in int32, whose overflow is made explicit here
-    instead of relied on."""
-    return (x + 2**31) % 2**32 - 2**31
-
-
-def bigram_ids(ids: torch.Tensor, table_rows: int) -> torch.Tensor:
-    """The table row of each position of one rank's sequence `ids` (T,), int64: with M = table_rows - 1,
-    h_0 = M; h_1 = (36313 t_1 XOR 27191 M) mod M; h_i = (36313 t_i XOR 27191 t_(i-1)) mod M for i >= 2,
-    every product wrapped to int32, XOR on the two's-complement values, floor-mod. Position 1 takes M
-    as its previous token because the record overwrites position 0 with M before it hashes. Across
-    documents, no seed. Pure tensor ops in int64 (CPU, CUDA, compiled)."""
-    M = table_rows - 1
-    t = ids.long()
-    current = int32_wrap(BIGRAM_CURRENT_MUL * t[1:])
-    first_previous = t.new_full((min(1, t.numel() - 1),), int32_wrap(BIGRAM_PREVIOUS_MUL * M))  # a Python int
-    previous = torch.cat([first_previous, int32_wrap(BIGRAM_PREVIOUS_MUL * t[1:-1])])
-    return torch.cat([t.new_full((1,), M), torch.remainder(current ^ previous, M)])
-
-
-class BigramEmbedding(nn.Module):
-    """--bigram_embed: a table of bigram_table_multiple x table_rows rows (model dtype, zero at the
-    start) read at bigram_ids of the input, and one weight gamma per layer (fp32, from
-    --bigram_lambda_init, used in the model dtype). Block i adds gamma_i x row to its input mixing.
-    Optimizer: Adam group `bigram` (lr embed_lr x75, wd x5, betas 0.75/0.95; --table_multipliers off:
-    x1) and `bigram_lambdas` (lr embed_lr, no decay, betas 0.9/0.95)."""
-
-    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
-        super().__init__()
-        rows = config.bigram_table_multiple * config.table_rows
-        lr_mul, wd_mul = (75.0, 5.0) if config.table_multipliers else (1.0, 1.0)
-        self.table = declare(nn.Parameter(torch.empty(rows, config.model_dim, dtype=dtype)), "bigram", zeros,
-                             lr_mul, wd_mul, betas=BIGRAM_TABLE_BETAS)
-        self.lambdas = declare(nn.Parameter(torch.empty(config.num_layers, dtype=torch.float32)), "bigram_lambdas",
-                               constant_init([config.bigram_lambda_init] * config.num_layers), lr_mul=1.0, wd_mul=0.0,
-                               betas=BIGRAM_LAMBDA_BETAS)
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows (1, T, d), not normed; gammas (L,) cast to the rows' dtype)."""
-        rows = F.embedding(bigram_ids(ids, self.table.shape[0]), self.table)[None]
-        return rows, self.lambdas.to(rows.dtype)
-
-
-# ---- the record's pieces outside the blocks (docs/bulk-model.md), each switched by its field
 
 class Backout(nn.Module):
     """--backout: the head's input norm(h - lambda*h_b) from the last block's output h and block
@@ -1751,102 +1560,34 @@ class Backout(nn.Module):
         return rms_norm(h - self.weight[0] * h_b)
 
 
-# ---- --mudd (PR #261, docs/mudd.md): MUDD connections at the last two blocks, replacing the backout
-MUDD_HIDDEN = 64  # width of each of its two small nets
-MUDD_SOURCES = 3  # the penultimate net's sources: x00, h_b, its own block's output
-MUDD_SCALE = 0.2 / MUDD_SOURCES**0.5  # every output is (net + bias) x this
-MUDD_V_GAIN = 1.15  # the value mix's factor
-MUDD_EARLY_LAYER = 4  # the final mix's fifth source: this block's output
-MUDD_BETAS = (0.9, 0.99)
+# ---- head and loss
 
+class Head(nn.Module):
+    """The record's output head: d -> V_pad, fp32 storage, zero init, matmul in the model dtype.
+    With --untie_embed_after_step it doubles as the input embedding until the split: then it is
+    stored in the model dtype (it is looked up as a table) and starts N(0, 0.005^2).
+    --head_transposed stores it (d, V_pad) and computes x @ H; --fp8 (fp8_scales given) makes the
+    training product FP8HeadProduct (validation keeps the plain product)."""
 
-def mudd_bias(shape, gen) -> torch.Tensor:
-    """The biases b (2 nets, 2 rows, 8 outputs), fp32 here and rounded to bf16 where stored: zero, but
-    the final net's h_b weight -4.34 (x MUDD_SCALE: the backout's -0.5) and the penultimate net's
-    last-block weights r_a = r_m = 1.05, p_a = p_m = 1 and psi = 0.05 (each / MUDD_SCALE). In bf16:
-    -4.34375, 9.0625, 8.6875, 0.43359, so r = 1.046875, p = 1, psi = 0.050049 in bf16 outputs."""
-    b = torch.zeros(shape)
-    b[1, 1, 1] = -4.34
-    b[0, 0, 4] = b[0, 1, 4] = 1.05 / MUDD_SCALE
-    b[0, 0, 5] = b[0, 1, 5] = 1.0 / MUDD_SCALE
-    b[0, 0, 7] = 0.05 / MUDD_SCALE
-    return b
-
-
-class LastBlockMix(NamedTuple):
-    """What --mudd's penultimate net gives the last block, each (1, T, 1) unless noted: v (1, T, H,
-    D) added to its v; ve_gate (1, T, H, 1) its value-embedding gate; its residual weights r_a, p_a,
-    r_m, p_m; the weights of x00 and of the bigram rows b at its attention sum, and those tensors."""
-    v: torch.Tensor
-    ve_gate: torch.Tensor
-    resid_attn: torch.Tensor
-    out_attn: torch.Tensor
-    resid_mlp: torch.Tensor
-    out_mlp: torch.Tensor
-    x00_weight: torch.Tensor
-    bigram_weight: torch.Tensor
-    x00: torch.Tensor
-    bigram: torch.Tensor
-
-
-class Mudd(nn.Module):
-    """--mudd (PR #261): two small nets, k = 0 after block L-2, k = 1 after the last block, each
-    a = GELU(W1[k] h) (64 wide, exact GELU, from the raw stream h), D = (a W2[k] + b[k]) x MUDD_SCALE,
-    (2, 8) per token. Weights bf16 whatever the model dtype (as the record stores them, so the bf16
-    biases give its starting weights): W1 (2, 64, d) uniform +-1/sqrt(d), W2 (2, 64, 2, 8) zero, b
-    (mudd_bias). Adam group `mudd`: lr x0.25 of --mudd_lr, betas 0.9/0.99, wd x1 on W1 and W2, none
-    on b. Each matmul's output and each named result is rounded once to the stream's dtype."""
-
-    def __init__(self, config: Hyperparameters):
+    def __init__(self, dim: int, padded_vocab: int, dtype: torch.dtype = torch.float32, init_std: float = 0.0,
+                 wd_mul: float = 1.0, transposed: bool = False,
+                 fp8_scales: Optional[tuple[float, float, float]] = None):
         super().__init__()
-        d, bf16 = config.model_dim, torch.bfloat16
-        self.heads, self.head_dim = config.num_heads, config.head_dim
-        self.w1 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, d, dtype=bf16)), "mudd", uniform_init(d**-0.5),
-                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
-        self.w2 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, 2, 8, dtype=bf16)), "mudd", zeros,
-                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
-        self.bias = declare(nn.Parameter(torch.empty(2, 2, 8, dtype=bf16)), "mudd", mudd_bias,
-                            lr_mul=0.25, wd_mul=0.0, betas=MUDD_BETAS)
+        init = normal_init(init_std) if init_std else zeros
+        shape = (dim, padded_vocab) if transposed else (padded_vocab, dim)
+        self.weight = declare(nn.Parameter(torch.empty(shape, dtype=dtype)), "head",
+                              functools.partial(transposed_draw, init=init) if transposed else init, wd_mul=wd_mul)
+        self.transposed, self.fp8_scales = transposed, fp8_scales
 
-    def coefficients(self, k: int, h: torch.Tensor, outputs: slice = slice(None), row=slice(None)) -> torch.Tensor:
-        """Net k's D (1, T, 2, 8) from h (1, T, d), or the entries [row, outputs] of it."""
-        a = F.gelu(F.linear(h, self.w1[k].type_as(h)))  # (1, T, 64)
-        w2, bias = self.w2[k][:, row, outputs], self.bias[k][row, outputs]
-        z = F.linear(a, w2.flatten(1).t().type_as(a)).view(*a.shape[:-1], *w2.shape[1:])
-        return ((z.float() + bias.float()) * MUDD_SCALE).to(h.dtype)
+    def table(self) -> torch.Tensor:
+        """The weight as a (V_pad, d) table (a view): row t is token t's vector."""
+        return self.weight.t() if self.transposed else self.weight
 
-    def penultimate(self, h: torch.Tensor, x00: torch.Tensor, h_b: torch.Tensor,
-                    bigram: torch.Tensor) -> tuple[torch.Tensor, LastBlockMix]:
-        """After block L-2 (h its output): the stream the last block starts from,
-        (1 + D[1,2]) h + D[1,0] x00 + D[1,1] h_b, and its LastBlockMix: v = 1.15 (D[0,0] x00 +
-        D[0,1] h_b + D[0,2] h), the value-embedding gate D[c,3] + 2 (c = 0 for the first half of the
-        heads, 1 for the second), r_a, p_a, r_m, p_m = D[0,4], D[0,5], D[1,4], D[1,5], the x00 weight
-        D[0,6] and the bigram weight D[0,7] (D[1,6:8] unused)."""
-        D = self.coefficients(0, h)
-        c = lambda row, j: D[..., row, j:j + 1]  # (1, T, 1)
-        dtype = h.dtype
-        v = fp32_sum(dtype, (c(0, 0), x00), (c(0, 1), h_b), (c(0, 2), h), gain=MUDD_V_GAIN)
-        x = fp32_sum(dtype, (1 + c(1, 2).float(), h), (c(1, 0), x00), (c(1, 1), h_b))
-        gate = (D[..., 3].float() + 2).to(dtype).repeat_interleave(self.heads // 2, dim=-1)[..., None]
-        mix = LastBlockMix(v.view(*v.shape[:-1], self.heads, self.head_dim), gate, c(0, 4), c(0, 5), c(1, 4),
-                           c(1, 5), c(0, 6), c(0, 7), x00, bigram)
-        return x, mix
-
-    def final(self, x: torch.Tensor, x00: torch.Tensor, h_b: torch.Tensor, h_pen: torch.Tensor, ve0: torch.Tensor,
-              h_early: torch.Tensor) -> torch.Tensor:
-        """After the last block (x its output): x + e0 x00 + e1 h_b + e2 h_pen + e3 ve0 + e4 h_early,
-        e = net 1's D[1, 0:5] (only those columns of W2[1] and b[1] are used)."""
-        e = self.coefficients(1, x, slice(0, 5), 1)  # (1, T, 5)
-        sources = (x00, h_b, h_pen, ve0, h_early)
-        return fp32_sum(x.dtype, (None, x), *((e[..., j:j + 1], t) for j, t in enumerate(sources)))
-
-
-def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.Tensor:
-    """--smear_embed: e (T, d) with row t >= 1 plus weight * sigmoid(gate(e_t)) * e_(t-1), from the
-    unsmeared rows, over the whole packed sequence (a document's first token gets some of the
-    previous document's last one). `weight` is the learned scalar, 0 at the start."""
-    amount = weight * torch.sigmoid(gate(e[1:]))  # (T-1, 1)
-    return torch.cat([e[:1], e[1:] + amount * e[:-1]])
+    def forward(self, x):
+        if self.fp8_scales is not None and self.training:
+            return FP8HeadProduct.apply(x, self.weight, self.transposed, self.fp8_scales)
+        w = self.weight.to(x.dtype)
+        return x @ w if self.transposed else F.linear(x, w)
 
 
 def sigmoid_softcap(z: torch.Tensor) -> torch.Tensor:
@@ -1872,64 +1613,16 @@ def multi_token_loss(logits: torch.Tensor, targets: torch.Tensor, inside: torch.
     return (torch.where(inside, losses, 0) * weights).sum()
 
 
+# With --activation_checkpointing the training loss runs in chunks of this many tokens: the fp32
+# logits of 8192 tokens x 50304 are 1.6 GB instead of 13 GB for a 65,536-token sequence.
+LOSS_CHUNK_TOKENS = 8192
+
+
 def train_loss_scale(config: Hyperparameters) -> float:
     """The factor the trainer multiplies each slice's loss by before its backward, 1 / (micro-steps x
     ranks) = 1 / batch_slices (the ranks' gradients are then summed: the mean over the step's slices).
     The pr261 fused loss makes its gradient in the forward for exactly this upstream gradient."""
     return 1.0 / config.batch_slices
-
-
-class FusedSoftcapCE(torch.autograd.Function):
-    """The loss from fused_ce_forward; its gradient from fused_ce_backward (dh, dH only). grad_scale
-    given (the pr261 variant): the forward also makes dL/dl for an upstream gradient of grad_scale
-    (fused_ce261_forward) and the backward multiplies it into dh, dH, ignoring its own input."""
-
-    @staticmethod
-    def forward(ctx, h, H, cols, wts, transposed, scales, grad_scale, s_w_all):
-        fp8 = scales is not None
-        s_x, s_w, s_g = scales if fp8 else (1.0, 1.0, 1.0)
-        ctx.pr261 = grad_scale is not None
-        if ctx.pr261:  # the gradient's FP8 scale times grad_scale: the codes do not depend on it
-            s_g = s_g * grad_scale
-            loss, dl = fused_ce_ops()[2](h, H, cols, wts, s_w_all, transposed, fp8, s_x, s_w, s_g, grad_scale)
-            ctx.save_for_backward(dl, h, H)
-        else:
-            loss, logits, lse = fused_ce_ops()[0](h, H, cols, wts, transposed, fp8, s_x, s_w)
-            ctx.save_for_backward(h, H, logits, lse, cols, wts)
-        ctx.args = (transposed, fp8, s_x, s_w, s_g)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.pr261:  # g is not read: the gradient was made for grad_scale in the forward
-            dh, dH = fused_ce_ops()[3](*ctx.saved_tensors, *ctx.args)
-        else:
-            dh, dH = fused_ce_ops()[1](g, *ctx.saved_tensors, *ctx.args)
-        return dh, dH, None, None, None, None, None, None
-
-
-def fused_softcap_ce(h: torch.Tensor, H: torch.Tensor, targets: torch.Tensor,
-                     weights: Optional[torch.Tensor] = None, transposed: bool = False,
-                     scales: Optional[tuple[float, float, float]] = None, variant: str = "pr252",
-                     grad_scale: Optional[float] = None) -> torch.Tensor:
-    """sum_t sum_k w_k (LSE_t - z_t[y_(t+k)]) (fp32) of z = 23 sigmoid((l + 5) / 7.5) over all of H's
-    columns, l = h H (H stored (V, d), or (d, V) if transposed). weights: the MTP weights (K,),
-    None: the next token only. scales (s_x, s_w, s_g), --fp8: the product and its gradients from FP8
-    codes (fp8_matmul), the logits bf16; None: in h's dtype. variant "pr261" (docs/fused-ce.md): PR
-    #261's numerics; grad_scale (required there) is the gradient the loss will receive from above:
-    its backward gives the gradient for that, whatever it receives."""
-    if variant not in FUSED_CE_VARIANTS:
-        raise ValueError(f"fused_softcap_ce: variant {variant!r} is not one of {', '.join(FUSED_CE_VARIANTS)}")
-    if (variant == "pr261") != (grad_scale is not None):
-        raise ValueError("fused_softcap_ce: grad_scale is given with variant pr261 only, and always there")
-    if weights is None:
-        weights = torch.ones(1, device=h.device)
-    cols, wts = fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0])
-    s_w_all = None
-    if variant == "pr261":  # #261's S_w: every weight, added in order in fp32
-        s_w_all = functools.reduce(torch.add, weights.float().unbind())
-    return FusedSoftcapCE.apply(h, H, cols, wts, transposed, None if scales is None else tuple(scales),
-                                None if grad_scale is None else float(grad_scale), s_w_all)
 
 
 def scalar_layout(config: Hyperparameters) -> list[tuple[str, list[float]]]:
@@ -2178,7 +1871,6 @@ class GPT(nn.Module):
         cap, z = self.config.logit_softcap, self.head(x).float()
         return cap * z * torch.rsqrt(z.square() + cap * cap)
 
-
 # ---- initialization: one random stream per parameter (matched init across configurations)
 
 def _param_generator(seed: int, name: str) -> torch.Generator:
@@ -2236,7 +1928,6 @@ def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
     for p in model.parameters():
         groups.setdefault(p.group, []).append(p)
     return {name: ps for name, ps in groups.items() if ps}
-
 
 # =============================================================================
 # 5. Data: shards of uint16 GPT-2 tokens behind a 256 x int32 header
@@ -2505,7 +2196,6 @@ def load_data(config: Hyperparameters) -> RunData:
     token_bytes, why_not = read_token_bytes(cfg)
     return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
 
-
 # =============================================================================
 # 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
 
@@ -2560,52 +2250,6 @@ def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
             group["lr"] = group["initial_lr"] * mult
             if isinstance(opt, Muon):
                 group["momentum"] = momentum
-
-
-def sparse_row_sum(grad: torch.Tensor, world_size: int) -> bool:
-    """In place, grad (rows, d) <- its sum over the ranks, as dist.all_reduce(SUM) gives it, moving only
-    the rows that are nonzero on some rank (--bigram_embed's table: a step reads few of its rows).
-    Each rank all-gathers every rank's nonzero rows (a row that is zero on a rank adds nothing to the
-    sum, so it need not be sent, whichever tokens touched it), then sets grad to zero and index-adds
-    the ranks' rows in rank order: the same additions in the same order on every rank, so the
-    replicated Adam steps stay identical. With two ranks that is a + b, as the dense all-reduce (bit
-    for bit, up to the sign of a zero, which no Adam value depends on); with more the order of the
-    additions may differ from the all-reduce's (rounding only). When the all-gather would move more
-    than a ring all-reduce (world_size x the largest row count >= 2 x rows), it does the dense
-    all-reduce instead. Returns whether it went sparse. Syncs with the host (the row counts)."""
-    own = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # nan/inf rows are nonzero, so they are sent
-    counts = [torch.zeros(1, dtype=torch.int64, device=grad.device) for _ in range(world_size)]
-    dist.all_gather(counts, torch.full((1,), own.numel(), dtype=torch.int64, device=grad.device))
-    counts = [int(c) for c in counts]
-    most = max(counts)
-    if world_size * most >= 2 * grad.shape[0]:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return False
-    # all_gather needs equal shapes: every rank pads its rows to the largest count
-    index = torch.zeros(most, dtype=torch.int64, device=grad.device)
-    index[:own.numel()] = own
-    rows = grad.new_zeros(most, grad.shape[1])
-    rows[:own.numel()] = grad[own]
-    indices, values = [torch.empty_like(index) for _ in counts], [torch.empty_like(rows) for _ in counts]
-    dist.all_gather(indices, index)
-    dist.all_gather(values, rows)
-    grad.zero_()
-    for n, i, v in zip(counts, indices, values):
-        grad.index_add_(0, i[:n], v[:n])
-    return True
-
-
-def bigram_exchange_is_sparse(config: Hyperparameters, world_size: int) -> bool:
-    """Whether --bigram_embed's table gradient goes by sparse_row_sum: only where that surely moves
-    less than the dense all-reduce, whatever the tokens: world_size x the positions a rank reads per
-    Adam step (a bound on its nonzero rows) < 2 x the table's rows. Otherwise the table is all-reduced
-    as every other parameter is, overlapping the backward pass, with no host sync and no scan of the
-    table (the record on 8 GPUs: 8 x 131,072 >= 2 x 251,520; its replicated Adam needs every row on
-    every rank, where #252's sharded Adam needed each row on one)."""
-    if not config.bigram_embed or world_size == 1:
-        return False
-    positions = (2 if config.adam_odd_steps_only else 1) * (config.batch_slices // world_size) * config.train_seq_len
-    return world_size * positions < 2 * config.bigram_table_multiple * config.table_rows
 
 
 class GradientAverager:
@@ -2884,7 +2528,6 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     return dict(val_history=history, final_val_loss=history[-1]["val_loss"], train_time_ms=train_time_ms,
                 model=runner.model, checkpoint=last_checkpoint)
 
-
 # ---- what train() does besides training: resume, the non-finite check, validation, log lines
 
 class Eta:
@@ -2958,7 +2601,6 @@ def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) 
     allocated, reserved = peak_memory_mib(device)
     log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
 
-
 # ---- copies of the training state (the warm-up's restore; checkpoints use them too)
 
 def capture_state(model: nn.Module, optimizers, device=None) -> dict:
@@ -2998,10 +2640,8 @@ def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
         for group, g in zip(opt.param_groups, opt_saved.get("groups", [])):
             group.update(g)
 
-
 # =============================================================================
 # 7. main
-
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the trainer with command-line flags. Exit codes: 0 done, 1 stopped on a non-finite loss,
@@ -3091,12 +2731,395 @@ def run_training(config: Hyperparameters, rank: int) -> int:
             dist.destroy_process_group()
 
 
+# #############################################################################
+# Part II. Beyond the record: the claims after bulk, one chapter each (docs/frontier.md). Each is
+# switched by its fields (the claims' block of the table in section 1), off by default; its
+# recipe is a row of RECIPES.
+# #############################################################################
+
+
 # =============================================================================
-# Below main: what a record diff does not touch. The command line and config checks; run setup,
-# called once before training (device, threads, seed, input and output checks, the log, the
+# 8. PR #248 (fp8_yarn, docs/fp8-yarn.md): the head's training product in FP8 (--fp8), the head
+#    stored transposed (--head_transposed). The FP8 codes and products: triton_kernels.py.
+
+FP8_RANGE_BOUNDS = (1e-30, 1e30)  # --fp8_ranges: r / 448 / batch_slices and its reciprocal stay normal float32
+
+
+def fp8_scales(config: Hyperparameters) -> tuple[float, float, float]:
+    """(s_x, s_w, s_g): the scales of the head's input, weight and output gradient."""
+    return tuple(r / FP8_E4M3_MAX for r in config.fp8_ranges)
+
+
+def fp8_training_scales(config: Hyperparameters) -> tuple[float, float, float]:
+    """The scales the training product quantizes with: s_g times the trainer's loss scale
+    (train_loss_scale, 1 / batch_slices). The records' 8 GPUs backpropagate each rank's summed loss
+    unscaled and average the gradients after; this trainer scales the loss first, so the gradient
+    reaching the head is that many times smaller, and dividing by s_g alone would move its e5m2
+    codes down by as many binades (more of them flushed to zero). Scaled so, the codes are the
+    records' at any world size and accumulation."""
+    s_x, s_w, s_g = fp8_scales(config)
+    return s_x, s_w, s_g * train_loss_scale(config)
+
+
+class FP8HeadProduct(torch.autograd.Function):
+    """--fp8: the head's training product from FP8 codes (PR #248's head): logits = s_x s_w (x8 @ w8)
+    in x's dtype; backward g8 = e5m2(G / s_g), dx = s_g s_w (g8 @ w8^T), dW = s_x s_g (x8^T @ g8)
+    in fp32, cast to the weight's dtype. The quantizers pass gradients straight through (no
+    derivative of the rounding, none lost to saturation). Only the codes are kept for backward.
+    apply(x (T, d), weight as stored, transposed, (s_x, s_w, s_g)) -> (T, V)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, transposed: bool, scales: tuple[float, float, float]):
+        x8, w8 = fp8_head_codes(x, weight, scales)
+        ctx.save_for_backward(x8, w8)
+        ctx.transposed, ctx.scales, ctx.dtypes = transposed, scales, (x.dtype, weight.dtype)
+        return fp8_head_logits(x8, w8, transposed, scales, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, w8 = ctx.saved_tensors
+        g8 = to_fp8(grad, ctx.scales[2], torch.float8_e5m2)
+        dx, dw = fp8_head_backward(g8, x8, w8, ctx.transposed, ctx.scales, *ctx.dtypes)
+        return dx, dw, None, None
+
+
+def transposed_draw(shape, gen, init) -> torch.Tensor:
+    """init drawn in the transposed shape and transposed: a (d, V) head starts as the exact
+    transpose of the (V, d) one (same stream, same values)."""
+    return init(tuple(reversed(shape)), gen).t()
+
+
+# =============================================================================
+# 9. PR #252 (bigram, docs/bigram.md, docs/fused-ce.md, docs/unified-optimizer.md): the bigram hash
+#    table (--bigram_embed) and its sparse exchange, the fused softcapped loss (--fused_softcap_ce;
+#    its kernels: triton_kernels.py), #252's Adam in fp32 (--adam_fp32_moments)
+
+BIGRAM_CURRENT_MUL, BIGRAM_PREVIOUS_MUL = 36313, 27191
+BIGRAM_TABLE_BETAS, BIGRAM_LAMBDA_BETAS = (0.75, 0.95), (0.9, 0.95)
+
+
+def int32_wrap(x):
+    """x as a 32-bit two's-complement int would hold it (wrap-around), for a Python int or an int64
+    tensor (both `%` are floor-mod): the record hashes in int32, whose overflow is made explicit here
+    instead of relied on."""
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def bigram_ids(ids: torch.Tensor, table_rows: int) -> torch.Tensor:
+    """The table row of each position of one rank's sequence `ids` (T,), int64: with M = table_rows - 1,
+    h_0 = M; h_1 = (36313 t_1 XOR 27191 M) mod M; h_i = (36313 t_i XOR 27191 t_(i-1)) mod M for i >= 2,
+    every product wrapped to int32, XOR on the two's-complement values, floor-mod. Position 1 takes M
+    as its previous token because the record overwrites position 0 with M before it hashes. Across
+    documents, no seed. Pure tensor ops in int64 (CPU, CUDA, compiled)."""
+    M = table_rows - 1
+    t = ids.long()
+    current = int32_wrap(BIGRAM_CURRENT_MUL * t[1:])
+    first_previous = t.new_full((min(1, t.numel() - 1),), int32_wrap(BIGRAM_PREVIOUS_MUL * M))  # a Python int
+    previous = torch.cat([first_previous, int32_wrap(BIGRAM_PREVIOUS_MUL * t[1:-1])])
+    return torch.cat([t.new_full((1,), M), torch.remainder(current ^ previous, M)])
+
+
+class BigramEmbedding(nn.Module):
+    """--bigram_embed: a table of bigram_table_multiple x table_rows rows (model dtype, zero at the
+    start) read at bigram_ids of the input, and one weight gamma per layer (fp32, from
+    --bigram_lambda_init, used in the model dtype). Block i adds gamma_i x row to its input mixing.
+    Optimizer: Adam group `bigram` (lr embed_lr x75, wd x5, betas 0.75/0.95; --table_multipliers off:
+    x1) and `bigram_lambdas` (lr embed_lr, no decay, betas 0.9/0.95)."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        rows = config.bigram_table_multiple * config.table_rows
+        lr_mul, wd_mul = (75.0, 5.0) if config.table_multipliers else (1.0, 1.0)
+        self.table = declare(nn.Parameter(torch.empty(rows, config.model_dim, dtype=dtype)), "bigram", zeros,
+                             lr_mul, wd_mul, betas=BIGRAM_TABLE_BETAS)
+        self.lambdas = declare(nn.Parameter(torch.empty(config.num_layers, dtype=torch.float32)), "bigram_lambdas",
+                               constant_init([config.bigram_lambda_init] * config.num_layers), lr_mul=1.0, wd_mul=0.0,
+                               betas=BIGRAM_LAMBDA_BETAS)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (1, T, d), not normed; gammas (L,) cast to the rows' dtype)."""
+        rows = F.embedding(bigram_ids(ids, self.table.shape[0]), self.table)[None]
+        return rows, self.lambdas.to(rows.dtype)
+
+
+def sparse_row_sum(grad: torch.Tensor, world_size: int) -> bool:
+    """In place, grad (rows, d) <- its sum over the ranks, as dist.all_reduce(SUM) gives it, moving only
+    the rows that are nonzero on some rank (--bigram_embed's table: a step reads few of its rows).
+    Each rank all-gathers every rank's nonzero rows (a row that is zero on a rank adds nothing to the
+    sum, so it need not be sent, whichever tokens touched it), then sets grad to zero and index-adds
+    the ranks' rows in rank order: the same additions in the same order on every rank, so the
+    replicated Adam steps stay identical. With two ranks that is a + b, as the dense all-reduce (bit
+    for bit, up to the sign of a zero, which no Adam value depends on); with more the order of the
+    additions may differ from the all-reduce's (rounding only). When the all-gather would move more
+    than a ring all-reduce (world_size x the largest row count >= 2 x rows), it does the dense
+    all-reduce instead. Returns whether it went sparse. Syncs with the host (the row counts)."""
+    own = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # nan/inf rows are nonzero, so they are sent
+    counts = [torch.zeros(1, dtype=torch.int64, device=grad.device) for _ in range(world_size)]
+    dist.all_gather(counts, torch.full((1,), own.numel(), dtype=torch.int64, device=grad.device))
+    counts = [int(c) for c in counts]
+    most = max(counts)
+    if world_size * most >= 2 * grad.shape[0]:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return False
+    # all_gather needs equal shapes: every rank pads its rows to the largest count
+    index = torch.zeros(most, dtype=torch.int64, device=grad.device)
+    index[:own.numel()] = own
+    rows = grad.new_zeros(most, grad.shape[1])
+    rows[:own.numel()] = grad[own]
+    indices, values = [torch.empty_like(index) for _ in counts], [torch.empty_like(rows) for _ in counts]
+    dist.all_gather(indices, index)
+    dist.all_gather(values, rows)
+    grad.zero_()
+    for n, i, v in zip(counts, indices, values):
+        grad.index_add_(0, i[:n], v[:n])
+    return True
+
+
+def bigram_exchange_is_sparse(config: Hyperparameters, world_size: int) -> bool:
+    """Whether --bigram_embed's table gradient goes by sparse_row_sum: only where that surely moves
+    less than the dense all-reduce, whatever the tokens: world_size x the positions a rank reads per
+    Adam step (a bound on its nonzero rows) < 2 x the table's rows. Otherwise the table is all-reduced
+    as every other parameter is, overlapping the backward pass, with no host sync and no scan of the
+    table (the record on 8 GPUs: 8 x 131,072 >= 2 x 251,520; its replicated Adam needs every row on
+    every rank, where #252's sharded Adam needed each row on one)."""
+    if not config.bigram_embed or world_size == 1:
+        return False
+    positions = (2 if config.adam_odd_steps_only else 1) * (config.batch_slices // world_size) * config.train_seq_len
+    return world_size * positions < 2 * config.bigram_table_multiple * config.table_rows
+
+
+class FusedSoftcapCE(torch.autograd.Function):
+    """The loss from fused_ce_forward; its gradient from fused_ce_backward (dh, dH only). grad_scale
+    given (the pr261 variant): the forward also makes dL/dl for an upstream gradient of grad_scale
+    (fused_ce261_forward) and the backward multiplies it into dh, dH, ignoring its own input."""
+
+    @staticmethod
+    def forward(ctx, h, H, cols, wts, transposed, scales, grad_scale, s_w_all):
+        fp8 = scales is not None
+        s_x, s_w, s_g = scales if fp8 else (1.0, 1.0, 1.0)
+        ctx.pr261 = grad_scale is not None
+        if ctx.pr261:  # the gradient's FP8 scale times grad_scale: the codes do not depend on it
+            s_g = s_g * grad_scale
+            loss, dl = fused_ce_ops()[2](h, H, cols, wts, s_w_all, transposed, fp8, s_x, s_w, s_g, grad_scale)
+            ctx.save_for_backward(dl, h, H)
+        else:
+            loss, logits, lse = fused_ce_ops()[0](h, H, cols, wts, transposed, fp8, s_x, s_w)
+            ctx.save_for_backward(h, H, logits, lse, cols, wts)
+        ctx.args = (transposed, fp8, s_x, s_w, s_g)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.pr261:  # g is not read: the gradient was made for grad_scale in the forward
+            dh, dH = fused_ce_ops()[3](*ctx.saved_tensors, *ctx.args)
+        else:
+            dh, dH = fused_ce_ops()[1](g, *ctx.saved_tensors, *ctx.args)
+        return dh, dH, None, None, None, None, None, None
+
+
+def fused_softcap_ce(h: torch.Tensor, H: torch.Tensor, targets: torch.Tensor,
+                     weights: Optional[torch.Tensor] = None, transposed: bool = False,
+                     scales: Optional[tuple[float, float, float]] = None, variant: str = "pr252",
+                     grad_scale: Optional[float] = None) -> torch.Tensor:
+    """sum_t sum_k w_k (LSE_t - z_t[y_(t+k)]) (fp32) of z = 23 sigmoid((l + 5) / 7.5) over all of H's
+    columns, l = h H (H stored (V, d), or (d, V) if transposed). weights: the MTP weights (K,),
+    None: the next token only. scales (s_x, s_w, s_g), --fp8: the product and its gradients from FP8
+    codes (fp8_matmul), the logits bf16; None: in h's dtype. variant "pr261" (docs/fused-ce.md): PR
+    #261's numerics; grad_scale (required there) is the gradient the loss will receive from above:
+    its backward gives the gradient for that, whatever it receives."""
+    if variant not in FUSED_CE_VARIANTS:
+        raise ValueError(f"fused_softcap_ce: variant {variant!r} is not one of {', '.join(FUSED_CE_VARIANTS)}")
+    if (variant == "pr261") != (grad_scale is not None):
+        raise ValueError("fused_softcap_ce: grad_scale is given with variant pr261 only, and always there")
+    if weights is None:
+        weights = torch.ones(1, device=h.device)
+    cols, wts = fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0])
+    s_w_all = None
+    if variant == "pr261":  # #261's S_w: every weight, added in order in fp32
+        s_w_all = functools.reduce(torch.add, weights.float().unbind())
+    return FusedSoftcapCE.apply(h, H, cols, wts, transposed, None if scales is None else tuple(scales),
+                                None if grad_scale is None else float(grad_scale), s_w_all)
+
+
+def fp32_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
+                   eps: float, weight_decay: float, wd_mul: float) -> None:
+    """The same Adam as #252 computes it (--adam_fp32_moments): fp32 moments, every operation in
+    fp32 in its compiled step's order, the weight rounded to its dtype once at the end. With
+    c = lr * sqrt(1 - beta2^t) / (1 - beta1^t) and d = lr^2 * wd * wd_mul, each a Python float
+    rounded once to fp32: m = m*b1 + g*(1-b1); v = v*b2 + (1-b2)*(g*g); u = m / (sqrt(v) + eps) * c;
+    u += d * p where u*p > 0; p = p - u. Each multiply and add is rounded separately (the GPU's
+    compiled kernel may fuse some into FMAs, one rounding fewer: not reproduced here)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    t = state["step"]
+    g, w = grad.float(), p.float()
+    step_size = np.float32(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))
+    decay = np.float32(lr * lr * weight_decay * wd_mul)  # #252's order of the product
+    m.mul_(beta1).add_(g * (1 - beta1))
+    v.mul_(beta2).add_(g.square().mul_(1 - beta2))
+    update = m.div(v.sqrt().add_(eps)).mul_(float(step_size))
+    update.add_((w * ((update * w) > 0)).mul_(float(decay)))
+    p.copy_(w.sub_(update))
+
+
+# =============================================================================
+# 10. PR #261 (mudd, docs/mudd.md): MUDD connections at the last two blocks, replacing the backout
+#     (--mudd, --mudd_nets), attention from block N (--attn_input_from_layer), #261's loss variant
+#     (--fused_ce_variant=pr261: its numerics in triton_kernels.py)
+
+MUDD_HIDDEN = 64  # width of each of its two small nets
+MUDD_SOURCES = 3  # the penultimate net's sources: x00, h_b, its own block's output
+MUDD_SCALE = 0.2 / MUDD_SOURCES**0.5  # every output is (net + bias) x this
+MUDD_V_GAIN = 1.15  # the value mix's factor
+MUDD_EARLY_LAYER = 4  # the final mix's fifth source: this block's output
+MUDD_BETAS = (0.9, 0.99)
+
+
+def mudd_bias(shape, gen) -> torch.Tensor:
+    """The biases b (2 nets, 2 rows, 8 outputs), fp32 here and rounded to bf16 where stored: zero, but
+    the final net's h_b weight -4.34 (x MUDD_SCALE: the backout's -0.5) and the penultimate net's
+    last-block weights r_a = r_m = 1.05, p_a = p_m = 1 and psi = 0.05 (each / MUDD_SCALE). In bf16:
+    -4.34375, 9.0625, 8.6875, 0.43359, so r = 1.046875, p = 1, psi = 0.050049 in bf16 outputs."""
+    b = torch.zeros(shape)
+    b[1, 1, 1] = -4.34
+    b[0, 0, 4] = b[0, 1, 4] = 1.05 / MUDD_SCALE
+    b[0, 0, 5] = b[0, 1, 5] = 1.0 / MUDD_SCALE
+    b[0, 0, 7] = 0.05 / MUDD_SCALE
+    return b
+
+
+class LastBlockMix(NamedTuple):
+    """What --mudd's penultimate net gives the last block, each (1, T, 1) unless noted: v (1, T, H,
+    D) added to its v; ve_gate (1, T, H, 1) its value-embedding gate; its residual weights r_a, p_a,
+    r_m, p_m; the weights of x00 and of the bigram rows b at its attention sum, and those tensors."""
+    v: torch.Tensor
+    ve_gate: torch.Tensor
+    resid_attn: torch.Tensor
+    out_attn: torch.Tensor
+    resid_mlp: torch.Tensor
+    out_mlp: torch.Tensor
+    x00_weight: torch.Tensor
+    bigram_weight: torch.Tensor
+    x00: torch.Tensor
+    bigram: torch.Tensor
+
+
+class Mudd(nn.Module):
+    """--mudd (PR #261): two small nets, k = 0 after block L-2, k = 1 after the last block, each
+    a = GELU(W1[k] h) (64 wide, exact GELU, from the raw stream h), D = (a W2[k] + b[k]) x MUDD_SCALE,
+    (2, 8) per token. Weights bf16 whatever the model dtype (as the record stores them, so the bf16
+    biases give its starting weights): W1 (2, 64, d) uniform +-1/sqrt(d), W2 (2, 64, 2, 8) zero, b
+    (mudd_bias). Adam group `mudd`: lr x0.25 of --mudd_lr, betas 0.9/0.99, wd x1 on W1 and W2, none
+    on b. Each matmul's output and each named result is rounded once to the stream's dtype."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        d, bf16 = config.model_dim, torch.bfloat16
+        self.heads, self.head_dim = config.num_heads, config.head_dim
+        self.w1 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, d, dtype=bf16)), "mudd", uniform_init(d**-0.5),
+                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
+        self.w2 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, 2, 8, dtype=bf16)), "mudd", zeros,
+                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
+        self.bias = declare(nn.Parameter(torch.empty(2, 2, 8, dtype=bf16)), "mudd", mudd_bias,
+                            lr_mul=0.25, wd_mul=0.0, betas=MUDD_BETAS)
+
+    def coefficients(self, k: int, h: torch.Tensor, outputs: slice = slice(None), row=slice(None)) -> torch.Tensor:
+        """Net k's D (1, T, 2, 8) from h (1, T, d), or the entries [row, outputs] of it."""
+        a = F.gelu(F.linear(h, self.w1[k].type_as(h)))  # (1, T, 64)
+        w2, bias = self.w2[k][:, row, outputs], self.bias[k][row, outputs]
+        z = F.linear(a, w2.flatten(1).t().type_as(a)).view(*a.shape[:-1], *w2.shape[1:])
+        return ((z.float() + bias.float()) * MUDD_SCALE).to(h.dtype)
+
+    def penultimate(self, h: torch.Tensor, x00: torch.Tensor, h_b: torch.Tensor,
+                    bigram: torch.Tensor) -> tuple[torch.Tensor, LastBlockMix]:
+        """After block L-2 (h its output): the stream the last block starts from,
+        (1 + D[1,2]) h + D[1,0] x00 + D[1,1] h_b, and its LastBlockMix: v = 1.15 (D[0,0] x00 +
+        D[0,1] h_b + D[0,2] h), the value-embedding gate D[c,3] + 2 (c = 0 for the first half of the
+        heads, 1 for the second), r_a, p_a, r_m, p_m = D[0,4], D[0,5], D[1,4], D[1,5], the x00 weight
+        D[0,6] and the bigram weight D[0,7] (D[1,6:8] unused)."""
+        D = self.coefficients(0, h)
+        c = lambda row, j: D[..., row, j:j + 1]  # (1, T, 1)
+        dtype = h.dtype
+        v = fp32_sum(dtype, (c(0, 0), x00), (c(0, 1), h_b), (c(0, 2), h), gain=MUDD_V_GAIN)
+        x = fp32_sum(dtype, (1 + c(1, 2).float(), h), (c(1, 0), x00), (c(1, 1), h_b))
+        gate = (D[..., 3].float() + 2).to(dtype).repeat_interleave(self.heads // 2, dim=-1)[..., None]
+        mix = LastBlockMix(v.view(*v.shape[:-1], self.heads, self.head_dim), gate, c(0, 4), c(0, 5), c(1, 4),
+                           c(1, 5), c(0, 6), c(0, 7), x00, bigram)
+        return x, mix
+
+    def final(self, x: torch.Tensor, x00: torch.Tensor, h_b: torch.Tensor, h_pen: torch.Tensor, ve0: torch.Tensor,
+              h_early: torch.Tensor) -> torch.Tensor:
+        """After the last block (x its output): x + e0 x00 + e1 h_b + e2 h_pen + e3 ve0 + e4 h_early,
+        e = net 1's D[1, 0:5] (only those columns of W2[1] and b[1] are used)."""
+        e = self.coefficients(1, x, slice(0, 5), 1)  # (1, T, 5)
+        sources = (x00, h_b, h_pen, ve0, h_early)
+        return fp32_sum(x.dtype, (None, x), *((e[..., j:j + 1], t) for j, t in enumerate(sources)))
+
+
+# =============================================================================
+# 11. The seed ideas (docs/ideas.md): LoRE (--lore_input, --lore_output), the value-embedding basis
+#     (--ve_mode), more input embeddings (--num_extra_embeds), x00 at the output (--x00_at_output)
+
+class LowRankEmbedding(nn.Module):
+    """LoRE, input side (--lore_input): a V x r table followed by an r -> d projection."""
+
+    def __init__(self, vocab_size: int, rank: int, dim: int, init: str, dtype: torch.dtype,
+                 lr_mul: float = 1.0, wd_mul: float = 1.0):
+        super().__init__()
+        self.table = nn.Embedding(vocab_size, rank, dtype=dtype)
+        declare(self.table.weight, "embed", normal_init(1.0), lr_mul, wd_mul)
+        # Linear(r -> d) weight, fan_in r: `original` and `corrected` both draw it N(0, 1/r)
+        self.proj = declare(nn.Parameter(torch.empty(dim, rank, dtype=dtype)), "muon_lore",
+                            normal_init(rank**-0.5) if init != "none" else uniform_init(rank**-0.5))
+
+    def forward(self, ids):
+        return F.linear(self.table(ids), self.proj)
+
+
+class LowRankHead(nn.Module):
+    """LoRE, output side (--lore_output): d -> r (`down`) then r -> V_pad (`up`), fp32 storage.
+    Only `up` carries the vocabulary padding. Both factors start random (the --lore_init modes):
+    two zero factors would never receive a gradient."""
+
+    def __init__(self, dim: int, rank: int, padded_vocab: int, init: str, wd_mul: float = 1.0):
+        super().__init__()
+        # `original` draws down N(0, 1/r), `corrected` up; the other factor (both with `none`) is
+        # PyTorch's Linear default, uniform with bound 1/sqrt(fan_in)
+        factor_init = lambda name, fan_in: (normal_init(rank**-0.5) if (init, name) in {("original", "down"),
+                                                                                      ("corrected", "up")}
+                                            else uniform_init(fan_in**-0.5))
+        self.down = declare(nn.Parameter(torch.empty(rank, dim, dtype=torch.float32)), "muon_lore",
+                            factor_init("down", dim))  # Linear(d -> r) weight
+        self.up = declare(nn.Parameter(torch.empty(padded_vocab, rank, dtype=torch.float32)), "head",
+                          factor_init("up", rank), wd_mul=wd_mul)  # Linear(r -> V) weight: the head's table
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.down.to(x.dtype)), self.up.to(x.dtype))
+
+
+def value_coefficients(shape, gen, layout: tuple, assignment: bool) -> torch.Tensor:
+    """The (L, K) value-embedding coefficients (deterministic, `gen` unused). canonical: the first
+    K sites one-hot, later sites (1,...,1)/sqrt(K); assignment: one-hot of the layout's table. Rows
+    of layers without a value embedding are zero (unused)."""
+    L, K = shape
+    A = torch.zeros(L, K)
+    sites = [layer for layer, table in enumerate(layout) if table is not None]
+    for s, layer in enumerate(sites):
+        if assignment:
+            A[layer, layout[layer]] = 1.0
+        elif s < K:
+            A[layer, s] = 1.0
+        else:
+            A[layer] = K**-0.5
+    return A
+
+
+# #############################################################################
+# Part III. Machinery: what a record diff does not touch. The command line and config checks; run
+# setup, called once before training (device, threads, seed, input and output checks, the log, the
 # byte table); checkpoints; accounting (also the log's parameter and FLOP lines); dry run;
 # benchmark. The timed loop's own helpers are in section 6.
-
+# #############################################################################
 
 class ConfigError(InputError, ValueError):
     """A bad flag or an inconsistent configuration; the message names the flag and the fix."""
@@ -3109,7 +3132,6 @@ class NonFiniteLossError(RuntimeError):
 class WriteError(RuntimeError):
     """A checkpoint, the log or the synthetic data could not be written (disk full, permissions);
     the message names the path and the OS error; the run stops (exit 3)."""
-
 
 # ---- flags <-> Hyperparameters: argparse driven by the dataclass fields
 
@@ -3455,7 +3477,6 @@ def parse_args(argv: list[str]) -> Hyperparameters:
         raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
     overrides = vars(namespace)
     return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "bulk"), **overrides)
-
 
 # ---- run setup
 
@@ -3883,7 +3904,6 @@ def peak_memory_mib(device: torch.device) -> tuple[int, int]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return rss, rss
 
-
 # ---- checkpoints: written atomically, validated on load, resumable on any world size
 
 class CheckpointError(InputError, RuntimeError):
@@ -4208,7 +4228,6 @@ def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,
         return None, []
     return on_rank0_for_all(check, rank, world_size)
 
-
 # ---- accounting: parameters, optimizer state, FLOPs, learned scalars; the dry run
 
 def parameter_counts(model: GPT) -> dict[str, int]:
@@ -4517,7 +4536,6 @@ def dry_run(config: Hyperparameters) -> int:
                           flops_per_token_attention=flops["attention"], **extra)))
     return 0
 
-
 # ---- benchmark (--bench_steps): training steps timed on random tokens; no data, no log
 
 # Dense (not "with sparsity") bf16 tensor-core peak of one GPU in TFLOP/s, by a substring of
@@ -4710,7 +4728,6 @@ def bench_lines(report: dict) -> list[str]:
                  f"recompiles {r['recompiles']} ({w['recompiles']} in the warm-up)")
     return lines
 
-
 # ---- writing shards (the data tools and the tests)
 
 def write_shard(path, tokens) -> None:
@@ -4725,7 +4742,6 @@ def write_shard(path, tokens) -> None:
         f.write(header.tobytes())
         f.write(tokens.astype(np.uint16).tobytes())
     os.replace(tmp, path)
-
 
 # ---- after the run: the hooks of --metrics_jsonl, --tracker and --eval_hellaswag (their code: tools/)
 
