@@ -2,6 +2,7 @@
 tiny preset's run at --seed=0, made once per session."""
 import contextlib
 import fcntl
+import importlib.metadata
 import io
 import os
 import pickle
@@ -71,13 +72,34 @@ def tiny_seed0_run(tmp_path_factory):
         return run
 
 
+def triton_interpreter_conflict() -> str:
+    """Why triton's interpreter (TRITON_INTERPRET=1, the kernel tests of tests/test_fused_ce.py) cannot
+    run with this numpy, or "": triton before 3.7 turns a kernel's scalar argument into an int with
+    int() of a 1-element array, which numpy 2.4 refuses (requirements-gpu-stack.txt)."""
+    try:
+        triton_version = importlib.metadata.version("triton")  # its version only: importing it is slow
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    major_minor = lambda version: tuple(int(part) for part in version.split(".")[:2])
+    numpy_version = importlib.metadata.version("numpy")
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+        return (f"triton {triton_version}'s interpreter fails with numpy {numpy_version}: the Triton kernel "
+                "tests in tests/test_fused_ce.py error; install numpy<2.4 with it (requirements-gpu-stack.txt)")
+    return ""
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say at the end of the run how the golden files were compared on this machine (bit for bit,
-    or within the tolerance on a machine kind without an entry)."""
+    or within the tolerance on a machine kind without an entry), and when this numpy breaks triton's
+    interpreter (the kernel tests' errors then say only "only 0-dimensional arrays ...")."""
     notes = [value for key in ("passed", "failed") for report in terminalreporter.stats.get(key, [])
              for name, value in getattr(report, "user_properties", []) if name == "golden_comparison"]
     for note in notes:
         terminalreporter.write_line(f"golden files: {note}")
+    conflict = triton_interpreter_conflict()
+    if conflict:
+        terminalreporter.write_line(f"warning: {conflict}")
+
 
 
 @pytest.fixture(scope="session")
