@@ -11,7 +11,7 @@ the Hugging Face package of that name, which a file beside the trainer would hid
 Every log of the trainer embeds this file after the trainer's own source, under its own header.
 
 Contents:
-  1. CUDA's rounding on any device   as_cuda, fp32_product, fp32_quotient, fp32_sum
+  1. CUDA's rounding on any device   as_cuda, fp32_product, fp32_quotient, cast, fp32_sum
   2. FP8                             to_fp8 (saturating codes), fp8_matmul (_scaled_mm on CUDA, the
                                      codes' exact product elsewhere), the head's products, fp8_transpose
   3. The fused softcapped loss       the torch references, the Triton kernels, the custom ops
@@ -81,6 +81,13 @@ def fp32_quotient(a: float, b: float) -> float:
     return float(np.float32(a) / np.float32(b))
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: t itself where it already is, never a no-op .to(). What an autograd Function
+    returns goes through this: under torch.compile, torch 2.11 gives zero gradients to the inputs
+    of a Function whose forward returns a no-op .to() of a tensor (fixed by 2.13)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def fp32_sum(dtype: torch.dtype, *terms, gain: float = 1.0) -> torch.Tensor:
     """gain x the sum of weight x tensor over the (weight, tensor) pairs (weight None: 1), computed
     in fp32 and rounded once to dtype: what the records' compiled (fused) pointwise code does with a
@@ -121,7 +128,7 @@ def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: floa
     if a8.is_cuda:
         return scaled_mm(a8, b8, scale_a, scale_b, out_dtype, fast_accum)
     scale = torch.full((), scale_a, dtype=torch.float32) * torch.full((), scale_b, dtype=torch.float32)  # fp32, as the GPU
-    return ((a8.float() @ b8.float()) * scale).to(out_dtype)
+    return cast((a8.float() @ b8.float()) * scale, out_dtype)
 
 
 def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: float, out_dtype: torch.dtype,
@@ -159,7 +166,7 @@ def fp8_head_backward(g8: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, tran
     g8_t = fp8_transpose(g8)
     dw = (fp8_matmul(x8.t(), g8_t.t(), s_x, s_g, torch.float32) if transposed
           else fp8_matmul(g8_t, x8, s_g, s_x, torch.float32))
-    return dx, dw.to(weight_dtype)
+    return dx, cast(dw, weight_dtype)
 
 
 def fp8_transpose(codes: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"warning: {conflict}")
 
 
-
 @pytest.fixture(scope="session")
 def trained_tiny_checkpoint(tiny_seed0_run, tmp_path_factory):
     """The tiny run at --seed=0 (tiny_seed0_run), a model of the synthetic data, saved as a checkpoint
