@@ -1365,6 +1365,19 @@ def qkvo_init(shape, gen, std: float) -> torch.Tensor:
     return value
 
 
+class AttentionArgs(NamedTuple):
+    """What a layer's attention reads besides its input, made per layer by GPT.forward."""
+    ve: Optional[torch.Tensor]  # (T, d) the layer's value embedding, or None
+    lambdas: torch.Tensor  # (2,) lambda0 on the qkv weights, lambda1 on the output weights
+    cos: torch.Tensor  # (T, head_dim // 2) rotary tables
+    sin: torch.Tensor
+    mask: object  # a BlockMask (flex), a dense bool mask (SDPA) or a VarlenWindow (FA3)
+    scale: Optional[float]  # the softmax scale as a number, or None with
+    scale_tensor: Optional[torch.Tensor]  # a 0-d fp32 tensor rewritten in place by YaRN (flex)
+    v_extra: Optional[torch.Tensor] = None  # §10 --mudd's last block: (B, T, H, D) added to v
+    ve_gate: Optional[torch.Tensor] = None  # §10 --mudd's last block: (B, T, H, 1), the value-embedding gate
+
+
 class Attention(nn.Module):
     """Multi-head attention over the packed sequence, reading norm(x): q, k, v from one merged
     weight, lambda0 scaling the qkv weights (after the q/k norms, only v) and lambda1 the output
@@ -1383,40 +1396,39 @@ class Attention(nn.Module):
         self.qkvo_w = declare(nn.Parameter(torch.empty(4, config.attn_dim, config.model_dim,
                                                        dtype=torch.float32 if config.fp32_block_weights else dtype)),
                               "muon_attn", functools.partial(qkvo_init, std=config.qkv_init_std))
-        # gates: group muon_gates (--gates_optimizer=adam: the Adam group gates), lr multiplier 0.1, zero init
+        # gates: group muon_gates (§9 --gates_optimizer=adam: the Adam group gates), lr multiplier 0.1, zero init
         group = "gates" if config.gates_optimizer == "adam" else "muon_gates"
         self.output_gate = (Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group)
                             if config.attn_output_gate else None)
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group) if gated_ve else None
 
-    def forward(self, x, ve, lambdas, cos, sin, mask, scale=None, scale_tensor=None, v_extra=None, ve_gate=None):
-        """x = norm of the residual stream (B, T, d); ve (T, d) or None; lambdas (2,). scale: a float
-        (default: --attn_scale), or None with scale_tensor (0-d, rewritten by YaRN). --mudd's last
-        block: v_extra (B, T, H, D) added to v as projected, ve_gate (B, T, H, 1) in place of the
-        value-embedding gate's 2 sigmoid(...)."""
+    def forward(self, x: torch.Tensor, a: AttentionArgs) -> torch.Tensor:
+        """x = norm of the residual stream (B, T, d) -> (B, T, d). The scale: a.scale, or a.scale_tensor
+        where that is given, else --attn_scale."""
         B, T = x.shape[:2]
         H, D = self.num_heads, self.head_dim
-        w_qkv = lambdas[0] * self.qkvo_w[:3].flatten(0, 1).type_as(x)
+        w_qkv = a.lambdas[0] * self.qkvo_w[:3].flatten(0, 1).type_as(x)
         q, k, v = F.linear(x, w_qkv).view(B, T, 3 * H, D).chunk(3, dim=-2)  # each (B, T, H, D)
-        if v_extra is not None:
-            v = v + v_extra
+        if a.v_extra is not None:  # §10 --mudd
+            v = v + a.v_extra
         q, k = rms_norm(q), rms_norm(k)
-        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        q, k = self.rotate(q, a.cos, a.sin), self.rotate(k, a.cos, a.sin)
         if self.key_offset:
             k = shift_stationary_keys(k)
-        if ve is not None:
-            ve = ve.view_as(v)
-            if ve_gate is not None:  # --mudd's gate replaces the block's own
-                ve = ve_gate * ve
+        if a.ve is not None:
+            ve = a.ve.view_as(v)
+            if a.ve_gate is not None:  # §10 --mudd's gate replaces the block's own
+                ve = a.ve_gate * ve
             elif self.value_gate is not None:
                 ve = 2 * torch.sigmoid(self.value_gate(x)).view(B, T, H, 1) * ve
             v = v + ve
-        y = attend(q, k, v, mask, self.scale if scale is None and scale_tensor is None else scale, scale_tensor)
+        scale = self.scale if a.scale is None and a.scale_tensor is None else a.scale
+        y = attend(q, k, v, a.mask, scale, a.scale_tensor)
         if self.output_gate is not None:
             y = y * torch.sigmoid(self.output_gate(x)).view(B, T, H, 1)
         y = y.reshape(B, T, -1)
-        return F.linear(y, lambdas[1] * self.qkvo_w[3].type_as(y))
+        return F.linear(y, a.lambdas[1] * self.qkvo_w[3].type_as(y))
 
 
 class MLP(nn.Module):
@@ -1434,12 +1446,20 @@ class MLP(nn.Module):
         self.proj_w = declare(nn.Parameter(torch.empty(*proj_shape, dtype=dtype)), "muon_mlp", zeros,
                               lr_mul=2.0 if self.transposed else 1.0, wd_mul=wd_mul)
 
-    def forward(self, x):
-        if self.transposed:
-            hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()
-            return F.linear(hidden, self.proj_w.T.type_as(hidden))
-        hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()
-        return F.linear(hidden, self.proj_w.type_as(hidden))
+    def forward(self, x):  # (B, T, d) -> (B, T, d): relu(x W_fc^T)^2 W_proj^T
+        hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()  # (B, T, hidden)
+        proj = self.proj_w.T if self.transposed else self.proj_w
+        return F.linear(hidden, proj.type_as(hidden))
+
+
+class BlockArgs(NamedTuple):
+    """What a block reads besides the residual stream x, made per layer by GPT.forward."""
+    inputs: list  # x00, x01, ... (each (1, T, d)) and §9 the bigram rows: the block input's mixing terms
+    resid_weight: torch.Tensor  # rho, the residual stream's weight
+    input_weights: tuple  # one weight per entry of inputs
+    attn: AttentionArgs
+    attn_source: Optional[torch.Tensor] = None  # §10 --attn_input_from_layer: attention reads norm(this)
+    mudd: Optional["LastBlockMix"] = None  # §10 --mudd: the last block's per-token weights
 
 
 class Block(nn.Module):
@@ -1449,52 +1469,29 @@ class Block(nn.Module):
         self.mlp = MLP(config, dtype)
         self.first = layer == 0  # the first block's input x is x00 itself: its weights fold into one
 
-    def forward(self, x, x0s, resid_weight, x0_weights, ve, attn_lambdas, cos, sin, mask, scale=None,
-                scale_tensor=None, attn_source=None, mudd=None):
-        """attn_source: --attn_input_from_layer's stream, which attention reads normed instead of x;
-        mudd: --mudd's LastBlockMix for the last block (no input mixing, its per-token weights)."""
-        if mudd is not None:
-            return self.forward_mudd(x, ve, attn_lambdas, cos, sin, mask, scale, scale_tensor, attn_source, mudd)
+    def forward(self, x: torch.Tensor, args: BlockArgs) -> torch.Tensor:
+        if args.mudd is not None:  # §10 --mudd's last block
+            return mudd_last_block(self, x, args)
         # mix the residual stream with every input embedding: x = rho*x + a0*x00 + a1*x01 + ...
         if self.first:  # (rho + a0)*x00 + a1*x01 + ...
-            x = (resid_weight + x0_weights[0]) * x
-            for lam, x0 in zip(x0_weights[1:], x0s[1:]):
+            x = (args.resid_weight + args.input_weights[0]) * x
+            for lam, x0 in zip(args.input_weights[1:], args.inputs[1:]):
                 x = x + lam * x0
         else:
-            x = resid_weight * x
-            for lam, x0 in zip(x0_weights, x0s):
+            x = args.resid_weight * x
+            for lam, x0 in zip(args.input_weights, args.inputs):
                 x = x + lam * x0
         if self.attn is not None:
-            attn_in = x if attn_source is None else attn_source
-            x = x + self.attn(rms_norm(attn_in), ve, attn_lambdas, cos, sin, mask, scale, scale_tensor)
+            attn_in = x if args.attn_source is None else args.attn_source  # §10 --attn_input_from_layer
+            x = x + self.attn(rms_norm(attn_in), args.attn)
         return x + self.mlp(rms_norm(x))
-
-    def forward_mudd(self, x, ve, attn_lambdas, cos, sin, mask, scale, scale_tensor, attn_source, mix):
-        """--mudd's last block: x = r_a x + p_a Attn + chi x00 + psi b, then x = r_m x + p_m MLP(norm x),
-        with the per-token weights of `mix` (LastBlockMix); the value mix joins v, its gate replaces the
-        value-embedding gate. Each sum is one expression in fp32 rounded once to x's dtype, as the
-        record's compiled code computes it, grouped as the record writes it: (r_a x + p_a Attn) +
-        (chi x00 + psi b)."""
-        attn_in = x if attn_source is None else attn_source
-        y = self.attn(rms_norm(attn_in), ve, attn_lambdas, cos, sin, mask, scale, scale_tensor,
-                      v_extra=mix.v, ve_gate=mix.ve_gate)
-        term = lambda w, t: w.float() * t.float()
-        x = ((term(mix.resid_attn, x) + term(mix.out_attn, y))
-             + (term(mix.x00_weight, mix.x00) + term(mix.bigram_weight, mix.bigram))).to(x.dtype)
-        return fp32_sum(x.dtype, (mix.resid_mlp, x), (mix.out_mlp, self.mlp(rms_norm(x))))
 
 
 # ---- the pieces outside the blocks: value embeddings, the smear, the backout (each switched by its field)
 
 class ValueEmbeddings(nn.Module):
-    """The per-layer value embeddings, from K tables B_k (docs/ideas.md).
-
-    native / grouped: layer l looks up table layout[l] (the record: K=5, 012..012).
-    learned / frozen: a coefficient matrix A (L x K, fp32) makes layer l's table
-    V_l = sum_k A[l, k] B_k; learned trains A (Adam, --ve_coeff_lr), frozen keeps it fixed (a
-    buffer: no gradient, no optimizer state). --ve_exec: `direct` gathers the K rows of each
-    token and mixes them, `materialized` builds each V_l (differentiably), then looks it up.
-    """
+    """The per-layer value embeddings: K tables, layer l looking up table layout[l] (the record:
+    K=5, 012..012; --ve_mode=grouped names other groupings). §11's ValueEmbeddingBasis mixes them."""
 
     def __init__(self, config: Hyperparameters, dtype: torch.dtype):
         super().__init__()
@@ -1507,34 +1504,12 @@ class ValueEmbeddings(nn.Module):
         for table in self.tables:
             declare(table.weight, "value_embed", zeros if config.value_embed_zero_init else normal_init(1.0),
                     lr_mul, wd_mul)
-        coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
-        if config.ve_mode == "learned":
-            self.coeffs = declare(nn.Parameter(coeffs), "ve_coeff", self.coefficient_init())
-        elif config.ve_mode == "frozen":
-            self.register_buffer("coeffs", coeffs)
-        else:
-            self.coeffs = None
-
-    def coefficient_init(self) -> functools.partial:
-        return functools.partial(value_coefficients, layout=tuple(self.layout),
-                                 assignment=self.config.ve_coeff_init == "assignment")
-
-    def initial_coeffs(self) -> torch.Tensor:
-        return self.coefficient_init()(self.coeffs.shape, None)
+        self.coeffs = None  # §11's basis: its coefficients
 
     def forward(self, ids) -> list[Optional[torch.Tensor]]:
         """One (T, d) tensor per layer, or None where the layer has no value embedding."""
-        if self.coeffs is None:
-            rows = [table(ids) for table in self.tables]
-            return [rows[t] if t is not None else None for t in self.layout]
-        A, dtype = self.coeffs, self.tables[0].weight.dtype
-        if self.config.ve_exec == "direct":
-            rows = torch.stack([table(ids) for table in self.tables]).float()  # (K, T, d)
-            mix = lambda layer: torch.einsum("k,ktd->td", A[layer], rows).to(dtype)
-        else:
-            weights = torch.stack([table.weight for table in self.tables]).float()  # (K, V, d)
-            mix = lambda layer: F.embedding(ids, torch.einsum("k,kvd->vd", A[layer], weights).to(dtype))
-        return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
+        rows = [table(ids) for table in self.tables]
+        return [rows[t] if t is not None else None for t in self.layout]
 
 
 def smear_embedding(e: torch.Tensor, gate: Gate, weight: torch.Tensor) -> torch.Tensor:
@@ -1665,7 +1640,8 @@ class GPT(nn.Module):
         for i, embed in enumerate(self.embeds):
             if not config.lore_input:
                 declare(embed.weight, "embed", normal_init(1.0), *self.embed_multipliers(i))
-        self.value_embeds = ValueEmbeddings(config, dtype)
+        basis = config.ve_mode in ("learned", "frozen")  # §11 the value-embedding basis
+        self.value_embeds = (ValueEmbeddingBasis if basis else ValueEmbeddings)(config, dtype)
         self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
         self.blocks = nn.ModuleList(Block(config, i, dtype) for i in range(L))
         # --untie_embed_after_step: the head is also the input table until the split, so it is
@@ -1733,63 +1709,58 @@ class GPT(nn.Module):
         cfg = self.config
         T = input_seq.numel()
         reduction = reduction or (cfg.train_loss_reduction if self.training else "mean")
-        backend = attention_backend(cfg, input_seq.device.type)
-        if backend == "fa3":  # the windows as numbers (Runner.window)
-            long_mask, short_mask = varlen_windows(input_seq, window, cfg, self.training)
-        else:
-            long_mask, short_mask = token_window_masks(input_seq, window[0], window[1], cfg, backend)
-        cos, sin = self.rotary.cos[:T], self.rotary.sin[:T]
-        scale, scale_tensor = cfg.attn_scale, None
-        if cfg.yarn_window_limit:  # a scale that changes: the tensor for flex, its float for SDPA and FA3
-            scale, scale_tensor = (None, self.rotary.scale) if backend == "flex" else (self.rotary.scale_value, None)
+        (long_mask, short_mask), cos, sin, scale, scale_tensor = self.attention_inputs(input_seq, window)
         x0s = self.input_embeddings(input_seq)  # each (1, T, d)
         ves = self.value_embeds(input_seq)  # per layer (T, d) or None
         slots = self.scalar_slots()
         resid_weights, x0_weights = self.mixing_weights()
         attn_lambdas = slots["attn_lambdas"].view(cfg.num_layers, 2)
-        skips, long_layers = self.skips, self.long_layers
         # activation checkpointing keeps only each block's input and recomputes the block in backward
         recompute = cfg.activation_checkpointing and torch.is_grad_enabled()
-        # --bigram_embed: the bigram rows join the block inputs' mixing as its last term, gamma_i x rows.
-        # Hashed from this forward's own sequence: the record hashes in its loader, per rank and
-        # micro-batch, this same sequence (a training slice or a validation chunk) from the same
-        # position 0, so the rows are the same
-        block_inputs = x0s
-        if self.bigram is not None:
+        block_inputs, bigram_rows, gammas = x0s, None, None
+        if self.bigram is not None:  # §9 --bigram_embed: gamma_i x its rows, the last term of block i's mixing
             bigram_rows, gammas = self.bigram(input_seq)
             block_inputs = x0s + [bigram_rows]
-        x, outputs = x0s[0], []
-        attn_from, last_mix, L = cfg.attn_input_from_layer, None, cfg.num_layers
-        # --mudd_nets: without the penultimate net the last block is the ordinary one (last_mix None)
-        penultimate_net = self.mudd is not None and cfg.mudd_nets != "final"
-        final_net = self.mudd is not None and cfg.mudd_nets != "penultimate"
+        attn_from = cfg.attn_input_from_layer  # §10: the blocks after it attend from its output
+        x, outputs, last_mix = x0s[0], [], None
         for i, block in enumerate(self.blocks):
-            if i in skips:
-                x = x + self.skip_weight(i, x0s[0], slots) * outputs[skips[i]]
-            mask = long_mask if i in long_layers else short_mask
-            weights = x0_weights[i] if self.bigram is None else (*x0_weights[i], gammas[i])
-            args = (x, block_inputs, resid_weights[i], weights, ves[i], attn_lambdas[i], cos, sin, mask, scale,
-                    scale_tensor)
-            # --attn_input_from_layer: attention reads that block's output; --mudd: the last block's mix
-            extra = dict(attn_source=outputs[attn_from] if attn_from is not None and i > attn_from else None,
-                         mudd=last_mix if i == L - 1 else None)
-            x = checkpoint(block, *args, **extra, use_reentrant=False) if recompute else block(*args, **extra)
+            if i in self.skips:
+                x = x + self.skip_weight(i, x0s[0], slots) * outputs[self.skips[i]]
+            mask = long_mask if i in self.long_layers else short_mask
+            attn = AttentionArgs(ves[i], attn_lambdas[i], cos, sin, mask, scale, scale_tensor)
+            weights = x0_weights[i] if gammas is None else (*x0_weights[i], gammas[i])
+            args = BlockArgs(block_inputs, resid_weights[i], weights, attn, mudd=last_mix,  # §10 --mudd
+                             attn_source=outputs[attn_from] if attn_from is not None and i > attn_from else None)
+            x = checkpoint(block, x, args, use_reentrant=False) if recompute else block(x, args)
             outputs.append(x)
-            if penultimate_net and i == L - 2:  # outputs keeps h_(L-2) as the block gave it
-                x, last_mix = self.mudd.penultimate(x, x0s[0], outputs[cfg.backout_layer], bigram_rows)
-        if final_net:  # in place of the backout: the final mix, then the plain norm
-            x = self.mudd.final(x, x0s[0], outputs[cfg.backout_layer], outputs[L - 2], ves[0][None],
-                                outputs[MUDD_EARLY_LAYER])
+            if self.mudd is not None:  # §10 --mudd: after block L-2 its penultimate net mixes the stream
+                x, last_mix = self.mudd.after_block(i, x, x0s[0], outputs, bigram_rows)
+        if self.mudd is not None:  # §10 --mudd: its final mix, in place of the backout
+            x = self.mudd.before_head(x, x0s[0], outputs, ves)
         if self.backout is not None:
             x = self.backout(x[0], outputs[self.backout.layer][0])  # (T, d)
         else:
             x = rms_norm(x[0])  # (T, d)
-        if self.output_mix is not None:
+        if self.output_mix is not None:  # §11 --x00_at_output
             x = self.output_mix[0] * x + self.output_mix[1] * x0s[0][0]
         # with recomputation the (T, V) logits would dominate memory: one recomputed chunk at a time
         num_chunks = max(T // LOSS_CHUNK_TOKENS, 1) if recompute else (1 if self.training else 4)
         return self.loss(x, target_seq, num_chunks, reduction, recompute,
                          mtp_weights if self.training else None)
+
+    def attention_inputs(self, input_seq: torch.Tensor, window) -> tuple:
+        """What every layer's attention reads in this forward: the (long, short) masks of the backend,
+        the rotary tables (T, head_dim // 2) and the softmax scale (a number, or None and a 0-d tensor)."""
+        cfg, T = self.config, input_seq.numel()
+        backend = attention_backend(cfg, input_seq.device.type)
+        if backend == "fa3":  # the windows as numbers (Runner.window)
+            masks = varlen_windows(input_seq, window, cfg, self.training)
+        else:
+            masks = token_window_masks(input_seq, window[0], window[1], cfg, backend)
+        scale, scale_tensor = cfg.attn_scale, None
+        if cfg.yarn_window_limit:  # a scale that changes: the tensor for flex, its float for SDPA and FA3
+            scale, scale_tensor = (None, self.rotary.scale) if backend == "flex" else (self.rotary.scale_value, None)
+        return masks, self.rotary.cos[:T], self.rotary.sin[:T], scale, scale_tensor
 
     def input_embeddings(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """x00, x01, ...: each input embedding of the tokens, RMS-normed, (1, T, d). x00's table is
@@ -2783,6 +2754,22 @@ class FP8HeadProduct(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def check_fp8_head(cfg: Hyperparameters) -> None:
+    """§8's config rules: the FP8 product and the transposed layout are the full head's; three FP8
+    ranges whose scales stay normal float32 numbers."""
+    for flag in ("fp8", "head_transposed"):
+        require(not (getattr(cfg, flag) and cfg.lore_output), flag,
+                "applies to the record's full head, not LoRE's low-rank one: drop --lore_output or this flag")
+    require(len(cfg.fp8_ranges) == 3 and all(r > 0 for r in cfg.fp8_ranges), "fp8_ranges",
+            f"{to_text(cfg.fp8_ranges)} must be three positive numbers (|h|, |H| and the gradient's, each / 448 a "
+            "scale)")
+    low, high = FP8_RANGE_BOUNDS
+    require(all(low <= r <= high for r in cfg.fp8_ranges), "fp8_ranges",
+            f"{to_text(cfg.fp8_ranges)}: each range must be in [{low:g}, {high:g}]; beyond, its scale r/448 (the "
+            "gradient's times 1/batch_slices) or the scale's reciprocal leaves float32's normal numbers and the "
+            "codes become 0 or inf")
+
+
 def transposed_draw(shape, gen, init) -> torch.Tensor:
     """init drawn in the transposed shape and transposed: a (d, V) head starts as the exact
     transpose of the (V, d) one (same stream, same values)."""
@@ -2941,6 +2928,15 @@ def fused_softcap_ce(h: torch.Tensor, H: torch.Tensor, targets: torch.Tensor,
                                 None if grad_scale is None else float(grad_scale), s_w_all)
 
 
+def check_fused_loss(cfg: Hyperparameters) -> None:
+    """§9's config rule: the fused loss computes the sigmoid cap from the full head."""
+    if cfg.fused_softcap_ce:
+        require(cfg.logit_softcap_form == "sigmoid", "fused_softcap_ce",
+                "computes the sigmoid cap: it needs --logit_softcap_form=sigmoid")
+        require(not cfg.lore_output, "fused_softcap_ce",
+                "needs the full head matrix: it cannot be used with --lore_output")
+
+
 def fp32_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
                    eps: float, weight_decay: float, wd_mul: float) -> None:
     """The same Adam as #252 computes it (--adam_fp32_moments): fp32 moments, every operation in
@@ -3016,12 +3012,29 @@ class Mudd(nn.Module):
         super().__init__()
         d, bf16 = config.model_dim, torch.bfloat16
         self.heads, self.head_dim = config.num_heads, config.head_dim
+        # --mudd_nets: which nets run; h_b is backout_layer's output
+        self.layers, self.h_b_layer, self.nets = config.num_layers, config.backout_layer, config.mudd_nets
         self.w1 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, d, dtype=bf16)), "mudd", uniform_init(d**-0.5),
                           lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
         self.w2 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, 2, 8, dtype=bf16)), "mudd", zeros,
                           lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
         self.bias = declare(nn.Parameter(torch.empty(2, 2, 8, dtype=bf16)), "mudd", mudd_bias,
                             lr_mul=0.25, wd_mul=0.0, betas=MUDD_BETAS)
+
+    def after_block(self, i: int, x: torch.Tensor, x00: torch.Tensor, outputs: list,
+                    bigram: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional["LastBlockMix"]]:
+        """After block i (x its output, outputs every block's so far): after block L-2 the stream
+        penultimate() makes and the last block's mix (not with --mudd_nets=final); else x as it is."""
+        if i != self.layers - 2 or self.nets == "final":
+            return x, None
+        return self.penultimate(x, x00, outputs[self.h_b_layer], bigram)
+
+    def before_head(self, x: torch.Tensor, x00: torch.Tensor, outputs: list, ves: list) -> torch.Tensor:
+        """After the last block: final()'s mix of x (not with --mudd_nets=penultimate)."""
+        if self.nets == "penultimate":
+            return x
+        return self.final(x, x00, outputs[self.h_b_layer], outputs[self.layers - 2], ves[0][None],
+                          outputs[MUDD_EARLY_LAYER])
 
     def coefficients(self, k: int, h: torch.Tensor, outputs: slice = slice(None), row=slice(None)) -> torch.Tensor:
         """Net k's D (1, T, 2, 8) from h (1, T, d), or the entries [row, outputs] of it."""
@@ -3054,6 +3067,41 @@ class Mudd(nn.Module):
         e = self.coefficients(1, x, slice(0, 5), 1)  # (1, T, 5)
         sources = (x00, h_b, h_pen, ve0, h_early)
         return fp32_sum(x.dtype, (None, x), *((e[..., j:j + 1], t) for j, t in enumerate(sources)))
+
+
+def check_mudd(cfg: Hyperparameters) -> None:
+    """§10's config rules: what each of MUDD's nets needs, only where --mudd_nets runs it."""
+    if not cfg.mudd:
+        return
+    penultimate_net, final_net = cfg.mudd_nets != "final", cfg.mudd_nets != "penultimate"
+    require(not (final_net and cfg.backout), "mudd", "replaces the backout (its final mix starts with h_b at "
+            "-0.5): add --backout=false" + (" (or --mudd_nets=penultimate)" if cfg.mudd_nets == "both" else ""))
+    require(cfg.bigram_embed or not penultimate_net, "mudd", "the last block's mix adds psi x the bigram rows: add "
+            "--bigram_embed" + (" (or --mudd_nets=final)" if cfg.mudd_nets == "both" else ""))
+    require(cfg.num_layers > MUDD_EARLY_LAYER + 1 and cfg.backout_layer <= cfg.num_layers - 2, "mudd",
+            f"reads block {MUDD_EARLY_LAYER}'s and backout_layer's outputs before the last block: needs num_layers "
+            f"> {MUDD_EARLY_LAYER + 1} and backout_layer <= num_layers - 2")
+    require(cfg.num_layers - 1 in cfg.attention_layers or not penultimate_net, "mudd", "its weights act on the "
+            "last block's attention: that block must have one (attention_free_layers)")
+    require(cfg.value_embed_tables[0] is not None or not final_net, "mudd", "its final mix adds layer 0's value "
+            "embedding: value_embed_layout must give layer 0 one")
+    require(cfg.num_heads % 2 == 0 or not penultimate_net, "mudd", "its value-embedding gate has one value per "
+            "half of the heads: num_heads must be even")
+
+
+def mudd_last_block(block: Block, x: torch.Tensor, args: BlockArgs) -> torch.Tensor:
+    """--mudd's last block (Block.forward hands it over): x = r_a x + p_a Attn + chi x00 + psi b, then
+    x = r_m x + p_m MLP(norm x), with the per-token weights of args.mudd (LastBlockMix) and no input
+    mixing; the value mix joins v, its gate replaces the value-embedding gate. Each sum is one
+    expression in fp32 rounded once to x's dtype, as the record's compiled code computes it, grouped
+    as the record writes it: (r_a x + p_a Attn) + (chi x00 + psi b)."""
+    mix = args.mudd
+    attn_in = x if args.attn_source is None else args.attn_source
+    y = block.attn(rms_norm(attn_in), args.attn._replace(v_extra=mix.v, ve_gate=mix.ve_gate))
+    term = lambda w, t: w.float() * t.float()
+    x = ((term(mix.resid_attn, x) + term(mix.out_attn, y))
+         + (term(mix.x00_weight, mix.x00) + term(mix.bigram_weight, mix.bigram))).to(x.dtype)
+    return fp32_sum(x.dtype, (mix.resid_mlp, x), (mix.out_mlp, block.mlp(rms_norm(x))))
 
 
 # =============================================================================
@@ -3112,6 +3160,39 @@ def value_coefficients(shape, gen, layout: tuple, assignment: bool) -> torch.Ten
         else:
             A[layer] = K**-0.5
     return A
+
+
+class ValueEmbeddingBasis(ValueEmbeddings):
+    """--ve_mode=learned / frozen: a coefficient matrix A (L x K, fp32) makes layer l's table
+    V_l = sum_k A[l, k] B_k of the K tables B_k; learned trains A (Adam, --ve_coeff_lr), frozen keeps
+    it fixed (a buffer: no gradient, no optimizer state). --ve_exec: `direct` gathers the K rows of
+    each token and mixes them, `materialized` builds each V_l (differentiably), then looks it up."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__(config, dtype)
+        coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
+        if config.ve_mode == "learned":
+            self.coeffs = declare(nn.Parameter(coeffs), "ve_coeff", self.coefficient_init())
+        else:
+            del self.coeffs
+            self.register_buffer("coeffs", coeffs)
+
+    def coefficient_init(self) -> functools.partial:
+        return functools.partial(value_coefficients, layout=tuple(self.layout),
+                                 assignment=self.config.ve_coeff_init == "assignment")
+
+    def initial_coeffs(self) -> torch.Tensor:
+        return self.coefficient_init()(self.coeffs.shape, None)
+
+    def forward(self, ids) -> list[Optional[torch.Tensor]]:
+        A, dtype = self.coeffs, self.tables[0].weight.dtype
+        if self.config.ve_exec == "direct":
+            rows = torch.stack([table(ids) for table in self.tables]).float()  # (K, T, d)
+            mix = lambda layer: torch.einsum("k,ktd->td", A[layer], rows).to(dtype)
+        else:
+            weights = torch.stack([table.weight for table in self.tables]).float()  # (K, V, d)
+            mix = lambda layer: F.embedding(ids, torch.einsum("k,kvd->vd", A[layer], weights).to(dtype))
+        return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
 # #############################################################################
@@ -3252,6 +3333,12 @@ def range_text(f: dataclasses.Field) -> str:
     return " and ".join(parts)
 
 
+def require(ok: bool, flag: str, message: str) -> None:
+    """A config rule: ConfigError `--flag: message` unless ok."""
+    if not ok:
+        raise ConfigError(f"--{flag}: {message}")
+
+
 def check_config(cfg: Hyperparameters) -> Hyperparameters:
     """Raise ConfigError naming the flag, the value and what is allowed, if the configuration
     cannot work; every field's range first, then how fields fit together."""
@@ -3265,9 +3352,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         if not ok:
             raise ConfigError(f"--{f.name}: {to_text(value)} is not allowed; it must be {range_text(f)}")
 
-    def need(ok, flag, msg):
-        if not ok:
-            raise ConfigError(f"--{flag}: {msg}")
+    need = require
     need(cfg.eot_token < cfg.vocab_size, "eot_token", f"must be in [0, vocab_size={cfg.vocab_size})")
     need(cfg.head_dim % 4 == 0, "head_dim", "must be a multiple of 4 (half-truncated rotary)")
     for name in ("train_seq_len", "val_seq_len", "max_window_tokens"):
@@ -3302,21 +3387,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     if cfg.attn_input_from_layer is not None:
         need(cfg.attn_input_from_layer < cfg.num_layers - 1, "attn_input_from_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): the blocks after it read it")
-    if cfg.mudd:  # each net's needs only where --mudd_nets runs it
-        penultimate_net, final_net = cfg.mudd_nets != "final", cfg.mudd_nets != "penultimate"
-        need(not (final_net and cfg.backout), "mudd", "replaces the backout (its final mix starts with h_b at "
-             "-0.5): add --backout=false" + (" (or --mudd_nets=penultimate)" if cfg.mudd_nets == "both" else ""))
-        need(cfg.bigram_embed or not penultimate_net, "mudd", "the last block's mix adds psi x the bigram rows: add "
-             "--bigram_embed" + (" (or --mudd_nets=final)" if cfg.mudd_nets == "both" else ""))
-        need(cfg.num_layers > MUDD_EARLY_LAYER + 1 and cfg.backout_layer <= cfg.num_layers - 2, "mudd",
-             f"reads block {MUDD_EARLY_LAYER}'s and backout_layer's outputs before the last block: needs num_layers "
-             f"> {MUDD_EARLY_LAYER + 1} and backout_layer <= num_layers - 2")
-        need(cfg.num_layers - 1 in cfg.attention_layers or not penultimate_net, "mudd", "its weights act on the "
-             "last block's attention: that block must have one (attention_free_layers)")
-        need(cfg.value_embed_tables[0] is not None or not final_net, "mudd", "its final mix adds layer 0's value "
-             "embedding: value_embed_layout must give layer 0 one")
-        need(cfg.num_heads % 2 == 0 or not penultimate_net, "mudd", "its value-embedding gate has one value per "
-             "half of the heads: num_heads must be even")
+    check_mudd(cfg)  # §10
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len
@@ -3341,20 +3412,8 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
              "cannot be both: add --untie_embed_after_step=0 (separate tables from the start) to use LoRE")
         need(cfg.pad_vocab_tables, "untie_embed_after_step",
              "the input table becomes a copy of the head: pass --pad_vocab_tables so both have the head's rows")
-    for flag in ("fp8", "head_transposed"):
-        need(not (getattr(cfg, flag) and cfg.lore_output), flag,
-             "applies to the record's full head, not LoRE's low-rank one: drop --lore_output or this flag")
-    need(len(cfg.fp8_ranges) == 3 and all(r > 0 for r in cfg.fp8_ranges), "fp8_ranges",
-         f"{to_text(cfg.fp8_ranges)} must be three positive numbers (|h|, |H| and the gradient's, each / 448 a scale)")
-    low, high = FP8_RANGE_BOUNDS
-    need(all(low <= r <= high for r in cfg.fp8_ranges), "fp8_ranges",
-         f"{to_text(cfg.fp8_ranges)}: each range must be in [{low:g}, {high:g}]; beyond, its scale r/448 (the "
-         "gradient's times 1/batch_slices) or the scale's reciprocal leaves float32's normal numbers and the codes "
-         "become 0 or inf")
-    if cfg.fused_softcap_ce:
-        need(cfg.logit_softcap_form == "sigmoid", "fused_softcap_ce",
-             "computes the sigmoid cap: it needs --logit_softcap_form=sigmoid")
-        need(not cfg.lore_output, "fused_softcap_ce", "needs the full head matrix: it cannot be used with --lore_output")
+    check_fp8_head(cfg)  # §8
+    check_fused_loss(cfg)  # §9
     need(not (cfg.adam_odd_steps_only and cfg.untie_embed_after_step) or cfg.untie_embed_after_step % 2 == 1,
          "untie_embed_after_step", f"{cfg.untie_embed_after_step} is even; with --adam_odd_steps_only the split copies the "
          "head's Adam state right after an Adam step, which falls on odd steps: choose an odd step (or auto)")

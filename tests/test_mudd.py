@@ -111,13 +111,13 @@ def reference_losses(model, config, inputs, targets):
             x = x + gammas[i] * b
         attn_in = h[11] if i > 11 else x
         mask = long_mask if i in (0, 4, 11, 15) else short_mask
+        attn = tg.AttentionArgs(ves[i], lambdas[i], cos, sin, mask, scale, None)
         if i == 15:
-            y = block.attn(tg.rms_norm(attn_in), ves[i], lambdas[i], cos, sin, mask, scale,
-                           v_extra=dyn["v"].view(1, T, H, D), ve_gate=dyn["gate"])
+            y = block.attn(tg.rms_norm(attn_in), attn._replace(v_extra=dyn["v"].view(1, T, H, D), ve_gate=dyn["gate"]))
             x = dyn["r_a"] * x + dyn["p_a"] * y + dyn["chi"] * x00 + dyn["psi"] * b
             x = dyn["r_m"] * x + dyn["p_m"] * block.mlp(tg.rms_norm(x))
         else:
-            x = x + block.attn(tg.rms_norm(attn_in), ves[i], lambdas[i], cos, sin, mask, scale)
+            x = x + block.attn(tg.rms_norm(attn_in), attn)
             x = x + block.mlp(tg.rms_norm(x))
         h[i] = x
         if i == 14:
