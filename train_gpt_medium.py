@@ -83,12 +83,15 @@ def _flag(group: str):
     # counts_steps: a recipe value that is a number of training steps (or a step), so a run of another
     # length scales it (with_num_iterations); tools that shorten a run read this, never a list of names.
     # needs: the switches (fields) of which one must be on for this value to act; a run given another
-    # value without them says so (inert_setting_notes)
+    # value without them says so (inert_setting_notes).
+    # peak_neutral: a value other than the record's changes neither the shapes of what is held nor how it
+    # is computed, or its memory is accounted for (predicted_peak_mib): the dry run still predicts a peak
     def make(default, meaning: str, *, choices=None, at_least=None, above=None, at_most=None, below=None,
-             counts_steps=False, needs=()):
+             counts_steps=False, needs=(), peak_neutral=False):
         return field(default=default, metadata=dict(group=group, meaning=meaning, choices=choices, at_least=at_least,
                                                      above=above, at_most=at_most, below=below,
-                                                     counts_steps=counts_steps, needs=needs))
+                                                     counts_steps=counts_steps, needs=needs,
+                                                     peak_neutral=peak_neutral))
     return make
 
 
@@ -111,10 +114,12 @@ class Hyperparameters:
     train_seq_len: int = recipe(64 * 1024, "tokens per training slice at the full batch (a multiple of "
                                 "attn_block_size); the batch ramp's smaller steps take fewer", at_least=1)
     val_seq_len: int = recipe(256 * 1024, "tokens per validation slice (a multiple of attn_block_size)", at_least=1)
-    val_tokens: int = recipe(10_485_760, "validation tokens, from the start of the validation shard", at_least=1)
+    val_tokens: int = recipe(10_485_760, "validation tokens, from the start of the validation shard", at_least=1,
+                             peak_neutral=True)
     vocab_size: int = recipe(50257, "vocabulary (GPT-2); tables and head are padded to a multiple of 128",
                              at_least=2, at_most=65536)
-    eot_token: int = recipe(50256, "end-of-text token: starts a new document in the masks", at_least=0)
+    eot_token: int = recipe(50256, "end-of-text token: starts a new document in the masks", at_least=0,
+                            peak_neutral=True)
     document_aligned_batches: bool = recipe(True, "each training slice is whole documents from their start, each "
                                             "cut at document_cut_tokens, the slice's last one cut to fit (off: "
                                             "contiguous slices)")
@@ -137,13 +142,15 @@ class Hyperparameters:
     attn_block_size: int = recipe(128, "mask block size in tokens (windows count blocks of it)", at_least=1)
     max_window_tokens: int = recipe(3456, "the long window of the final validation, in tokens", at_least=1)
     attn_scale: float = recipe(0.1, "attention softmax scale at step 0 (not 1/sqrt(head_dim)); YaRN raises it",
-                               above=0)
-    rope_base: float = recipe(1024.0, "rotary base: frequencies (1/base)^linspace(0, 1, head_dim/4)", above=0)
+                               above=0, peak_neutral=True)
+    rope_base: float = recipe(1024.0, "rotary base: frequencies (1/base)^linspace(0, 1, head_dim/4)", above=0,
+                              peak_neutral=True)
     dtype: str = recipe("auto", "weights and activations: auto = bfloat16 on CUDA, float32 on CPU",
                         choices=("auto", "bfloat16", "float32"))
     # the record's ideas (2025-12-31), each a switch: off removes that one idea from the record
     yarn_window_limit: int = recipe(13, "YaRN: each time the long window changes to at most this many blocks, "
-                                    "stretch the rotary frequencies and raise the attention scale; 0: off", at_least=0)
+                                    "stretch the rotary frequencies and raise the attention scale; 0: off", at_least=0,
+                                    peak_neutral=True)
     rotary_bf16: bool = recipe(True, "rotary cos/sin tables stored in bfloat16 and the rotation done in the "
                                "activations' dtype (off: fp32 tables and rotation)")
     key_offset: bool = recipe(True, "long-window layers: each key's non-rotating dims are those of the previous "
@@ -166,26 +173,27 @@ class Hyperparameters:
     smear_embed: bool = recipe(True, "each input-embedding row adds lambda x sigmoid(g e[:16]) x the previous row "
                                "(lambda from 0)")
     backout: bool = recipe(True, "head input norm(h - lambda h_b) from the last block's output h and backout_layer's "
-                           "output h_b, lambda learned from 0.5 (off: norm(h))")
+                           "output h_b, lambda learned from 0.5 (off: norm(h))", peak_neutral=True)
     backout_layer: int = recipe(11, "the block whose output backout subtracts (with --mudd: h_b of its mixes)",
-                                at_least=0, needs=("backout", "mudd"))
+                                at_least=0, needs=("backout", "mudd"), peak_neutral=True)
     mlp_proj_transposed: bool = recipe(True, "MLP output weight stored (hidden, model_dim) and used transposed; lr "
                                        "multiplier 2")
     logit_softcap_form: str = recipe("sigmoid", "sigmoid: 23 sigmoid((z+5)/7.5), in the model dtype when training, "
                                      "fp32 when evaluating; rational: cap z/sqrt(z^2+cap^2) in fp32",
                                      choices=("rational", "sigmoid"))
-    logit_softcap: float = recipe(15.0, "the rational cap's cap", above=0)
+    logit_softcap: float = recipe(15.0, "the rational cap's cap", above=0, peak_neutral=True)
     fused_softcap_ce: bool = recipe(False, "training loss as one op from the head's input and weight (PR #252): "
                                     "logits in the model dtype (bf16 from FP8 codes with --fp8), the sigmoid cap, "
                                     "log-sum-exp and multi-token sum in fp32; CUDA: a Triton kernel, CPU: torch "
-                                    "ops by blocks of rows (docs/fused-ce.md); validation unchanged")
+                                    "ops by blocks of rows (docs/fused-ce.md); validation unchanged",
+                                    peak_neutral=True)
     fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce (without it: no effect): pr252: PR #252's numerics (fp32 sigmoid, the "
                                    "gradient from the backward's input); pr261: PR #261's kernel (sigmoid rounded "
                                    "to bf16; the logits' gradient made in the forward for the trainer's loss scale, "
                                    "1/batch_slices (/T for a mean), the backward's input ignored; S_w over all "
                                    "multi-token weights even where the sequence ends; the gradient's FP8 scale "
                                    "times that loss scale; e5m2 codes saturating) (docs/fused-ce.md)",
-                                   choices=("pr252", "pr261"), needs=("fused_softcap_ce",))
+                                   choices=("pr252", "pr261"), needs=("fused_softcap_ce",), peak_neutral=True)
     multi_token_prediction: bool = recipe(True, "training loss over the next 3, then 2, then 1 tokens per position, "
                                           "weighted by the step grid's multi-token schedule (mtp_weights)")
     train_loss_reduction: str = recipe("sum", "training loss over a slice's tokens (validation is a mean)",
@@ -196,52 +204,56 @@ class Hyperparameters:
                                       "record's GPU count)", at_least=1)
     fp32_block_weights: bool = recipe(True, "attention and MLP matrices stored in fp32 (the optimizer's master) and "
                                       "rounded to the model dtype where used (off: stored in the model dtype, Muon "
-                                      "keeping the low 16 bits of a bf16 weight's fp32 master)")
+                                      "keeping the low 16 bits of a bf16 weight's fp32 master)", peak_neutral=True)
     fp8: bool = recipe(False, "training's head matmul in FP8: e4m3 inputs h/s_x and H/s_w, e5m2 gradient G/s_g, "
                        "fp32 accumulation (CUDA: torch._scaled_mm; CPU: emulated, one rounding from fp32); "
                        "the product comes out in the model dtype (bf16; fp32 on a float32 CPU run, from the "
-                       "same codes); validation stays the plain product")
+                       "same codes); validation stays the plain product", peak_neutral=True)
     fp8_ranges: tuple[float, ...] = recipe((100.0, 1.6, 0.75), "with --fp8: 448 x (s_x, s_w, s_g), i.e. the |h| and "
                                            "|H| that fill e4m3's range (448), and the gradient scale's numerator",
-                                           needs=("fp8",))
+                                           needs=("fp8",), peak_neutral=True)
     head_transposed: bool = recipe(False, "head stored (model_dim, padded vocab) and used as x @ H (the exact "
                                    "transpose of the usual head, same init); while tied the input embedding "
-                                   "reads its columns")
+                                   "reads its columns", peak_neutral=True)
     table_multipliers: bool = recipe(True, "the record's lr and weight-decay multipliers of the tables, head and "
                                      "scalars: second input table and value embeddings lr x75 wd x5, head and input "
                                      "table wd x150, scalars lr x5 and no decay (off: 1)")
     # PR #252's bigram hash embedding (docs/bigram.md)
     bigram_embed: bool = recipe(False, "every block's input also adds gamma_i x a row of a zero-init table picked by a "
                                 "hash of (previous token, token); the table: Adam lr x75 wd x5 of embed_lr, betas "
-                                "0.75/0.95 (table_multipliers off: x1), gamma: lr x1, no decay, betas 0.9/0.95")
+                                "0.75/0.95 (table_multipliers off: x1), gamma: lr x1, no decay, betas 0.9/0.95",
+                                peak_neutral=True)
     bigram_table_multiple: int = recipe(5, "with --bigram_embed: the hash table has N x the vocabulary table's rows "
-                                        "(the record's 5 x 50304 = 251,520)", at_least=1, needs=("bigram_embed",))
+                                        "(the record's 5 x 50304 = 251,520)", at_least=1, needs=("bigram_embed",),
+                                        peak_neutral=True)
     bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start",
-                                       needs=("bigram_embed",))
+                                       needs=("bigram_embed",), peak_neutral=True)
     # PR #261's MuddFormer pieces (docs/mudd.md)
     attn_input_from_layer: Optional[int] = recipe(
         None, "the blocks after block N attend from norm(block N's output) instead of norm(x): q, k, v and their "
-        "gates read it, their output still adds to x, their MLP reads norm(x) (#261: 11); auto: off", at_least=0)
+        "gates read it, their output still adds to x, their MLP reads norm(x) (#261: 11); auto: off", at_least=0,
+                                                  peak_neutral=True)
     mudd: bool = recipe(False, "MUDD (#261): block L-2's output h feeds a small net (d->64, GELU, ->16) whose "
                         "per-token outputs mix x00, backout_layer's output h_b and h into the last block's v and "
                         "input, set its value-embedding gate and its residual weights (no input mixing there); "
                         "after the last block a second net adds x00, h_b, h, layer 0's value embedding and block "
                         "4's output. The second net replaces --backout (pass --backout=false); the first needs "
-                        "--bigram_embed")
+                        "--bigram_embed", peak_neutral=True)
     mudd_nets: str = recipe("both", "with --mudd (without it: no effect): which of its two nets run, to ablate "
                             "each alone: both (#261); penultimate: the net after block L-2 and the last block's "
                             "dynamic weights, no final mix (head input: the backout with --backout, else the "
                             "plain norm); final: only the mix after the last block, which is the ordinary block. "
                             "The weights keep both nets' slices (the unused one gets no gradient)",
-                            choices=("both", "penultimate", "final"), needs=("mudd",))
+                            choices=("both", "penultimate", "final"), needs=("mudd",), peak_neutral=True)
     mudd_lr: float = recipe(0.004, "with --mudd: Adam lr of its weights, x0.25 (betas 0.9/0.99; decay on the two "
-                            "matrices, none on the biases)", at_least=0, needs=("mudd",), at_most=LR_LIMIT)
+                            "matrices, none on the biases)", at_least=0, needs=("mudd",), at_most=LR_LIMIT,
+                            peak_neutral=True)
     # ---- the step grid (docs/bulk-data.md). Its schedules span the scheduled steps S = num_iterations -
     # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
-    num_iterations: int = recipe(4740, "training steps", at_least=1)
+    num_iterations: int = recipe(4740, "training steps", at_least=1, peak_neutral=True)
     extension_steps: int = recipe(40, "steps at the end of num_iterations past the step grid's schedules (which span "
                                   "S = num_iterations - N steps): lr at the floor, the last slot's batch and windows",
-                                  at_least=0, counts_steps=True)
+                                  at_least=0, counts_steps=True, peak_neutral=True)
     batch_schedule: tuple[int, ...] = recipe(
         (131072, 262144, 393216) + (524288,) * 9, "tokens per step in each slot of the step grid (n entries: slot = "
         "floor(n * step / S)), multiples of batch_slices*attn_block_size; empty: batch_slices*train_seq_len every step")
@@ -249,44 +261,47 @@ class Hyperparameters:
                                          "lr multiplier of each slot of the step grid (slot k's once step/S > k/n), "
                                          "falling linearly over the last cooldown_frac of S to the lr floor")
     cooldown_frac: float = recipe(0.7, "fraction of S over which the lr falls linearly to lr_floor", at_least=0,
-                                  at_most=1)
+                                  at_most=1, peak_neutral=True)
     lr_floor: float = recipe(0.1, "the lr multiplier at the end of the cooldown and in the extension", at_least=0,
-                             at_most=1)
+                             at_most=1, peak_neutral=True)
     window_schedule: tuple[int, ...] = recipe((3, 7, 11, 13, 15, 17, 19, 21, 23, 23, 23, 23),
                                               "long window in blocks in each slot of the step grid, the short one "
                                               "min(11, long // 2); the final validation's long window is "
                                               "max_window_tokens")
     # ---- optimizers (docs/bulk-optimizers.md): Adam for tables, head and scalars; NorMuon for matrices
-    head_lr: float = recipe(0.004, "Adam lr of the output head", at_least=0, at_most=LR_LIMIT)
-    embed_lr: float = recipe(0.004, "Adam lr of the input and value embeddings", at_least=0, at_most=LR_LIMIT)
+    head_lr: float = recipe(0.004, "Adam lr of the output head", at_least=0, at_most=LR_LIMIT, peak_neutral=True)
+    embed_lr: float = recipe(0.004, "Adam lr of the input and value embeddings", at_least=0, at_most=LR_LIMIT,
+                             peak_neutral=True)
     scalar_lr: float = recipe(0.008, "Adam lr of the scalar vector (residual and attention weights, skip gains)",
-                              at_least=0, at_most=LR_LIMIT)
+                              at_least=0, at_most=LR_LIMIT, peak_neutral=True)
     x0_lambdas_lr: float = recipe(0.004, "Adam lr of the per-layer input-embedding weights", at_least=0,
                                   at_most=LR_LIMIT)
     gates_lr: float = recipe(0.004, "Adam lr of the smear and skip gates", at_least=0, at_most=LR_LIMIT)
-    adam_beta1: float = recipe(0.8, "Adam beta1", at_least=0, below=1)
-    adam_beta2: float = recipe(0.95, "Adam beta2", at_least=0, below=1)
+    adam_beta1: float = recipe(0.8, "Adam beta1", at_least=0, below=1, peak_neutral=True)
+    adam_beta2: float = recipe(0.95, "Adam beta2", at_least=0, below=1, peak_neutral=True)
     scalar_adam_beta1: Optional[float] = recipe(0.9, "Adam beta1 of the scalar group (auto: adam_beta1)",
                                                 at_least=0, below=1)
     scalar_adam_beta2: Optional[float] = recipe(0.99, "Adam beta2 of the scalar group (auto: adam_beta2)",
                                                 at_least=0, below=1)
-    adam_eps: float = recipe(1e-8, "Adam epsilon, added to sqrt(v) before the bias correction", above=0)
+    adam_eps: float = recipe(1e-8, "Adam epsilon, added to sqrt(v) before the bias correction", above=0,
+                             peak_neutral=True)
     adam_weight_decay: float = recipe(0.005, "Adam's cautious weight decay, adam_weight_decay * lr^2 (times each "
                                       "weight's wd_mul) where update and weight agree in sign", at_least=0)
     adam_odd_steps_only: bool = recipe(True, "Adam steps on odd steps only, on the summed gradients of the step "
                                        "before and its own (Muon steps every step)")
     muon_lr: float = recipe(0.015, "Muon lr (times the shape factor sqrt(max(1, rows/cols)))", at_least=0,
-                            at_most=LR_LIMIT)
-    muon_momentum: float = recipe(0.95, "Muon momentum after the warm-up", at_least=0, below=1)
-    muon_momentum_start: float = recipe(0.85, "Muon momentum at step 0", at_least=0, below=1)
+                            at_most=LR_LIMIT, peak_neutral=True)
+    muon_momentum: float = recipe(0.95, "Muon momentum after the warm-up", at_least=0, below=1, peak_neutral=True)
+    muon_momentum_start: float = recipe(0.85, "Muon momentum at step 0", at_least=0, below=1, peak_neutral=True)
     muon_momentum_warmup_steps: int = recipe(300, "steps of the linear momentum warm-up", at_least=0,
-                                             counts_steps=True)
+                                             counts_steps=True, peak_neutral=True)
     muon_momentum_cooldown_steps: int = recipe(50, "the Muon momentum falls linearly from muon_momentum toward "
                                                "muon_momentum_start over the last N steps; 0: no cool-down", at_least=0,
                                                counts_steps=True)
     muon_weight_decay: float = recipe(1.2, "Muon weight decay (cautious: times lr * lr_eff; else w *= 1 - lr*wd*mul)",
-                                      at_least=0)
-    mlp_weight_decay_mul: float = recipe(1.0, "weight decay multiplier of the MLP matrices (x01: 2)", at_least=0)
+                                      at_least=0, peak_neutral=True)
+    mlp_weight_decay_mul: float = recipe(1.0, "weight decay multiplier of the MLP matrices (x01: 2)", at_least=0,
+                                         peak_neutral=True)
     orthogonalization: str = recipe("polar_express", "Muon's orthogonalization: polar_express (5 steps with their own "
                                     "coefficients on G/(1.02|G| + 1e-6), always in bf16) or newton_schulz (5 fixed "
                                     "quintic steps on G/|G|)", choices=("newton_schulz", "polar_express"))
@@ -298,19 +313,20 @@ class Hyperparameters:
                                               "(off: w *= 1 - lr*wd everywhere)")
     muon_lr_shape: str = recipe("stored", "Muon's lr factor sqrt(max(1, rows/cols)) from the matrix as stored, leading "
                                 "dims counted as rows (attention 2), or from each orthogonalized block (attention 1, "
-                                "MLP in 2, MLP out 1)", choices=("blocks", "stored"))
+                                "MLP in 2, MLP out 1)", choices=("blocks", "stored"), peak_neutral=True)
     # #252's unified optimizer (docs/unified-optimizer.md): each of its changes to the update, a switch
     gates_optimizer: str = recipe("muon", "the attention output and value-embedding gates: muon (group muon_gates) "
-                                  "or adam (#252: Adam group gates, lr x0.1, wd x1)", choices=("adam", "muon"))
+                                  "or adam (#252: Adam group gates, lr x0.1, wd x1)", choices=("adam", "muon"),
+                                  peak_neutral=True)
     small_params_betas: str = recipe("adam", "Adam betas of the x0 weights and the gates Adam steps: adam = "
                                      "adam_beta1/2, scalar = scalar_adam_beta1/2 (#252: 0.9/0.99)",
-                                     choices=("adam", "scalar"))
+                                     choices=("adam", "scalar"), peak_neutral=True)
     muon_scalar_rounding: str = recipe("bulk", "Muon's per-step fp32 scalars: bulk (the record's fp32 products) or "
                                        "pr252 (lr and decay factors rounded once from float64, 1 - momentum "
-                                       "computed in fp32)", choices=("bulk", "pr252"))
+                                       "computed in fp32)", choices=("bulk", "pr252"), peak_neutral=True)
     adam_fp32_moments: bool = recipe(False, "Adam's moments in fp32 for every weight and its step computed in fp32, "
                                      "the weight rounded once to its dtype (#252; off: moments in the weight's "
-                                     "dtype, each operation rounded to it)")
+                                     "dtype, each operation rounded to it)", peak_neutral=True)
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -323,7 +339,7 @@ class Hyperparameters:
                         "tables mixed by coefficients (learned, frozen)", choices=("native", "grouped", "learned", "frozen"))
     ve_tables: int = idea(0, "K basis tables for learned/frozen (0: as many as value_embed_layout names)", at_least=0)
     ve_coeff_init: str = idea("canonical", "learned/frozen coefficient init", choices=("canonical", "assignment"))
-    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0, at_most=LR_LIMIT)
+    ve_coeff_lr: float = idea(0.5, "Adam lr of learned coefficients", at_least=0, at_most=LR_LIMIT, peak_neutral=True)
     ve_exec: str = idea("direct", "learned/frozen: mix gathered rows (direct) or build tables first (materialized)",
                         choices=("direct", "materialized"))
     # ---- execution: the same computation, on other hardware or data, at another speed or memory
@@ -1061,12 +1077,13 @@ class CautiousAdam(torch.optim.Optimizer):
 # idea's parameters live in its module and nowhere else.
 
 def declare(p: nn.Parameter, group: str, init, lr_mul: float = 1.0, wd_mul: float = 1.0,
-            betas: Optional[tuple[float, float]] = None) -> nn.Parameter:
+            betas: Optional[tuple[float, float]] = None, lr: Optional[str] = None) -> nn.Parameter:
     """p with its optimizer group (a name of GROUP_ORDER, or a new one), its multipliers, its own
-    Adam betas (None: its group's), and `init(shape, generator)` -> its fp32 initial value (drawn
-    from a stream of its own). An init is a module-level function or a functools.partial of one,
-    so a parameter still pickles."""
-    p.group, p.init, p.lr_mul, p.wd_mul = group, init, lr_mul, wd_mul
+    Adam betas (None: its group's), `init(shape, generator)` -> its fp32 initial value (drawn from a
+    stream of its own), and for an Adam group the Hyperparameters field of the group's lr (a group
+    named muon_* steps with Muon, at muon_lr). An init is a module-level function or a
+    functools.partial of one, so a parameter still pickles."""
+    p.group, p.init, p.lr_mul, p.wd_mul, p.lr_field = group, init, lr_mul, wd_mul, lr
     if betas is not None:
         p.betas = tuple(betas)
     return p
@@ -1352,7 +1369,7 @@ class Gate(nn.Module):
     def __init__(self, outputs: int, dtype: torch.dtype, lr_mul: float, wd_mul: float, group: str = "muon_gates"):
         super().__init__()
         self.weight = declare(nn.Parameter(torch.empty(outputs, GATE_INPUTS, dtype=dtype)), group, zeros,
-                              lr_mul, wd_mul)
+                              lr_mul, wd_mul, lr=None if group.startswith("muon") else "gates_lr")
 
     def forward(self, x):
         return F.linear(x[..., :GATE_INPUTS], self.weight.type_as(x))
@@ -1503,7 +1520,7 @@ class ValueEmbeddings(nn.Module):
         lr_mul, wd_mul = (75.0, 5.0) if config.table_multipliers else (1.0, 1.0)
         for table in self.tables:
             declare(table.weight, "value_embed", zeros if config.value_embed_zero_init else normal_init(1.0),
-                    lr_mul, wd_mul)
+                    lr_mul, wd_mul, lr="embed_lr")
         self.coeffs = None  # §11's basis: its coefficients
 
     def forward(self, ids) -> list[Optional[torch.Tensor]]:
@@ -1529,7 +1546,7 @@ class Backout(nn.Module):
         super().__init__()
         self.layer = layer
         self.weight = declare(nn.Parameter(torch.empty(1, dtype=torch.float32)), "scalar", constant_init([0.5]),
-                              lr_mul=5.0, wd_mul=0.0)
+                              lr_mul=5.0, wd_mul=0.0, lr="scalar_lr")
 
     def forward(self, h: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:  # (T, d) each
         return rms_norm(h - self.weight[0] * h_b)
@@ -1551,7 +1568,8 @@ class Head(nn.Module):
         init = normal_init(init_std) if init_std else zeros
         shape = (dim, padded_vocab) if transposed else (padded_vocab, dim)
         self.weight = declare(nn.Parameter(torch.empty(shape, dtype=dtype)), "head",
-                              functools.partial(transposed_draw, init=init) if transposed else init, wd_mul=wd_mul)
+                              functools.partial(transposed_draw, init=init) if transposed else init, wd_mul=wd_mul,
+                              lr="head_lr")
         self.transposed, self.fp8_scales = transposed, fp8_scales
 
     def table(self) -> torch.Tensor:
@@ -1639,7 +1657,7 @@ class GPT(nn.Module):
             else nn.Embedding(V, d, dtype=dtype) for i in range(1 + config.num_extra_embeds))
         for i, embed in enumerate(self.embeds):
             if not config.lore_input:
-                declare(embed.weight, "embed", normal_init(1.0), *self.embed_multipliers(i))
+                declare(embed.weight, "embed", normal_init(1.0), *self.embed_multipliers(i), lr="embed_lr")
         basis = config.ve_mode in ("learned", "frozen")  # §11 the value-embedding basis
         self.value_embeds = (ValueEmbeddingBasis if basis else ValueEmbeddings)(config, dtype)
         self.skips, self.long_layers = config.skips, config.long_layers  # parsed once, not per step
@@ -1659,15 +1677,15 @@ class GPT(nn.Module):
         self.scalars = declare(nn.Parameter(torch.empty(sum(len(v) for _, v in self.scalar_layout),
                                                         dtype=torch.float32)),
                                "scalar", constant_init([v for _, values in self.scalar_layout for v in values]),
-                               *((5.0, 0.0) if config.table_multipliers else (1.0, 1.0)))
+                               *((5.0, 0.0) if config.table_multipliers else (1.0, 1.0)), lr="scalar_lr")
         # per layer the weights of x00, x01, ... at the block's input (L x (1 + extra)); lr multiplier
         # 5, no weight decay, zero at the start
         self.x0_lambdas = declare(nn.Parameter(torch.empty(L * (1 + config.num_extra_embeds), dtype=torch.float32)),
-                                  "x0_lambdas", zeros, lr_mul=5.0, wd_mul=0.0)
+                                  "x0_lambdas", zeros, lr_mul=5.0, wd_mul=0.0, lr="x0_lambdas_lr")
         # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream), starting as the
         # record (x00 weighted 0)
         self.output_mix = (declare(nn.Parameter(torch.empty(2, dtype=torch.float32)), "scalar",
-                                   constant_init([1.0, 0.0])) if config.x00_at_output else None)
+                                   constant_init([1.0, 0.0]), lr="scalar_lr") if config.x00_at_output else None)
         self.backout = Backout(config.backout_layer) if config.backout else None
         self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None
         self.mudd = Mudd(config) if config.mudd else None  # (PR #261; check_config: what its nets need)
@@ -2181,25 +2199,10 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     """Adam for the head, the embeddings, the scalars and the small gates; Muon for the matrices
     inside the blocks and the heads' gates (its per-matrix update compiled with `compile_muon`). A
     parameter's `lr_mul` / `wd_mul` attributes multiply its group's lr / decay in both."""
-    cfg, groups = config, parameter_groups(model)
-    adam_lrs = dict(head=cfg.head_lr, embed=cfg.embed_lr, value_embed=cfg.embed_lr, ve_coeff=cfg.ve_coeff_lr,
-                    x0_lambdas=cfg.x0_lambdas_lr, gates=cfg.gates_lr, scalar=cfg.scalar_lr)
-    adam_lrs.update(bigram=cfg.embed_lr, bigram_lambdas=cfg.embed_lr)  # --bigram_embed: lr_mul 75 and 1 on it
-    adam_lrs.update(mudd=cfg.mudd_lr)  # --mudd: lr_mul 0.25 and its betas on each weight
-    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (
-        cfg.adam_beta1 if cfg.scalar_adam_beta1 is None else cfg.scalar_adam_beta1,
-        cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
-    group_betas = dict(scalar=scalar_betas)
-    if cfg.small_params_betas == "scalar":  # #252: the x0 weights and small gates step like the scalars
-        group_betas.update(x0_lambdas=scalar_betas, gates=scalar_betas)
-    adam_groups = [dict(params=groups[name], lr=lr, name=name, betas=group_betas.get(name, betas))
-                   for name, lr in adam_lrs.items() if name in groups]
-    adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
-                        fp32_moments=cfg.adam_fp32_moments)
-    unassigned = set(groups) - set(adam_lrs) - {name for name in groups if name.startswith("muon")}
-    assert not unassigned, f"parameter groups {unassigned} have no optimizer: give them an Adam lr or a muon_ name"
-    muon_groups = [dict(params=ps, name=name, **MUON_GROUP_OPTIONS.get(name, {}))
-                   for name, ps in groups.items() if name.startswith("muon")]
+    cfg = config
+    adam_groups, muon_groups = optimizer_groups(model, config)
+    adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                        weight_decay=cfg.adam_weight_decay, fp32_moments=cfg.adam_fp32_moments)
     muon_args = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                      rank=rank, world_size=world_size, compile_update=compile_muon)
     muon = Muon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
@@ -2211,6 +2214,34 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return optimizers
+
+
+def optimizer_groups(model: GPT, config: Hyperparameters) -> tuple[list[dict], list[dict]]:
+    """(Adam's param groups, Muon's) from what each parameter declared: an Adam group's lr from the
+    field its parameters name, its betas adam_beta1/2 (the scalars' and, with §9
+    --small_params_betas=scalar, the x0 weights' and gates': scalar_adam_beta1/2; a parameter's own
+    betas win inside CautiousAdam); a muon_* group's options from MUON_GROUP_OPTIONS."""
+    cfg, groups = config, parameter_groups(model)
+    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (
+        cfg.adam_beta1 if cfg.scalar_adam_beta1 is None else cfg.scalar_adam_beta1,
+        cfg.adam_beta2 if cfg.scalar_adam_beta2 is None else cfg.scalar_adam_beta2)
+    group_betas = dict(scalar=scalar_betas)
+    if cfg.small_params_betas == "scalar":  # §9 #252: the x0 weights and small gates step like the scalars
+        group_betas.update(x0_lambdas=scalar_betas, gates=scalar_betas)
+    adam = [dict(params=ps, lr=getattr(cfg, adam_lr_field(name, ps)), name=name, betas=group_betas.get(name, betas))
+            for name, ps in groups.items() if not name.startswith("muon")]
+    muon = [dict(params=ps, name=name, **MUON_GROUP_OPTIONS.get(name, {}))
+            for name, ps in groups.items() if name.startswith("muon")]
+    return adam, muon
+
+
+def adam_lr_field(group: str, params: list[nn.Parameter]) -> str:
+    """The Hyperparameters field of an Adam group's lr, as its parameters declared it (one for all)."""
+    named = {p.lr_field for p in params}
+    if len(named) != 1 or None in named:
+        raise ValueError(f"parameter group {group}: its parameters name the Adam lr fields {sorted(map(str, named))}; "
+                         "each must declare one, the same (declare(..., lr=...)), or be in a muon_ group")
+    return named.pop()
 
 
 def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
@@ -2818,10 +2849,10 @@ class BigramEmbedding(nn.Module):
         rows = config.bigram_table_multiple * config.table_rows
         lr_mul, wd_mul = (75.0, 5.0) if config.table_multipliers else (1.0, 1.0)
         self.table = declare(nn.Parameter(torch.empty(rows, config.model_dim, dtype=dtype)), "bigram", zeros,
-                             lr_mul, wd_mul, betas=BIGRAM_TABLE_BETAS)
+                             lr_mul, wd_mul, betas=BIGRAM_TABLE_BETAS, lr="embed_lr")
         self.lambdas = declare(nn.Parameter(torch.empty(config.num_layers, dtype=torch.float32)), "bigram_lambdas",
                                constant_init([config.bigram_lambda_init] * config.num_layers), lr_mul=1.0, wd_mul=0.0,
-                               betas=BIGRAM_LAMBDA_BETAS)
+                               betas=BIGRAM_LAMBDA_BETAS, lr="embed_lr")
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows (1, T, d), not normed; gammas (L,) cast to the rows' dtype)."""
@@ -3015,11 +3046,11 @@ class Mudd(nn.Module):
         # --mudd_nets: which nets run; h_b is backout_layer's output
         self.layers, self.h_b_layer, self.nets = config.num_layers, config.backout_layer, config.mudd_nets
         self.w1 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, d, dtype=bf16)), "mudd", uniform_init(d**-0.5),
-                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
+                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS, lr="mudd_lr")
         self.w2 = declare(nn.Parameter(torch.empty(2, MUDD_HIDDEN, 2, 8, dtype=bf16)), "mudd", zeros,
-                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS)
+                          lr_mul=0.25, wd_mul=1.0, betas=MUDD_BETAS, lr="mudd_lr")
         self.bias = declare(nn.Parameter(torch.empty(2, 2, 8, dtype=bf16)), "mudd", mudd_bias,
-                            lr_mul=0.25, wd_mul=0.0, betas=MUDD_BETAS)
+                            lr_mul=0.25, wd_mul=0.0, betas=MUDD_BETAS, lr="mudd_lr")
 
     def after_block(self, i: int, x: torch.Tensor, x00: torch.Tensor, outputs: list,
                     bigram: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional["LastBlockMix"]]:
@@ -3115,7 +3146,7 @@ class LowRankEmbedding(nn.Module):
                  lr_mul: float = 1.0, wd_mul: float = 1.0):
         super().__init__()
         self.table = nn.Embedding(vocab_size, rank, dtype=dtype)
-        declare(self.table.weight, "embed", normal_init(1.0), lr_mul, wd_mul)
+        declare(self.table.weight, "embed", normal_init(1.0), lr_mul, wd_mul, lr="embed_lr")
         # Linear(r -> d) weight, fan_in r: `original` and `corrected` both draw it N(0, 1/r)
         self.proj = declare(nn.Parameter(torch.empty(dim, rank, dtype=dtype)), "muon_lore",
                             normal_init(rank**-0.5) if init != "none" else uniform_init(rank**-0.5))
@@ -3139,7 +3170,7 @@ class LowRankHead(nn.Module):
         self.down = declare(nn.Parameter(torch.empty(rank, dim, dtype=torch.float32)), "muon_lore",
                             factor_init("down", dim))  # Linear(d -> r) weight
         self.up = declare(nn.Parameter(torch.empty(padded_vocab, rank, dtype=torch.float32)), "head",
-                          factor_init("up", rank), wd_mul=wd_mul)  # Linear(r -> V) weight: the head's table
+                          factor_init("up", rank), wd_mul=wd_mul, lr="head_lr")  # Linear(r -> V): the head's table
 
     def forward(self, x):
         return F.linear(F.linear(x, self.down.to(x.dtype)), self.up.to(x.dtype))
@@ -3172,7 +3203,7 @@ class ValueEmbeddingBasis(ValueEmbeddings):
         super().__init__(config, dtype)
         coeffs = torch.empty(config.num_layers, config.num_value_embeds, dtype=torch.float32)
         if config.ve_mode == "learned":
-            self.coeffs = declare(nn.Parameter(coeffs), "ve_coeff", self.coefficient_init())
+            self.coeffs = declare(nn.Parameter(coeffs), "ve_coeff", self.coefficient_init(), lr="ve_coeff_lr")
         else:
             del self.coeffs
             self.register_buffer("coeffs", coeffs)
@@ -4406,22 +4437,11 @@ BACKOUT_KEPT_ACTIVATIONS = 1
 MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # --fp8 keeps the head's e4m3 codes for backward, one byte each: the rank's input (T, d) and the
 # weight (d, V). Transients of the loss's backward (the gradient's e5m2 codes) are not modelled.
-# Fields that change neither the shapes of what is held nor how it is computed, or whose memory is
-# accounted above: a configuration that differs from the record only in these gets a prediction.
-PEAK_NEUTRAL_FIELDS = {
-    "num_iterations", "extension_steps", "cooldown_frac", "head_lr", "embed_lr", "scalar_lr", "adam_beta1", "adam_beta2", "adam_eps",
-    "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "muon_weight_decay",
-    "mlp_weight_decay_mul", "attn_scale", "logit_softcap", "rope_base", "eot_token", "val_tokens", "ve_coeff_lr",
-    "lr_floor", "backout", "backout_layer", "fp8", "fp8_ranges", "head_transposed", "yarn_window_limit",
-    # #252's: held tensors (the bigram table, fp32 Adam moments, bf16 blocks and their low bits) are in
-    # state_bytes_per_gpu; the fused loss is taken to keep what the record's compiled loss keeps, the
-    # (T, V) bf16 logits (an assumption: neither was measured here)
-    "bigram_embed", "bigram_table_multiple", "bigram_lambda_init", "gates_optimizer", "small_params_betas",
-    "muon_scalar_rounding", "adam_fp32_moments", "muon_lr_shape", "fp32_block_weights", "fused_softcap_ce",
-    # #261's: MUDD's weights are in the state; its kept activations are MUDD_KEPT_ACTIVATIONS
-    "mudd", "mudd_nets", "mudd_lr", "attn_input_from_layer",
-    # #261's loss keeps the gradient's codes instead of the logits: taken as the same (not measured)
-    "fused_ce_variant"}
+# A configuration that differs from the record only in peak_neutral fields (their metadata) gets a
+# prediction. Among them, #252's held tensors (the bigram table, fp32 Adam moments, bf16 blocks and
+# their low bits) are in state_bytes_per_gpu, and its fused loss is taken to keep what the record's
+# compiled loss keeps, the (T, V) bf16 logits; #261's loss variant keeps the gradient's codes instead
+# of the logits, taken as the same (assumptions: neither was measured here).
 PEAK_WORLD_SIZE = 8
 
 
@@ -4441,7 +4461,7 @@ def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
     base_name = "bulk"
     base = make_config(recipe=base_name)
     differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
-               and f.name not in PEAK_NEUTRAL_FIELDS and getattr(config, f.name) != getattr(base, f.name)]
+               and not f.metadata["peak_neutral"] and getattr(config, f.name) != getattr(base, f.name)]
     if (differs or config.activation_checkpointing or config.compile is False or config.attention == "sdpa"
             or config.dtype == "float32"):
         return None
@@ -4517,6 +4537,31 @@ def accounting_lines(model: GPT, config: Hyperparameters) -> list[str]:
     return lines
 
 
+def optimizer_table_lines(model: GPT, config: Hyperparameters) -> list[str]:
+    """The resolved optimizer table, one line per group, from what each parameter declared (to hold
+    against a PR's table): optimizer, lr (its field's value), each (lr_mul, wd_mul) with its parameter
+    count, betas (a parameter's own where it declared them), weight decay."""
+    adam, muon = optimizer_groups(model, config)
+    lines = ["optimizer groups (each tensor's lr is the group's x its lr_mul, its decay the group's x its wd_mul):"]
+    for optimizer, groups in (("adam", adam), ("muon", muon)):
+        for g in groups:
+            ps = g["params"]
+            muls = collections.Counter((p.lr_mul, p.wd_mul) for p in ps)
+            mul_text = "; ".join(f"{n} tensor{'s' * (n > 1)} at lr_mul {lr:g}, wd_mul {wd:g}"
+                                 for (lr, wd), n in muls.items())
+            if optimizer == "adam":
+                own = sorted({tuple(getattr(p, "betas", g["betas"])) for p in ps})
+                betas = "; ".join(f"{a:g}/{b:g}" for a, b in own)
+                head = (f"lr {adam_lr_field(g['name'], ps)}={g['lr']:g}, betas {betas}, eps {config.adam_eps:g}, "
+                        f"cautious decay {config.adam_weight_decay:g} x lr^2")
+            else:
+                options = "".join(f", {k}={v}" for k, v in g.items() if k not in ("params", "name"))
+                head = (f"lr muon_lr={config.muon_lr:g}, momentum {config.muon_momentum:g}, decay "
+                        f"{config.muon_weight_decay:g}{options}")
+            lines.append(f"  {g['name']}: {optimizer}, {head}; {sum(p.numel() for p in ps):,} params: {mul_text}")
+    return lines
+
+
 def learned_scalars_lines(model: GPT) -> list[str]:
     """The learned mixing weights per layer (which layers use which embedding), the attention
     lambdas and the skip weights (--gated_skips: the gain into each target; off: per source layer)."""
@@ -4580,6 +4625,7 @@ def dry_run(config: Hyperparameters) -> int:
     for note in recipe_notes(config):
         print(note)
     print("\n".join(accounting_lines(model, config)))
+    print("\n".join(optimizer_table_lines(model, config)))
     print("\n".join(memory_lines(model, config)))
     if weight_dtype(config, other) != model.dtype:
         other_model = meta_model(other)

@@ -43,7 +43,8 @@ class Extra(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.gain = tg.declare(nn.Parameter(torch.empty(3)), "gates", tg.constant_init([0.25] * 3), 0.5, 0.0)
+        self.gain = tg.declare(nn.Parameter(torch.empty(3)), "gates", tg.constant_init([0.25] * 3), 0.5, 0.0,
+                               lr="gates_lr")
 
 
 def test_a_module_with_a_declared_parameter_needs_no_table_elsewhere():
@@ -66,13 +67,46 @@ def test_a_module_with_a_declared_parameter_needs_no_table_elsewhere():
     assert torch.allclose(moved, torch.full((3,), group["lr"] * 0.5), rtol=1e-4)  # Adam's first step: lr x lr_mul
 
 
-def test_a_group_without_an_optimizer_is_refused_by_name():
-    config = tg.make_config("tiny", dtype="float32")
+def test_a_new_adam_group_takes_the_lr_its_parameters_name_and_nothing_else():
+    """A group of its own (not in GROUP_ORDER): Adam at the lr of the field its parameter declared;
+    the dry run's optimizer table shows it."""
+    config = tg.make_config("tiny", dtype="float32", scalar_lr=0.02)
     model = tg.build_model(config)
     model.extra = Extra()
-    model.extra.gain.group = "mystery"
-    with pytest.raises(AssertionError, match="mystery"):
+    model.extra.gain.group, model.extra.gain.lr_field = "extra_gains", "scalar_lr"
+    adam, _ = tg.build_optimizers(model, config, 0, 1)
+    (group,) = [g for g in adam.param_groups if g["name"] == "extra_gains"]
+    assert group["lr"] == 0.02 and group["params"] == [model.extra.gain]
+    line = next(line for line in tg.optimizer_table_lines(model, config) if line.startswith("  extra_gains:"))
+    assert "adam, lr scalar_lr=0.02" in line and "3 params: 1 tensor at lr_mul 0.5, wd_mul 0" in line
+
+
+@pytest.mark.parametrize("fields", [(None,), ("gates_lr", "scalar_lr")])
+def test_an_adam_group_whose_parameters_name_no_lr_or_two_is_refused_by_name(fields):
+    config = tg.make_config("tiny", dtype="float32")
+    model = tg.build_model(config)
+    model.extra, model.other = Extra(), Extra()
+    model.extra.gain.group = model.other.gain.group = "mystery"
+    model.extra.gain.lr_field, model.other.gain.lr_field = fields[0], fields[-1]
+    with pytest.raises(ValueError, match="parameter group mystery: .*declare"):
         tg.build_optimizers(model, config, 0, 1)
+
+
+@pytest.mark.parametrize("recipe", sorted(tg.RECIPES))
+def test_the_optimizer_table_has_a_line_per_group_with_the_values_the_optimizers_use(recipe):
+    config = tg.make_config("tiny", recipe=recipe, dtype="float32")
+    model = tg.build_model(config)
+    adam, muon = tg.build_optimizers(model, config, 0, 1)
+    lines = tg.optimizer_table_lines(model, config)[1:]
+    groups = [(g, "adam") for g in adam.param_groups] + [(g, "muon") for g in muon.param_groups]
+    names = list(dict.fromkeys(g["name"] for g, _ in groups))  # Muon splits its groups by shape
+    assert [line.split(":")[0].strip() for line in lines] == names
+    for g, kind in groups:
+        line = lines[names.index(g["name"])]
+        assert line.startswith(f"  {g['name']}: {kind}, lr ") and f"={g['initial_lr']:g}" in line
+        if kind == "adam":
+            assert f"betas {g['betas'][0]:g}/{g['betas'][1]:g}" in line or any(
+                hasattr(p, "betas") for p in g["params"])
 
 
 def test_a_model_with_its_declared_parameters_pickles():

@@ -115,3 +115,16 @@ def test_without_the_backout_the_peak_drops_by_its_kept_activation(capsys):
 def test_no_peak_is_predicted_for_other_shapes(capsys):
     out, _ = dry_run_output(["--preset=tiny"], capsys)
     assert "predicted peak memory: none" in out
+
+
+def test_a_peak_is_predicted_exactly_where_every_change_is_marked_peak_neutral():
+    """The fields' own metadata decides (no list beside the table): a learning rate or the step count
+    (peak_neutral) keeps the record's prediction; a width, a window or the batch (not) gives none."""
+    record = tg.predicted_peak_mib(tg.make_config())
+    assert tg.predicted_peak_mib(tg.make_config(muon_lr=0.02, num_iterations=4000)) == record
+    for change in (dict(mlp_ratio=3), dict(max_window_tokens=4096), dict(document_cut_tokens=2048)):
+        (name,) = change
+        assert not tg.Hyperparameters.__dataclass_fields__[name].metadata["peak_neutral"]
+        assert tg.predicted_peak_mib(tg.make_config(**change)) is None, change
+    neutral = [f.name for f in tg.fields(tg.Hyperparameters) if f.metadata["peak_neutral"]]
+    assert {"muon_lr", "num_iterations", "mudd", "bigram_embed", "fp8"} <= set(neutral)
