@@ -661,3 +661,44 @@ def test_the_kernels_pr261_gradient_equals_the_emulation(kernel_run):
         interpreter_errs = rounds_up & ((torch.frexp(codes)[0].abs() == 0.5) | (codes.abs() <= 2**-14))
         assert not (wrong & ~interpreter_errs).any() and wrong.float().mean() < 0.1
     assert (out["261_saturated"].float().abs() == E5M2_MAX).any()
+
+
+INTERPRETER_CASTS = """
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cast_kernel(x_ptr, bf16_ptr, e5m2_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(bf16_ptr + i, x.to(tl.bfloat16))
+    tl.store(e5m2_ptr + i, x.to(tl.float8e5, fp_downcast_rounding="rtne"))
+
+
+x = torch.tensor([1 + 3 * 2**-9, -(1 + 3 * 2**-9), 1.9, 1.6 * 2**-16, 1.0, 0.875, -3.0, 0.0], dtype=torch.float32)
+bf16, e5m2 = torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.float8_e5m2)
+cast_kernel[(1,)](x, bf16, e5m2, N=8)
+torch.save(dict(x=x, bf16=bf16, e5m2=e5m2), "casts.pt")
+"""
+
+
+def test_the_interpreters_own_casts_truncate_so_the_kernel_tests_compare_before_them(tmp_path):
+    """Why the kernel tests above compare the kernels' fp32 results, and round them with torch: Triton's
+    interpreter casts fp32 to bf16 by dropping the low 16 bits (1 + 3 x 2^-9 -> 1, where the GPU and
+    torch round to nearest even, 1 + 2^-7), and to e5m2 with round-to-nearest-even asked for it still
+    truncates among the subnormals (1.6 x 2^-16 -> 2^-16, not 2 x 2^-16). Exact values stay exact. The
+    kernels' own bf16 rounding (bf16_rounded, through the bits) does not use the cast."""
+    pytest.importorskip("triton")
+    (tmp_path / "casts.py").write_text(INTERPRETER_CASTS)  # Triton reads a kernel's source from its file
+    subprocess.run([sys.executable, "casts.py"], cwd=tmp_path, check=True, env={**os.environ, "TRITON_INTERPRET": "1"},
+                   timeout=600)
+    out = torch.load(tmp_path / "casts.pt")
+    x = out["x"]
+    truncated = (x.view(torch.int32) & -65536).view(torch.float32)
+    assert torch.equal(out["bf16"].float(), truncated)
+    assert not torch.equal(out["bf16"].float(), x.bfloat16().float())  # torch (and a GPU) round to nearest
+    e5m2, rne = out["e5m2"].float(), x.to(torch.float8_e5m2).float()
+    assert e5m2[3] == 2**-16 and rne[3] == 2 * 2**-16
+    assert torch.equal(e5m2[[0, 1, 4, 5, 6, 7]], rne[[0, 1, 4, 5, 6, 7]])
