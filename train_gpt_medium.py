@@ -182,18 +182,6 @@ class Hyperparameters:
                                      "fp32 when evaluating; rational: cap z/sqrt(z^2+cap^2) in fp32",
                                      choices=("rational", "sigmoid"))
     logit_softcap: float = recipe(15.0, "the rational cap's cap", above=0, peak_neutral=True)
-    fused_softcap_ce: bool = recipe(False, "training loss as one op from the head's input and weight (PR #252): "
-                                    "logits in the model dtype (bf16 from FP8 codes with --fp8), the sigmoid cap, "
-                                    "log-sum-exp and multi-token sum in fp32; CUDA: a Triton kernel, CPU: torch "
-                                    "ops by blocks of rows (docs/fused-ce.md); validation unchanged",
-                                    peak_neutral=True)
-    fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce (without it: no effect): pr252: PR #252's numerics (fp32 sigmoid, the "
-                                   "gradient from the backward's input); pr261: PR #261's kernel (sigmoid rounded "
-                                   "to bf16; the logits' gradient made in the forward for the trainer's loss scale, "
-                                   "1/batch_slices (/T for a mean), the backward's input ignored; S_w over all "
-                                   "multi-token weights even where the sequence ends; the gradient's FP8 scale "
-                                   "times that loss scale; e5m2 codes saturating) (docs/fused-ce.md)",
-                                   choices=("pr252", "pr261"), needs=("fused_softcap_ce",), peak_neutral=True)
     multi_token_prediction: bool = recipe(True, "training loss over the next 3, then 2, then 1 tokens per position, "
                                           "weighted by the step grid's multi-token schedule (mtp_weights)")
     train_loss_reduction: str = recipe("sum", "training loss over a slice's tokens (validation is a mean)",
@@ -205,49 +193,9 @@ class Hyperparameters:
     fp32_block_weights: bool = recipe(True, "attention and MLP matrices stored in fp32 (the optimizer's master) and "
                                       "rounded to the model dtype where used (off: stored in the model dtype, Muon "
                                       "keeping the low 16 bits of a bf16 weight's fp32 master)", peak_neutral=True)
-    fp8: bool = recipe(False, "training's head matmul in FP8: e4m3 inputs h/s_x and H/s_w, e5m2 gradient G/s_g, "
-                       "fp32 accumulation (CUDA: torch._scaled_mm; CPU: emulated, one rounding from fp32); "
-                       "the product comes out in the model dtype (bf16; fp32 on a float32 CPU run, from the "
-                       "same codes); validation stays the plain product", peak_neutral=True)
-    fp8_ranges: tuple[float, ...] = recipe((100.0, 1.6, 0.75), "with --fp8: 448 x (s_x, s_w, s_g), i.e. the |h| and "
-                                           "|H| that fill e4m3's range (448), and the gradient scale's numerator",
-                                           needs=("fp8",), peak_neutral=True)
-    head_transposed: bool = recipe(False, "head stored (model_dim, padded vocab) and used as x @ H (the exact "
-                                   "transpose of the usual head, same init); while tied the input embedding "
-                                   "reads its columns", peak_neutral=True)
     table_multipliers: bool = recipe(True, "the record's lr and weight-decay multipliers of the tables, head and "
                                      "scalars: second input table and value embeddings lr x75 wd x5, head and input "
                                      "table wd x150, scalars lr x5 and no decay (off: 1)")
-    # PR #252's bigram hash embedding (docs/bigram.md)
-    bigram_embed: bool = recipe(False, "every block's input also adds gamma_i x a row of a zero-init table picked by a "
-                                "hash of (previous token, token); the table: Adam lr x75 wd x5 of embed_lr, betas "
-                                "0.75/0.95 (table_multipliers off: x1), gamma: lr x1, no decay, betas 0.9/0.95",
-                                peak_neutral=True)
-    bigram_table_multiple: int = recipe(5, "with --bigram_embed: the hash table has N x the vocabulary table's rows "
-                                        "(the record's 5 x 50304 = 251,520)", at_least=1, needs=("bigram_embed",),
-                                        peak_neutral=True)
-    bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start",
-                                       needs=("bigram_embed",), peak_neutral=True)
-    # PR #261's MuddFormer pieces (docs/mudd.md)
-    attn_input_from_layer: Optional[int] = recipe(
-        None, "the blocks after block N attend from norm(block N's output) instead of norm(x): q, k, v and their "
-        "gates read it, their output still adds to x, their MLP reads norm(x) (#261: 11); auto: off", at_least=0,
-                                                  peak_neutral=True)
-    mudd: bool = recipe(False, "MUDD (#261): block L-2's output h feeds a small net (d->64, GELU, ->16) whose "
-                        "per-token outputs mix x00, backout_layer's output h_b and h into the last block's v and "
-                        "input, set its value-embedding gate and its residual weights (no input mixing there); "
-                        "after the last block a second net adds x00, h_b, h, layer 0's value embedding and block "
-                        "4's output. The second net replaces --backout (pass --backout=false); the first needs "
-                        "--bigram_embed", peak_neutral=True)
-    mudd_nets: str = recipe("both", "with --mudd (without it: no effect): which of its two nets run, to ablate "
-                            "each alone: both (#261); penultimate: the net after block L-2 and the last block's "
-                            "dynamic weights, no final mix (head input: the backout with --backout, else the "
-                            "plain norm); final: only the mix after the last block, which is the ordinary block. "
-                            "The weights keep both nets' slices (the unused one gets no gradient)",
-                            choices=("both", "penultimate", "final"), needs=("mudd",), peak_neutral=True)
-    mudd_lr: float = recipe(0.004, "with --mudd: Adam lr of its weights, x0.25 (betas 0.9/0.99; decay on the two "
-                            "matrices, none on the biases)", at_least=0, needs=("mudd",), at_most=LR_LIMIT,
-                            peak_neutral=True)
     # ---- the step grid (docs/bulk-data.md). Its schedules span the scheduled steps S = num_iterations -
     # extension_steps; a schedule tuple of n entries cuts S into n slots, slot = floor(n * step / S).
     num_iterations: int = recipe(4740, "training steps", at_least=1, peak_neutral=True)
@@ -314,19 +262,50 @@ class Hyperparameters:
     muon_lr_shape: str = recipe("stored", "Muon's lr factor sqrt(max(1, rows/cols)) from the matrix as stored, leading "
                                 "dims counted as rows (attention 2), or from each orthogonalized block (attention 1, "
                                 "MLP in 2, MLP out 1)", choices=("blocks", "stored"), peak_neutral=True)
-    # #252's unified optimizer (docs/unified-optimizer.md): each of its changes to the update, a switch
+    # ---- the claims after bulk (Part II, docs/frontier.md): each a switch, off in the record; their
+    # recipes set them
+    # §8 PR #248 (fp8_yarn, docs/fp8-yarn.md): the head's product in FP8, the head stored transposed
+    fp8: bool = recipe(False, "the head's training product from FP8 codes: e4m3 h/s_x and H/s_w, e5m2 gradient "
+                       "G/s_g (docs/fp8-yarn.md)", peak_neutral=True)
+    fp8_ranges: tuple[float, ...] = recipe((100.0, 1.6, 0.75), "with --fp8: 448 x (s_x, s_w, s_g), the |h| and |H| "
+                                           "that fill e4m3's range and the gradient's numerator", needs=("fp8",),
+                                           peak_neutral=True)
+    head_transposed: bool = recipe(False, "the head stored (model_dim, padded vocab) and used as x @ H: the exact "
+                                   "transpose, the same init", peak_neutral=True)
+    # §9 PR #252 (bigram, docs/bigram.md, docs/fused-ce.md, docs/unified-optimizer.md): the bigram hash table,
+    # the fused loss, each change of its optimizer table
+    bigram_embed: bool = recipe(False, "each block's input adds gamma_i x a zero-init table row picked by a hash "
+                                "of the token pair (docs/bigram.md)", peak_neutral=True)
+    bigram_table_multiple: int = recipe(5, "with --bigram_embed: the hash table's rows, x the vocabulary table's "
+                                        "(5 x 50304 = 251,520)", at_least=1, needs=("bigram_embed",),
+                                        peak_neutral=True)
+    bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start",
+                                       needs=("bigram_embed",), peak_neutral=True)
+    fused_softcap_ce: bool = recipe(False, "the training loss as one op from the head's input and weight, in fp32 "
+                                    "(CUDA: Triton; docs/fused-ce.md)", peak_neutral=True)
     gates_optimizer: str = recipe("muon", "the attention output and value-embedding gates: muon (group muon_gates) "
-                                  "or adam (#252: Adam group gates, lr x0.1, wd x1)", choices=("adam", "muon"),
-                                  peak_neutral=True)
-    small_params_betas: str = recipe("adam", "Adam betas of the x0 weights and the gates Adam steps: adam = "
-                                     "adam_beta1/2, scalar = scalar_adam_beta1/2 (#252: 0.9/0.99)",
-                                     choices=("adam", "scalar"), peak_neutral=True)
-    muon_scalar_rounding: str = recipe("bulk", "Muon's per-step fp32 scalars: bulk (the record's fp32 products) or "
-                                       "pr252 (lr and decay factors rounded once from float64, 1 - momentum "
-                                       "computed in fp32)", choices=("bulk", "pr252"), peak_neutral=True)
-    adam_fp32_moments: bool = recipe(False, "Adam's moments in fp32 for every weight and its step computed in fp32, "
-                                     "the weight rounded once to its dtype (#252; off: moments in the weight's "
-                                     "dtype, each operation rounded to it)", peak_neutral=True)
+                                  "or adam (#252: gates, lr x0.1)", choices=("adam", "muon"), peak_neutral=True)
+    small_params_betas: str = recipe("adam", "Adam betas of the x0 weights and Adam's gates: adam_beta1/2, or "
+                                     "scalar: scalar_adam_beta1/2 (#252)", choices=("adam", "scalar"),
+                                     peak_neutral=True)
+    muon_scalar_rounding: str = recipe("bulk", "Muon's per-step fp32 factors: bulk (the record's fp32 products) or "
+                                       "pr252 (rounded once from float64)", choices=("bulk", "pr252"),
+                                       peak_neutral=True)
+    adam_fp32_moments: bool = recipe(False, "Adam's moments and step in fp32 for every weight, rounded once to its "
+                                     "dtype (#252; off: the weight's)", peak_neutral=True)
+    # §10 PR #261 (mudd, docs/mudd.md): attention from block N, the MUDD nets, its loss variant
+    attn_input_from_layer: Optional[int] = recipe(
+        None, "the blocks after block N attend from norm(block N's output) instead of norm(x) (#261: 11); auto: "
+        "off", at_least=0, peak_neutral=True)
+    mudd: bool = recipe(False, "MUDD's two nets (#261, docs/mudd.md): after block L-2 they set the last block's "
+                        "input, v and weights, after it the head's input", peak_neutral=True)
+    mudd_nets: str = recipe("both", "with --mudd: which of its nets run, to ablate each alone (docs/mudd.md)",
+                            choices=("both", "penultimate", "final"), needs=("mudd",), peak_neutral=True)
+    mudd_lr: float = recipe(0.004, "with --mudd: Adam lr of its weights, x0.25 (betas 0.9/0.99; decay on the two "
+                            "matrices only)", at_least=0, at_most=LR_LIMIT, needs=("mudd",), peak_neutral=True)
+    fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce: pr252 or pr261, the numerics of PR #261's "
+                                   "kernel (docs/fused-ce.md)", choices=("pr252", "pr261"),
+                                   needs=("fused_softcap_ce",), peak_neutral=True)
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -439,101 +418,6 @@ class Hyperparameters:
     def long_layers(self) -> set[int]:
         return set(self.long_window_layers)
 
-
-# Presets are overrides of the record. `tiny` keeps the 16-layer structure (every layer pattern
-# is exercised) at toy width, on synthetic data whose entropies are known (data/synthetic.py),
-# and the record's step grid at 1/25 of its length: 4700 + 40 steps become 188 + 2, the
-# momentum warm-up and cool-down 12 and 2 steps; the batch ramp keeps its proportions (1/4 .. 4/4
-# of batch_slices x train_seq_len) and the windows their block counts, with 16-token blocks so
-# that every window is shorter than a 512-token slice. Every phase of the record happens in it.
-PRESETS: dict[str, dict] = {
-    "medium": {},
-    "tiny": dict(
-        train_files="data/synthetic/synthetic_train_*.bin",
-        val_files="data/synthetic/synthetic_val_*.bin",
-        synthetic_data=True,
-        token_bytes_file="data/synthetic/synthetic_token_bytes.npy",
-        vocab_size=500, eot_token=499,  # padded: 512
-        model_dim=64, num_heads=2, head_dim=32,
-        train_seq_len=512, val_seq_len=512, batch_slices=2, val_tokens=8192,
-        attn_block_size=16, max_window_tokens=27 * 16,
-        document_cut_tokens=256,
-        lore_rank=16,
-        num_iterations=190, extension_steps=2, batch_schedule=(256, 512, 768) + (1024,) * 9,
-        muon_momentum_warmup_steps=12, muon_momentum_cooldown_steps=2,
-        val_every=38, warmup_steps=2,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A medium-track record as the values of the fields above it changes (over the defaults, which
-    are the current record), with what its record published upstream (records/track_2_medium/<folder>/
-    of KellerJordan/modded-nanogpt). The records before the current one run from their frozen
-    script (records/x01_lineage/)."""
-    values: dict
-    date: str
-    folder: str
-    change: str  # what it changes, one line
-    mean_time_s: float  # the record's published mean training time
-    runs: int
-    p_value: Optional[float]  # one-sided test of mean val loss < 2.92 (None: its logs allow none)
-    peak_mib: int  # "peak memory allocated" in its log (8xH100)
-    time_note: str = ""
-    # an unmerged upstream pull request's claim (records/published.json marks it so): its number
-    claim_pr: Optional[int] = None
-    # under another preset, the recipe's values for fields the preset does not set; these replace them
-    at_preset: dict = field(default_factory=dict)
-
-
-# `--recipe NAME`: applied after the preset, before your flags. A preset keeps its scale (where it
-# and the recipe set the same field, the preset wins) and the recipe its switches; `at_preset`
-# adapts constants that count steps.
-# the x01 lineage's records (2025-09-11 .. 2025-11-02) run from their own frozen script
-FROZEN_SCRIPT = "records/x01_lineage/train_gpt_medium.py"
-FROZEN_RECIPES = ("x01", "snoo", "update_smoothing", "smoothed_snoo", "backout", "smear")
-RECIPES: dict[str, Recipe] = {
-    "bulk": Recipe({}, "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
-                   "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, "
-                   "tied->untied embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam "
-                   "on odd steps", 1041.28, 2, 0.0046, 57_397),
-    # p and time recomputed from its 5 committed logs (its README rounds p to 0.0001)
-    "fp8_yarn": Recipe(dict(fp8=True, fp8_ranges=(32.0, 2.25, 1.5), head_transposed=True, yarn_window_limit=23,
-                            muon_lr=0.012), "2026-03-28", "2026-03-28_FP8YaRNTuning",
-                       "bulk plus an FP8 head matmul in training, the head stored transposed, YaRN at every window "
-                       "change, Muon lr 0.012", 1011.372, 5, 1.08e-4, 63_702, claim_pr=248),
-    # one committed log (its README lists five runs): time and n from that log, so no t-test
-    "bigram": Recipe(dict(num_iterations=4620, fused_softcap_ce=True, fp8=True, fp8_ranges=(100.0, 1.6, 0.75),
-                          head_transposed=True, bigram_embed=True, gates_optimizer="adam", small_params_betas="scalar",
-                          scalar_lr=0.004, adam_fp32_moments=True, muon_lr_shape="blocks",
-                          muon_scalar_rounding="pr252", fp32_block_weights=False, coordinate_descent_tuning=True),
-                     "2026-04-07", "2026-04-07_BigramFusedCEUnifiedOpt",
-                     "bulk plus a fused FP8 softcapped cross-entropy, bigram hash embeddings at every layer, #252's "
-                     "optimizer table (gates on Adam, fp32 Adam moments, attention lr by block), bf16 block weights "
-                     "with their fp32 master's low half, 4580+40 steps", 950.425, 1, None, 59_288, claim_pr=252,
-                     at_preset=dict(tiny=dict(num_iterations=185))),  # S = 4580 / 25 = 183, +2
-}
-# PR #261 is #252's recipe plus these (its logs and README are in the folder's this_pr/)
-RECIPES["mudd"] = Recipe({**RECIPES["bigram"].values, **dict(
-    num_iterations=4150, extension_steps=25, attn_input_from_layer=11, mudd=True, backout=False,
-    fused_ce_variant="pr261", coordinate_descent_tuning=False)}, "2026-04-27", "2026-0427-MuddFormer/this_pr",
-    "bigram plus MUDD connections at the last two blocks in place of the backout, blocks 12-15 attending from "
-    "block 11's output, #261's cross-entropy kernel (bf16 sigmoid, gradient made in the forward), 4125+25 steps", 860.478, 6, 6.2e-5, 59_977, claim_pr=261,
-    at_preset=dict(tiny=dict(num_iterations=167)))  # S = 4125 / 25 = 165, +2
-
-
-def recipe_values(preset: str, name: str) -> dict:
-    """The fields recipe `name` sets under `preset`: its values, except those the preset sets itself
-    (its scale), then its values for that preset."""
-    if name in FROZEN_RECIPES:
-        raise ConfigError(f"--recipe: {name} is an earlier record of the x01 lineage: run it from its frozen script, "
-                          f"python {FROZEN_SCRIPT} --recipe={name}")
-    if name not in RECIPES:
-        raise ConfigError(f"--recipe: unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    entry = RECIPES[name]
-    kept = {k: v for k, v in entry.values.items() if k not in PRESETS[preset]}
-    return {**kept, **entry.at_preset.get(preset, {})}
 
 # =============================================================================
 # 2. Schedules on the step grid (docs/bulk-data.md): each a pure function of the step. S =
@@ -992,19 +876,14 @@ class Muon(torch.optim.Optimizer):
     def _fill_scalars(self, group: dict, scalars: dict[str, torch.Tensor]) -> None:
         """Momentum, and the step's factors, computed in Python floats and rounded once to fp32.
         Cautious: lr_factor = lr * lr_mul * shape factor and wd_factor = wd_mul * weight_decay * lr,
-        each product rounded to fp32 as the record's fp32 multiplier vectors round it (scalar_rounding
-        "pr252": each float64 product rounded once, and 1 - momentum formed in fp32 from the fp32
-        momentum, as #252's compiled steps take them). Otherwise the decay 1 - lr*wd*wd_mul and the
-        step size -lr * lr_mul * shape factor."""
+        each product rounded to fp32 as the record's fp32 multiplier vectors round it (fp32_product;
+        §9's pr252_muon_factors round as #252 does). Otherwise the decay 1 - lr*wd*wd_mul and the step
+        size -lr * lr_mul * shape factor."""
         m, lr = group["momentum"], group["lr"]
         shape_factor = muon_shape_factor(group["params"][0], group, self.lr_shape)
         values = dict(momentum=m, one_minus_momentum=1 - m)
-        f32 = np.float32
-        if self.scalar_rounding == "pr252":  # #252: each factor's float64 product rounded once; 1 - m in fp32
-            values.update(one_minus_momentum=f32(1) - f32(m))
-            if self.cautious_weight_decay:
-                values.update(lr_factor=f32(shape_factor * group["lr_mul"] * lr),
-                              wd_factor=f32(group["wd_mul"] * group["weight_decay"] * lr))
+        if self.scalar_rounding == "pr252":  # §9 --muon_scalar_rounding=pr252
+            values.update(pr252_muon_factors(group, shape_factor, self.cautious_weight_decay))
         elif self.cautious_weight_decay:
             values.update(lr_factor=fp32_product(shape_factor * group["lr_mul"], lr),
                           wd_factor=fp32_product(group["wd_mul"], group["weight_decay"], lr))
@@ -1051,7 +930,7 @@ class CautiousAdam(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, fp32_moments: bool = False):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.adam_step = fp32_adam_step if fp32_moments else cautious_adam_step
+        self.adam_step = fp32_adam_step if fp32_moments else cautious_adam_step  # §9 --adam_fp32_moments
         for group in self.param_groups:
             for p in group["params"]:
                 moment = torch.zeros_like(p, dtype=torch.float32 if fp32_moments else p.dtype)
@@ -1577,7 +1456,7 @@ class Head(nn.Module):
         return self.weight.t() if self.transposed else self.weight
 
     def forward(self, x):
-        if self.fp8_scales is not None and self.training:
+        if self.fp8_scales is not None and self.training:  # §8 --fp8
             return FP8HeadProduct.apply(x, self.weight, self.transposed, self.fp8_scales)
         w = self.weight.to(x.dtype)
         return x @ w if self.transposed else F.linear(x, w)
@@ -1648,8 +1527,8 @@ class GPT(nn.Module):
     def __init__(self, config: Hyperparameters, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.config, self.dtype = config, dtype
-        if config.fused_softcap_ce:  # registered before anything compiles: met inside a traced forward,
-            fused_ce_ops()  # the registration itself would break the graph (dynamo cannot trace it)
+        if config.fused_softcap_ce:  # §9: its ops registered before anything compiles (met inside a traced
+            fused_ce_ops()  # forward, the registration itself would break the graph: dynamo cannot trace it)
         V, d, L = config.table_rows, config.model_dim, config.num_layers
         r = config.lore_rank
         self.embeds = nn.ModuleList(
@@ -1666,7 +1545,7 @@ class GPT(nn.Module):
         # stored in the model dtype and starts N(0, 0.005^2); untied from the start, fp32 and zero
         tied = untie_step(config) > 0
         head_wd_mul = 150.0 if config.table_multipliers else 1.0
-        head_options = dict(wd_mul=head_wd_mul, transposed=config.head_transposed,
+        head_options = dict(wd_mul=head_wd_mul, transposed=config.head_transposed,  # §8 --head_transposed, --fp8
                             fp8_scales=fp8_training_scales(config) if config.fp8 else None)
         self.head = (LowRankHead(d, r, config.padded_vocab_size, config.lore_init, head_wd_mul) if config.lore_output
                      else Head(d, config.padded_vocab_size, dtype, init_std=0.005, **head_options) if tied
@@ -1687,8 +1566,8 @@ class GPT(nn.Module):
         self.output_mix = (declare(nn.Parameter(torch.empty(2, dtype=torch.float32)), "scalar",
                                    constant_init([1.0, 0.0]), lr="scalar_lr") if config.x00_at_output else None)
         self.backout = Backout(config.backout_layer) if config.backout else None
-        self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None
-        self.mudd = Mudd(config) if config.mudd else None  # (PR #261; check_config: what its nets need)
+        self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None  # §9 --bigram_embed
+        self.mudd = Mudd(config) if config.mudd else None  # §10 --mudd
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
         self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates") if config.smear_embed else None
         self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates")
@@ -1807,7 +1686,7 @@ class GPT(nn.Module):
         moments are transposed into the table's layout."""
         head, table = self.head.weight, self.embeds[0].weight
         table.copy_(self.head.table())
-        as_table = (lambda t: t.t().contiguous()) if self.head.transposed else (lambda t: t.clone())
+        as_table = (lambda t: t.t().contiguous()) if self.head.transposed else (lambda t: t.clone())  # §8
         for opt in optimizers:
             if head in opt.state:
                 opt.state[table] = {k: as_table(v) if torch.is_tensor(v) and v.shape == head.shape
@@ -1820,19 +1699,8 @@ class GPT(nn.Module):
         """Soft-capped logits and cross-entropy (or the multi-token loss); chunks bound the (T, V)
         logits' memory. reduction: mean, sum or none (per token)."""
         per_token = reduction == "none"
-        if self.config.fused_softcap_ce and self.training and not per_token:
-            # one op over all rows (it bounds its own memory); head_transposed: a (d, V) head, where stored so.
-            # pr261 makes the gradient in the forward: for the upstream gradient the trainer will give
-            # this loss (train_loss_scale, and 1/T for a mean)
-            grad_scale = None
-            if self.config.fused_ce_variant == "pr261":
-                grad_scale = train_loss_scale(self.config) / (1 if reduction == "sum" else targets.numel())
-            # (pr261 scales s_g by its grad_scale itself; pr252 by the trainer's loss scale)
-            scales = (fp8_scales if grad_scale is not None else fp8_training_scales)(self.config)
-            total = fused_softcap_ce(x, self.head.weight, targets, mtp_weights,
-                                     self.config.head_transposed, scales if self.config.fp8 else None,
-                                     variant=self.config.fused_ce_variant, grad_scale=grad_scale)
-            return total if reduction == "sum" else total / targets.numel()
+        if self.config.fused_softcap_ce and self.training and not per_token:  # §9 --fused_softcap_ce
+            return fused_training_loss(self, x, targets, reduction, mtp_weights)
         if mtp_weights is not None and not per_token:
             ahead, inside = multi_token_targets(targets, mtp_weights.numel())
             part = lambda xc, tc, ic: multi_token_loss(self.logits(xc), tc, ic, mtp_weights)
@@ -2202,13 +2070,13 @@ def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size:
     cfg = config
     adam_groups, muon_groups = optimizer_groups(model, config)
     adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                        weight_decay=cfg.adam_weight_decay, fp32_moments=cfg.adam_fp32_moments)
+                        weight_decay=cfg.adam_weight_decay, fp32_moments=cfg.adam_fp32_moments)  # §9
     muon_args = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                      rank=rank, world_size=world_size, compile_update=compile_muon)
     muon = Muon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
                 row_normalization=cfg.muon_row_normalization, row_beta2=cfg.muon_row_beta2,
                 cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape,
-                scalar_rounding=cfg.muon_scalar_rounding)
+                scalar_rounding=cfg.muon_scalar_rounding)  # §9 --muon_scalar_rounding
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -2314,7 +2182,7 @@ class Runner:
         self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
         self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        self.averager = GradientAverager(self.model, world_size, sparse=[self.model.bigram.table]
+        self.averager = GradientAverager(self.model, world_size, sparse=[self.model.bigram.table]  # §9 its rows
                                          if bigram_exchange_is_sparse(config, world_size) else [])
         # the [long, short] windows in blocks, one device tensor refilled in place
         self.window_blocks = torch.ones(2, dtype=torch.int32, device=device)
@@ -2545,19 +2413,6 @@ class Eta:
             return ""
         left = (time.perf_counter() - self.t0) / done * (self.num_steps - steps_done)
         return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
-
-
-def resume_from(resume: Optional[tuple], runner: Runner, loader: DataLoader, log: RunLog
-                ) -> tuple[int, float, Optional[Path]]:
-    """(first step, train time so far, last checkpoint): from a validated checkpoint, restored
-    after the warm-up (which must not touch what the checkpoint restores), or a fresh start."""
-    if resume is None:
-        return 0, 0.0, None
-    path, meta = resume
-    start, train_time_ms = load_checkpoint(runner, loader, path, meta)
-    log.write(f"resumed from {path} at step {start}/{runner.config.num_iterations}, train_time {train_time_ms:.0f}ms "
-              f"(saved by {meta['world_size']} process(es), now {runner.world_size})")
-    return start, train_time_ms, path
 
 
 def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
@@ -2968,6 +2823,34 @@ def check_fused_loss(cfg: Hyperparameters) -> None:
                 "needs the full head matrix: it cannot be used with --lore_output")
 
 
+def fused_training_loss(model: GPT, x: torch.Tensor, targets: torch.Tensor, reduction: str,
+                        mtp_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """GPT.loss in training with --fused_softcap_ce: one op over all rows of x (T, d) (it bounds its
+    own memory), the head as stored ((d, V) with --head_transposed), FP8 codes with --fp8. pr261
+    makes the gradient in the forward, for the upstream gradient the trainer will give this loss
+    (train_loss_scale, and 1/T for a mean), and scales s_g by it itself; pr252 takes the trainer's
+    loss scale in s_g (fp8_training_scales)."""
+    cfg = model.config
+    grad_scale = None
+    if cfg.fused_ce_variant == "pr261":
+        grad_scale = train_loss_scale(cfg) / (1 if reduction == "sum" else targets.numel())
+    scales = (fp8_scales if grad_scale is not None else fp8_training_scales)(cfg)
+    total = fused_softcap_ce(x, model.head.weight, targets, mtp_weights, cfg.head_transposed,
+                             scales if cfg.fp8 else None, variant=cfg.fused_ce_variant, grad_scale=grad_scale)
+    return total if reduction == "sum" else total / targets.numel()
+
+
+def pr252_muon_factors(group: dict, shape_factor: float, cautious: bool) -> dict:
+    """--muon_scalar_rounding=pr252: Muon's per-step factors as #252's compiled steps take them: each
+    float64 product rounded once to fp32, and 1 - momentum formed in fp32 from the fp32 momentum."""
+    f32, m, lr = np.float32, group["momentum"], group["lr"]
+    values = dict(one_minus_momentum=f32(1) - f32(m))
+    if cautious:
+        values.update(lr_factor=f32(shape_factor * group["lr_mul"] * lr),
+                      wd_factor=f32(group["wd_mul"] * group["weight_decay"] * lr))
+    return values
+
+
 def fp32_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
                    eps: float, weight_decay: float, wd_mul: float) -> None:
     """The same Adam as #252 computes it (--adam_fp32_moments): fp32 moments, every operation in
@@ -3245,6 +3128,105 @@ class WriteError(RuntimeError):
     """A checkpoint, the log or the synthetic data could not be written (disk full, permissions);
     the message names the path and the OS error; the run stops (exit 3)."""
 
+
+# ---- presets and recipes: named sets of flags over the record's values (make_config applies them)
+
+# Presets are overrides of the record. `tiny` keeps the 16-layer structure (every layer pattern
+# is exercised) at toy width, on synthetic data whose entropies are known (data/synthetic.py),
+# and the record's step grid at 1/25 of its length: 4700 + 40 steps become 188 + 2, the
+# momentum warm-up and cool-down 12 and 2 steps; the batch ramp keeps its proportions (1/4 .. 4/4
+# of batch_slices x train_seq_len) and the windows their block counts, with 16-token blocks so
+# that every window is shorter than a 512-token slice. Every phase of the record happens in it.
+PRESETS: dict[str, dict] = {
+    "medium": {},
+    "tiny": dict(
+        train_files="data/synthetic/synthetic_train_*.bin",
+        val_files="data/synthetic/synthetic_val_*.bin",
+        synthetic_data=True,
+        token_bytes_file="data/synthetic/synthetic_token_bytes.npy",
+        vocab_size=500, eot_token=499,  # padded: 512
+        model_dim=64, num_heads=2, head_dim=32,
+        train_seq_len=512, val_seq_len=512, batch_slices=2, val_tokens=8192,
+        attn_block_size=16, max_window_tokens=27 * 16,
+        document_cut_tokens=256,
+        lore_rank=16,
+        num_iterations=190, extension_steps=2, batch_schedule=(256, 512, 768) + (1024,) * 9,
+        muon_momentum_warmup_steps=12, muon_momentum_cooldown_steps=2,
+        val_every=38, warmup_steps=2,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A medium-track record as the values of the fields above it changes (over the defaults, which
+    are the current record), with what its record published upstream (records/track_2_medium/<folder>/
+    of KellerJordan/modded-nanogpt). The records before the current one run from their frozen
+    script (records/x01_lineage/)."""
+    values: dict
+    date: str
+    folder: str
+    change: str  # what it changes, one line
+    mean_time_s: float  # the record's published mean training time
+    runs: int
+    p_value: Optional[float]  # one-sided test of mean val loss < 2.92 (None: its logs allow none)
+    peak_mib: int  # "peak memory allocated" in its log (8xH100)
+    time_note: str = ""
+    # an unmerged upstream pull request's claim (records/published.json marks it so): its number
+    claim_pr: Optional[int] = None
+    # under another preset, the recipe's values for fields the preset does not set; these replace them
+    at_preset: dict = field(default_factory=dict)
+
+
+# `--recipe NAME`: applied after the preset, before your flags. A preset keeps its scale (where it
+# and the recipe set the same field, the preset wins) and the recipe its switches; `at_preset`
+# adapts constants that count steps.
+# the x01 lineage's records (2025-09-11 .. 2025-11-02) run from their own frozen script
+FROZEN_SCRIPT = "records/x01_lineage/train_gpt_medium.py"
+FROZEN_RECIPES = ("x01", "snoo", "update_smoothing", "smoothed_snoo", "backout", "smear")
+RECIPES: dict[str, Recipe] = {
+    "bulk": Recipe({}, "2025-12-31", "2025-12-31_BulkSmallTrackTransfer",
+                   "the short track's features at medium scale: batch ramp, token windows with YaRN, gates, "
+                   "tied->untied embeddings, multi-token prediction, NorMuon with Polar Express, cautious bf16 Adam "
+                   "on odd steps", 1041.28, 2, 0.0046, 57_397),
+    # p and time recomputed from its 5 committed logs (its README rounds p to 0.0001)
+    "fp8_yarn": Recipe(dict(fp8=True, fp8_ranges=(32.0, 2.25, 1.5), head_transposed=True, yarn_window_limit=23,
+                            muon_lr=0.012), "2026-03-28", "2026-03-28_FP8YaRNTuning",
+                       "bulk plus an FP8 head matmul in training, the head stored transposed, YaRN at every window "
+                       "change, Muon lr 0.012", 1011.372, 5, 1.08e-4, 63_702, claim_pr=248),
+    # one committed log (its README lists five runs): time and n from that log, so no t-test
+    "bigram": Recipe(dict(num_iterations=4620, fused_softcap_ce=True, fp8=True, fp8_ranges=(100.0, 1.6, 0.75),
+                          head_transposed=True, bigram_embed=True, gates_optimizer="adam", small_params_betas="scalar",
+                          scalar_lr=0.004, adam_fp32_moments=True, muon_lr_shape="blocks",
+                          muon_scalar_rounding="pr252", fp32_block_weights=False, coordinate_descent_tuning=True),
+                     "2026-04-07", "2026-04-07_BigramFusedCEUnifiedOpt",
+                     "bulk plus a fused FP8 softcapped cross-entropy, bigram hash embeddings at every layer, #252's "
+                     "optimizer table (gates on Adam, fp32 Adam moments, attention lr by block), bf16 block weights "
+                     "with their fp32 master's low half, 4580+40 steps", 950.425, 1, None, 59_288, claim_pr=252,
+                     at_preset=dict(tiny=dict(num_iterations=185))),  # S = 4580 / 25 = 183, +2
+}
+# PR #261 is #252's recipe plus these (its logs and README are in the folder's this_pr/)
+RECIPES["mudd"] = Recipe({**RECIPES["bigram"].values, **dict(
+    num_iterations=4150, extension_steps=25, attn_input_from_layer=11, mudd=True, backout=False,
+    fused_ce_variant="pr261", coordinate_descent_tuning=False)}, "2026-04-27", "2026-0427-MuddFormer/this_pr",
+    "bigram plus MUDD connections at the last two blocks in place of the backout, blocks 12-15 attending from "
+    "block 11's output, #261's cross-entropy kernel (bf16 sigmoid, gradient made in the forward), 4125+25 steps", 860.478, 6, 6.2e-5, 59_977, claim_pr=261,
+    at_preset=dict(tiny=dict(num_iterations=167)))  # S = 4125 / 25 = 165, +2
+
+
+def recipe_values(preset: str, name: str) -> dict:
+    """The fields recipe `name` sets under `preset`: its values, except those the preset sets itself
+    (its scale), then its values for that preset."""
+    if name in FROZEN_RECIPES:
+        raise ConfigError(f"--recipe: {name} is an earlier record of the x01 lineage: run it from its frozen script, "
+                          f"python {FROZEN_SCRIPT} --recipe={name}")
+    if name not in RECIPES:
+        raise ConfigError(f"--recipe: unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    entry = RECIPES[name]
+    kept = {k: v for k, v in entry.values.items() if k not in PRESETS[preset]}
+    return {**kept, **entry.at_preset.get(preset, {})}
+
+
 # ---- flags <-> Hyperparameters: argparse driven by the dataclass fields
 
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -3481,7 +3463,7 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per Hyperparameters field, in the field's group, with its type, default and range."""
     parser = _ArgumentParser(
         prog="train_gpt_medium.py", usage="%(prog)s [--flag=value ...]", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-        formatter_class=_HelpFormatter,
+        formatter_class=functools.partial(_HelpFormatter, width=HELP_WIDTH, max_help_position=32),
         description=textwrap.fill("GPT-2 Medium speedrun trainer. Defaults are the record recipe (--preset medium, "
                                   "--recipe bulk). Flags take --flag=value or --flag value; booleans may be bare "
                                   "(--flag means true).", HELP_WIDTH),
@@ -4298,6 +4280,19 @@ def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) 
     rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
     set_rng_states(_load(path / rng_file)["rng"], runner.device)
     return main_file["step"], main_file["train_time_ms"]
+
+
+def resume_from(resume: Optional[tuple], runner: Runner, loader: DataLoader, log: RunLog
+                ) -> tuple[int, float, Optional[Path]]:
+    """(first step, train time so far, last checkpoint): from a validated checkpoint, restored
+    after the warm-up (which must not touch what the checkpoint restores), or a fresh start."""
+    if resume is None:
+        return 0, 0.0, None
+    path, meta = resume
+    start, train_time_ms = load_checkpoint(runner, loader, path, meta)
+    log.write(f"resumed from {path} at step {start}/{runner.config.num_iterations}, train_time {train_time_ms:.0f}ms "
+              f"(saved by {meta['world_size']} process(es), now {runner.world_size})")
+    return start, train_time_ms, path
 
 
 def prepare_checkpoints(config: Hyperparameters, dtype: torch.dtype, rank: int,

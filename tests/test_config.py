@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 
@@ -266,8 +267,8 @@ def test_a_value_whose_switch_is_off_is_noted_once():
     """--mudd_nets without --mudd, --fused_ce_variant without --fused_softcap_ce: one note each; a
     value left at the preset's, or whose switch is on, is not noted."""
     notes = tg.recipe_notes(tg.make_config("tiny", mudd_nets="final", fused_ce_variant="pr261"))
-    assert notes == ["note: --fused_ce_variant=pr261 has no effect without --fused_softcap_ce",
-                     "note: --mudd_nets=final has no effect without --mudd"]
+    assert notes == ["note: --mudd_nets=final has no effect without --mudd",  # in the table's order
+                     "note: --fused_ce_variant=pr261 has no effect without --fused_softcap_ce"]
     assert tg.inert_setting_notes(tg.make_config("tiny", recipe="mudd", mudd_nets="final", backout=False)) == []
     # the recipe's own value, once its switch is turned off (an ablation): noted too
     assert tg.inert_setting_notes(tg.make_config("tiny", recipe="mudd", fused_softcap_ce=False)) == [
@@ -305,3 +306,20 @@ def test_an_fp8_range_whose_scale_leaves_float32_is_refused_with_the_bounds(rang
     assert message.startswith("--fp8_ranges: ") and "[1e-30, 1e+30]" in message
     low = tg.FP8_RANGE_BOUNDS[0] / kernels.FP8_E4M3_MAX / 8  # the smallest gradient scale the bounds allow (8 slices)
     assert low > torch.finfo(torch.float32).tiny and 1 / low < torch.finfo(torch.float32).max
+
+
+CLAIM_FIELDS = ("fp8", "fp8_ranges", "head_transposed", "bigram_embed", "bigram_table_multiple", "bigram_lambda_init",
+                "fused_softcap_ce", "gates_optimizer", "small_params_betas", "muon_scalar_rounding", "adam_fp32_moments",
+                "attn_input_from_layer", "mudd", "mudd_nets", "mudd_lr", "fused_ce_variant")
+
+
+def test_the_claims_fields_are_one_block_of_the_table_each_meaning_at_most_two_lines_of_help():
+    """Part II's switches sit together in the flag table (in chapter order), and --help says each in at
+    most two lines of its column (the details are the chapter's docs)."""
+    names = [f.name for f in tg.fields(tg.Hyperparameters)]
+    start = names.index(CLAIM_FIELDS[0])
+    assert tuple(names[start:start + len(CLAIM_FIELDS)]) == CLAIM_FIELDS
+    column = tg.HELP_WIDTH - 32  # the help formatter's width less its help position
+    for f in tg.fields(tg.Hyperparameters):
+        if f.name in CLAIM_FIELDS:
+            assert len(textwrap.wrap(f.metadata["meaning"], column)) <= 2, f.name
