@@ -63,9 +63,25 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from triton_kernels import (FA3_KERNEL, FP8_E4M3_MAX, FUSED_CE_VARIANTS, SIGMOID_CAP, SIGMOID_SHIFT,  # the device's
-                            SIGMOID_TEMPERATURE, as_cuda, flash_attention_3, fp8_head_backward, fp8_head_codes,
-                            fp8_head_logits, fp8_matmul, fp32_product, fp32_sum, fused_ce_ops, fused_ce_terms, to_fp8)
+def _kernels_beside_this_file():
+    """triton_kernels.py from this file's folder, imported once (sys.modules["triton_kernels"]): the
+    kernels this script was written with, however it was started (python path/to/it, runpy, a record
+    folder's copy loaded by path). A copy from another folder already imported keeps its name, and
+    this one is loaded beside it."""
+    import importlib.util
+    path = Path(__file__).resolve().with_name("triton_kernels.py")
+    known = sys.modules.get("triton_kernels")
+    if known is not None and Path(getattr(known, "__file__", "")).resolve() == path:
+        return known
+    spec = importlib.util.spec_from_file_location("triton_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if known is None:
+        sys.modules["triton_kernels"] = module
+    return module
+
+
+kernels = _kernels_beside_this_file()  # the device's numerics (upstream's triton_kernels.py)
 
 
 # #############################################################################
@@ -689,12 +705,12 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: floa
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
-    X = (X / as_cuda.add_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
+    X = (X / kernels.as_cuda.add_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
     plus_product = torch.baddbmm if X.ndim > 2 else torch.addmm  # beta*input + alpha*(m1 @ m2), rounded once
     for a, b, c in coeffs:
         A = X @ X.mT
         B = plus_product(A, A, A.mT, beta=b, alpha=c)
-        X = as_cuda.add_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
+        X = kernels.as_cuda.add_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
     return X.mT if transposed else X
 
 
@@ -724,7 +740,7 @@ def normuon_row_normalize(update: torch.Tensor, row_mean_square: torch.Tensor, b
     n = update.size(reduce_dim)
     norm = r.sum(dim=(-2, -1), keepdim=True).mul_(n).sqrt_()
     row_mean_square.lerp_(r.to(row_mean_square.dtype), 1 - beta2)
-    row_scale = as_cuda.rsqrt_(row_mean_square.clamp_min(1e-10))
+    row_scale = kernels.as_cuda.rsqrt_(row_mean_square.clamp_min(1e-10))
     scaled_norm = ((r * n) * row_scale.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
     scale = row_scale * (norm / scaled_norm.clamp_min_(1e-10))
     return update.mul_(scale.type_as(update))
@@ -885,8 +901,8 @@ class Muon(torch.optim.Optimizer):
         if self.scalar_rounding == "pr252":  # §9 --muon_scalar_rounding=pr252
             values.update(pr252_muon_factors(group, shape_factor, self.cautious_weight_decay))
         elif self.cautious_weight_decay:
-            values.update(lr_factor=fp32_product(shape_factor * group["lr_mul"], lr),
-                          wd_factor=fp32_product(group["wd_mul"], group["weight_decay"], lr))
+            values.update(lr_factor=kernels.fp32_product(shape_factor * group["lr_mul"], lr),
+                          wd_factor=kernels.fp32_product(group["wd_mul"], group["weight_decay"], lr))
         if not self.cautious_weight_decay:
             values.update(decay=1 - lr * group["weight_decay"] * group["wd_mul"],
                           step_size=-lr * group["lr_mul"] * shape_factor)
@@ -905,13 +921,13 @@ def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: flo
     m, v = state["exp_avg"], state["exp_avg_sq"]
     state["step"] += 1
     t = state["step"]
-    as_cuda.add_(m.mul_(beta1), grad, alpha=1 - beta1)
-    as_cuda.addcmul_(v.mul_(beta2), grad, grad, value=1 - beta2)
+    kernels.as_cuda.add_(m.mul_(beta1), grad, alpha=1 - beta1)
+    kernels.as_cuda.addcmul_(v.mul_(beta2), grad, grad, value=1 - beta2)
     bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
-    denom = as_cuda.add_(v.sqrt(), eps)
+    denom = kernels.as_cuda.add_(v.sqrt(), eps)
     update = m.div(denom).mul_(lr * (bias2 ** 0.5 / bias1))
     same_sign = (update * p) > 0
-    as_cuda.addcmul_(update, p, same_sign, value=lr * weight_decay * wd_mul * lr)
+    kernels.as_cuda.addcmul_(update, p, same_sign, value=lr * weight_decay * wd_mul * lr)
     p.add_(update, alpha=-1.0)
 
 
@@ -1199,7 +1215,7 @@ def attend(q, k, v, mask, scale: float, scale_tensor: Optional[torch.Tensor] = N
     `scale`, rewritten in place by YaRN) flex multiplies the scores by the tensor, so a new scale
     needs no recompile."""
     if isinstance(mask, VarlenWindow):
-        y = flash_attention_3()(q[0], k[0], v[0], cu_seqlens_q=mask.cu_seqlens, cu_seqlens_k=mask.cu_seqlens,
+        y = kernels.flash_attention_3()(q[0], k[0], v[0], cu_seqlens_q=mask.cu_seqlens, cu_seqlens_k=mask.cu_seqlens,
                                 max_seqlen_q=mask.max_seqlen, max_seqlen_k=mask.max_seqlen, causal=True,
                                 softmax_scale=scale, window_size=(mask.reach, 0))
         return (y[0] if isinstance(y, tuple) else y)[None]  # some builds also return the log-sum-exp
@@ -1464,7 +1480,7 @@ class Head(nn.Module):
 
 def sigmoid_softcap(z: torch.Tensor) -> torch.Tensor:
     """--logit_softcap_form=sigmoid, in z's dtype."""
-    return SIGMOID_CAP * torch.sigmoid((z + SIGMOID_SHIFT) / SIGMOID_TEMPERATURE)
+    return kernels.SIGMOID_CAP * torch.sigmoid((z + kernels.SIGMOID_SHIFT) / kernels.SIGMOID_TEMPERATURE)
 
 
 def multi_token_targets(targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1528,7 +1544,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         if config.fused_softcap_ce:  # §9: its ops registered before anything compiles (met inside a traced
-            fused_ce_ops()  # forward, the registration itself would break the graph: dynamo cannot trace it)
+            kernels.fused_ce_ops()  # forward, the registration itself would break the graph: dynamo cannot trace it)
         V, d, L = config.table_rows, config.model_dim, config.num_layers
         r = config.lore_rank
         self.embeds = nn.ModuleList(
@@ -2172,7 +2188,7 @@ class Runner:
         use_compile = compile_enabled(config, device)
         self.backend = attention_backend(config, device.type)
         if self.backend == "fa3":
-            flash_attention_3()  # fetched before anything is compiled
+            kernels.flash_attention_3()  # fetched before anything is compiled
         self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
         if use_compile:
             fail_instead_of_eager_fallback()
@@ -2604,7 +2620,7 @@ FP8_RANGE_BOUNDS = (1e-30, 1e30)  # --fp8_ranges: r / 448 / batch_slices and its
 
 def fp8_scales(config: Hyperparameters) -> tuple[float, float, float]:
     """(s_x, s_w, s_g): the scales of the head's input, weight and output gradient."""
-    return tuple(r / FP8_E4M3_MAX for r in config.fp8_ranges)
+    return tuple(r / kernels.FP8_E4M3_MAX for r in config.fp8_ranges)
 
 
 def fp8_training_scales(config: Hyperparameters) -> tuple[float, float, float]:
@@ -2627,16 +2643,16 @@ class FP8HeadProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, transposed: bool, scales: tuple[float, float, float]):
-        x8, w8 = fp8_head_codes(x, weight, scales)
+        x8, w8 = kernels.fp8_head_codes(x, weight, scales)
         ctx.save_for_backward(x8, w8)
         ctx.transposed, ctx.scales, ctx.dtypes = transposed, scales, (x.dtype, weight.dtype)
-        return fp8_head_logits(x8, w8, transposed, scales, x.dtype)
+        return kernels.fp8_head_logits(x8, w8, transposed, scales, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x8, w8 = ctx.saved_tensors
-        g8 = to_fp8(grad, ctx.scales[2], torch.float8_e5m2)
-        dx, dw = fp8_head_backward(g8, x8, w8, ctx.transposed, ctx.scales, *ctx.dtypes)
+        g8 = kernels.to_fp8(grad, ctx.scales[2], torch.float8_e5m2)
+        dx, dw = kernels.fp8_head_backward(g8, x8, w8, ctx.transposed, ctx.scales, *ctx.dtypes)
         return dx, dw, None, None
 
 
@@ -2773,10 +2789,10 @@ class FusedSoftcapCE(torch.autograd.Function):
         ctx.pr261 = grad_scale is not None
         if ctx.pr261:  # the gradient's FP8 scale times grad_scale: the codes do not depend on it
             s_g = s_g * grad_scale
-            loss, dl = fused_ce_ops()[2](h, H, cols, wts, s_w_all, transposed, fp8, s_x, s_w, s_g, grad_scale)
+            loss, dl = kernels.fused_ce_ops()[2](h, H, cols, wts, s_w_all, transposed, fp8, s_x, s_w, s_g, grad_scale)
             ctx.save_for_backward(dl, h, H)
         else:
-            loss, logits, lse = fused_ce_ops()[0](h, H, cols, wts, transposed, fp8, s_x, s_w)
+            loss, logits, lse = kernels.fused_ce_ops()[0](h, H, cols, wts, transposed, fp8, s_x, s_w)
             ctx.save_for_backward(h, H, logits, lse, cols, wts)
         ctx.args = (transposed, fp8, s_x, s_w, s_g)
         return loss
@@ -2784,9 +2800,9 @@ class FusedSoftcapCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ctx.pr261:  # g is not read: the gradient was made for grad_scale in the forward
-            dh, dH = fused_ce_ops()[3](*ctx.saved_tensors, *ctx.args)
+            dh, dH = kernels.fused_ce_ops()[3](*ctx.saved_tensors, *ctx.args)
         else:
-            dh, dH = fused_ce_ops()[1](g, *ctx.saved_tensors, *ctx.args)
+            dh, dH = kernels.fused_ce_ops()[1](g, *ctx.saved_tensors, *ctx.args)
         return dh, dH, None, None, None, None, None, None
 
 
@@ -2800,13 +2816,13 @@ def fused_softcap_ce(h: torch.Tensor, H: torch.Tensor, targets: torch.Tensor,
     codes (fp8_matmul), the logits bf16; None: in h's dtype. variant "pr261" (docs/fused-ce.md): PR
     #261's numerics; grad_scale (required there) is the gradient the loss will receive from above:
     its backward gives the gradient for that, whatever it receives."""
-    if variant not in FUSED_CE_VARIANTS:
+    if variant not in kernels.FUSED_CE_VARIANTS:
         raise ValueError(f"fused_softcap_ce: variant {variant!r} is not one of {', '.join(FUSED_CE_VARIANTS)}")
     if (variant == "pr261") != (grad_scale is not None):
         raise ValueError("fused_softcap_ce: grad_scale is given with variant pr261 only, and always there")
     if weights is None:
         weights = torch.ones(1, device=h.device)
-    cols, wts = fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0])
+    cols, wts = kernels.fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0])
     s_w_all = None
     if variant == "pr261":  # #261's S_w: every weight, added in order in fp32
         s_w_all = functools.reduce(torch.add, weights.float().unbind())
@@ -2967,8 +2983,8 @@ class Mudd(nn.Module):
         D = self.coefficients(0, h)
         c = lambda row, j: D[..., row, j:j + 1]  # (1, T, 1)
         dtype = h.dtype
-        v = fp32_sum(dtype, (c(0, 0), x00), (c(0, 1), h_b), (c(0, 2), h), gain=MUDD_V_GAIN)
-        x = fp32_sum(dtype, (1 + c(1, 2).float(), h), (c(1, 0), x00), (c(1, 1), h_b))
+        v = kernels.fp32_sum(dtype, (c(0, 0), x00), (c(0, 1), h_b), (c(0, 2), h), gain=MUDD_V_GAIN)
+        x = kernels.fp32_sum(dtype, (1 + c(1, 2).float(), h), (c(1, 0), x00), (c(1, 1), h_b))
         gate = (D[..., 3].float() + 2).to(dtype).repeat_interleave(self.heads // 2, dim=-1)[..., None]
         mix = LastBlockMix(v.view(*v.shape[:-1], self.heads, self.head_dim), gate, c(0, 4), c(0, 5), c(1, 4),
                            c(1, 5), c(0, 6), c(0, 7), x00, bigram)
@@ -2980,7 +2996,7 @@ class Mudd(nn.Module):
         e = net 1's D[1, 0:5] (only those columns of W2[1] and b[1] are used)."""
         e = self.coefficients(1, x, slice(0, 5), 1)  # (1, T, 5)
         sources = (x00, h_b, h_pen, ve0, h_early)
-        return fp32_sum(x.dtype, (None, x), *((e[..., j:j + 1], t) for j, t in enumerate(sources)))
+        return kernels.fp32_sum(x.dtype, (None, x), *((e[..., j:j + 1], t) for j, t in enumerate(sources)))
 
 
 def check_mudd(cfg: Hyperparameters) -> None:
@@ -3015,7 +3031,7 @@ def mudd_last_block(block: Block, x: torch.Tensor, args: BlockArgs) -> torch.Ten
     term = lambda w, t: w.float() * t.float()
     x = ((term(mix.resid_attn, x) + term(mix.out_attn, y))
          + (term(mix.x00_weight, mix.x00) + term(mix.bigram_weight, mix.bigram))).to(x.dtype)
-    return fp32_sum(x.dtype, (mix.resid_mlp, x), (mix.out_mlp, block.mlp(rms_norm(x))))
+    return kernels.fp32_sum(x.dtype, (mix.resid_mlp, x), (mix.out_mlp, block.mlp(rms_norm(x))))
 
 
 # =============================================================================
@@ -3639,7 +3655,7 @@ def importable(module: str) -> bool:
 def fa3_kernel_problem() -> Optional[str]:
     """Why FA3's kernel cannot be had (fetched from the hub, or loaded), or None once it is loaded."""
     try:
-        flash_attention_3()
+        kernels.flash_attention_3()
     except Exception as e:  # the hub's errors (offline, not found), an import or a load error
         what = (str(e).strip().splitlines() or [""])[0][:200]
         return (f"fa3's kernel {FA3_KERNEL} could not be fetched or loaded ({type(e).__name__}: {what}); "
@@ -3857,10 +3873,9 @@ KERNELS_HEADER = "\n\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n\
 
 
 def logged_source() -> str:
-    """The source a run embeds in its log: this script as it is on disk, then the triton_kernels.py
-    this process imported (so a log holds every line of what computed its numbers)."""
-    import triton_kernels
-    return Path(__file__).read_text() + KERNELS_HEADER + Path(triton_kernels.__file__).read_text()
+    """The source a run embeds in its log: this script as it is on disk, then the triton_kernels.py it
+    imported (so a log holds every line of what computed its numbers)."""
+    return Path(__file__).read_text() + KERNELS_HEADER + Path(kernels.__file__).read_text()
 
 
 def open_run_log(config: Hyperparameters, device: torch.device, world_size: int, notes: list[str],

@@ -307,7 +307,7 @@ def _fused_ce_dlogits_torch(logits: torch.Tensor, lse: torch.Tensor, cols: torch
 def _fused_ce_kernels():
     """The Triton kernels of the CUDA path, made on first use (triton is imported only here: a CPU
     build of torch has none). TRITON_INTERPRET=1 at that moment runs them on the CPU (tests)."""
-    global _FUSED_CE_KERNELS
+    global _FUSED_CE_KERNELS, bf16_rounded
     if _FUSED_CE_KERNELS is not None:
         return _FUSED_CE_KERNELS
     import triton
@@ -316,7 +316,8 @@ def _fused_ce_kernels():
     @triton.jit
     def bf16_rounded(s):
         # s rounded to bf16 and back, to nearest even, through its bits: the same on a GPU and in the
-        # interpreter, whose own fp32 -> bf16 cast truncates; a NaN stays NaN
+        # interpreter, whose own fp32 -> bf16 cast truncates; a NaN stays NaN. A global of this module
+        # (the `global` above): the interpreter finds the kernels' helpers there, not in this closure
         b = s.to(tl.int32, bitcast=True)
         return tl.where(s == s, ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True), s)
 
@@ -385,6 +386,7 @@ def _fused_ce_kernels():
 
 
 _FUSED_CE_KERNELS = None
+bf16_rounded = None  # a Triton helper of the kernels, made with them (_fused_ce_kernels)
 _CAP_ARGS = dict(inv_c=1 / SIGMOID_TEMPERATURE, shift=SIGMOID_SHIFT / SIGMOID_TEMPERATURE, cap=SIGMOID_CAP)
 
 

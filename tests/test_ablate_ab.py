@@ -135,7 +135,7 @@ def test_the_arms_alternate_slot_by_slot_as_their_logs_show(real_ab):
 @SLOW
 def test_each_arm_runs_its_own_script_and_every_arm_of_a_slot_gets_its_seed(real_ab):
     logs = logs_by_arm(real_ab["out"])
-    live = runlogs.script_digest((ROOT / "train_gpt_medium.py").read_text())
+    live = runlogs.script_digest(runlogs.logged_source(ROOT / "train_gpt_medium.py"))  # with its kernels file
     assert {log.script for arm in ("base", "cand") for log in logs[arm].values()} == {live}
     assert {log.script for log in logs["x01"].values()} == {runlogs.script_digest(X01.read_text())}
     for arm in REAL_ARMS:

@@ -129,7 +129,6 @@ def test_tiny_preset_learns_and_logs_in_the_documented_format(tiny_seed0_run):
     assert final < (meta["unigram_entropy"] + meta["conditional_entropy"]) / 2, (final, meta)
     assert "final val_loss" in tiny_seed0_run["stdout"]
     # and the records tool reads the same numbers back
-    from records import runlogs
     parsed = runlogs.read_log(log_file)
     assert parsed.warnings == [] and parsed.result.val_loss == final
     assert parsed.result.train_time_s == int(vals[-1][4]) / 1000
