@@ -1,27 +1,34 @@
-"""GPT-2 Medium speedrun trainer: the current record (2025-12-31, 1041 s on 8xH100) in one file.
+"""GPT-2 Medium speedrun trainer: the current record (2025-12-31, 1041 s on 8xH100) in one script, its
+device kernels beside it in triton_kernels.py (as upstream keeps its own).
 
     torchrun --standalone --nproc_per_node=8 train_gpt_medium.py      # the record (or ./run.sh)
     python train_gpt_medium.py --preset tiny                          # CPU, about a minute
     python train_gpt_medium.py --help                                 # every flag, grouped
-    python train_gpt_medium.py --dry_run                              # counts and FLOPs, no data, no GPU
+    python train_gpt_medium.py --dry_run                              # counts, FLOPs, memory, optimizer table
     python train_gpt_medium.py --bench_steps=10                       # time training steps (docs/gpu.md)
 
-Map of the file. The recipe, in the order data flows (what a record diff touches):
-  1. Hyperparameters   the record's values as a table (each of its ideas a switch), the presets
+Map of the file, a book in three parts.
+Part I, the record (bulk), in the order data flows; what a record's diff touches:
+  1. Hyperparameters   the record's values as a table, each of its ideas a switch; the claims'
+                       fields in one labelled block
   2. Schedules         the step grid: batch ramp, lr, Muon momentum, windows, YaRN, multi-token
                        weights, the embedding split
-  3. Optimizers        Muon (NorMuon with Polar Express, sharded), the cautious Adam, and the
-                       arithmetic that rounds as CUDA does on any device (as_cuda)
-  4. Model             rotary, masks, attention, MLP, block, the pieces outside the blocks, the
-                       seed ideas' modules, GPT; initialization; optimizer groups
-  5. Data              token shards and the loader
-  6. Training          optimizers, one step, evaluation, warm-up, the timed loop and what it
-                       calls every run (resume, the non-finite check, validation and log lines,
-                       copies of the training state)
+  3. Optimizers        Muon (NorMuon with Polar Express, sharded) and the cautious Adam
+  4. Model             parameters (declare); rotary and YaRN; masks and the attention backends;
+                       attention, MLP, block; value embeddings, smear, backout; head and loss;
+                       GPT; initialization and optimizer groups
+  5. Data              token shards and the loaders
+  6. Training          optimizers, one step, evaluation, warm-up, the timed loop
   7. main
-Below main, what a record diff does not touch: the command line and config checks, run setup
-(called once before training: device, threads, seed, input and output checks, the log),
-checkpoints, accounting (parameters, FLOPs; the log's count lines), dry run, benchmark.
+  A claim after the record appears here only as a marked seam (`# §10 --mudd`).
+Part II, beyond the record: one chapter per claim, what its PR adds (its modules, its config rule):
+  8. PR #248 fp8_yarn   the FP8 head product, the transposed head
+  9. PR #252 bigram     the bigram table and its exchange, the fused loss, #252's optimizer pieces
+  10. PR #261 mudd      the MUDD nets and the last block's forward
+  11. The seed ideas    LoRE, the value-embedding basis
+Part III, machinery, below main (off in a record run's numbers): the command line and its checks,
+the presets and recipes, run setup, the log, checkpoints, accounting and the dry run, the
+benchmark, the shard writer, the after-run hooks.
 
 The earlier records (x01 .. smear, 2025-09 .. 2025-11) run from their frozen script,
 records/x01_lineage/train_gpt_medium.py. Importing this module has no side effects; everything
