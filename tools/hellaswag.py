@@ -369,21 +369,14 @@ def main(argv=None, download=None, probe=None) -> int:
         parser.error("give a checkpoint (or --fetch, or --write_synthetic)")
     if args.limit < 0:
         parser.error(f"--limit must be at least 0, got {args.limit}")
-    if not args.checkpoint.exists():
-        return fail(f"{args.checkpoint}: no such checkpoint folder or .safetensors file")
     import time
     import torch
     import train_gpt_medium as tg
-    from tools.inspect_checkpoint import load_model, longest_sequence
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return fail("--device cuda: no CUDA device here; use --device cpu")
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    from tools.inspect_checkpoint import ToolInputError, load_for_tool, longest_sequence
     try:
-        model, config, step = load_model(args.checkpoint, device, "float32" if device == "cpu" else None)
-    except (tg.CheckpointError, tg.ConfigError) as e:
+        model, config, step, device = load_for_tool(args.checkpoint, args.device, "scored")
+    except ToolInputError as e:
         return fail(str(e))
-    except OSError as e:
-        return fail(f"{os_error_line(e, args.checkpoint)}, so {args.checkpoint} cannot be scored")
     longest, bs = longest_sequence(config), config.attn_block_size
     if args.seq_len is not None and not (0 < args.seq_len <= longest and args.seq_len % bs == 0):
         parser.error(f"--seq_len must be a positive multiple of {bs}, at most {longest} (this checkpoint's "

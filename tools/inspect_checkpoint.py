@@ -63,6 +63,30 @@ def load_model(path: Path, device="cpu", dtype: str | None = "float32") -> tuple
     return model.eval(), config, step
 
 
+class ToolInputError(Exception):
+    """A tool's input that cannot be used: one line saying which and why (the tools print it as error:)."""
+
+
+def load_for_tool(checkpoint: Path, device_flag: str, purpose: str) -> tuple[tg.GPT, tg.Hyperparameters, int, str]:
+    """(model, config, step, device) for an after-run tool (--device auto|cuda|cpu): a checkpoint folder or
+    a .safetensors file, fp32 on the CPU and in the trained dtype on CUDA. ToolInputError naming the file and
+    what could not be done with it (`purpose`: "sampled", "scored") otherwise."""
+    import torch
+    import train_gpt_medium as tg
+    if not checkpoint.exists():
+        raise ToolInputError(f"{checkpoint}: no such checkpoint folder or .safetensors file")
+    if device_flag == "cuda" and not torch.cuda.is_available():
+        raise ToolInputError("--device cuda: no CUDA device here; use --device cpu")
+    device = "cuda" if device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available()) else "cpu"
+    try:
+        model, config, step = load_model(checkpoint, device, "float32" if device == "cpu" else None)
+    except (tg.CheckpointError, tg.ConfigError) as e:
+        raise ToolInputError(str(e)) from e
+    except OSError as e:
+        raise ToolInputError(f"{os_error_line(e, checkpoint)}, so {checkpoint} cannot be {purpose}") from e
+    return model, config, step, device
+
+
 def model_of(saved_config: dict, device="cpu", dtype: str | None = "float32") -> tuple[tg.GPT, tg.Hyperparameters]:
     """The model a saved config (config_record) builds, initialized, and that config as the tools run
     it: in `dtype` (None: the saved one), eagerly, with attention through SDPA's dense mask, which

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tools.cli import OneLineParser, fail, os_error_line  # noqa: E402
+from tools.cli import OneLineParser, fail  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -190,20 +190,13 @@ def main(argv=None) -> int:
             prompt_ids = parse_ids(args.prompt_ids)
         except ValueError:
             parser.error(f"--prompt_ids {args.prompt_ids!r}: give comma-separated token ids, e.g. 464,3139")
-    if not args.checkpoint.exists():
-        return fail(f"{args.checkpoint}: no such checkpoint folder or .safetensors file")
     import torch
     import train_gpt_medium as tg
-    from tools.inspect_checkpoint import Vocabulary, load_model
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return fail("--device cuda: no CUDA device here; use --device cpu")
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    from tools.inspect_checkpoint import ToolInputError, Vocabulary, load_for_tool
     try:
-        model, config, step = load_model(args.checkpoint, device, "float32" if device == "cpu" else None)
-    except (tg.CheckpointError, tg.ConfigError) as e:
+        model, config, step, device = load_for_tool(args.checkpoint, args.device, "sampled")
+    except ToolInputError as e:
         return fail(str(e))
-    except OSError as e:
-        return fail(f"{os_error_line(e, args.checkpoint)}, so {args.checkpoint} cannot be sampled")
     if args.prompt is not None:
         if config.vocab_size != GPT2_VOCAB:
             return fail(f"--prompt: this checkpoint's vocabulary has {config.vocab_size} tokens, not GPT-2's "
