@@ -211,7 +211,8 @@ def test_every_block_input_adds_gamma_i_times_the_unnormed_row_last_after_the_sk
     rho, a = (t.detach() for t in model.mixing_weights())
     skips = config.skips
     for i in range(16):
-        x, x0s, _, weights = seen[i][:4]
+        x, args = seen[i]  # the block's input and its BlockArgs
+        x0s, weights = args.inputs, args.input_weights
         assert len(x0s) == 3 and torch.equal(x0s[2], b)  # the bigram rows, not normed, last
         assert len(weights) == 3 and torch.equal(weights[2], model.bigram.lambdas[i].detach())
         prev = x00 if i == 0 else outputs[i - 1]
