@@ -3617,7 +3617,7 @@ def check_fa3_request(config: Hyperparameters, device: torch.device) -> None:
                           "--attention=flex on a GPU, or sdpa on the CPU")
     if not importable("kernels"):
         raise ConfigError("--attention: fa3 needs the `kernels` package (pip install kernels), which fetches the "
-                          f"{FA3_KERNEL} kernel at run time; or use --attention=flex, which computes the same mask")
+                          f"{kernels.FA3_KERNEL} kernel at run time; or use --attention=flex, which computes the same mask")
 
 
 def check_fa3_device(device: torch.device) -> None:
@@ -3665,7 +3665,7 @@ def fa3_kernel_problem() -> Optional[str]:
         kernels.flash_attention_3()
     except Exception as e:  # the hub's errors (offline, not found), an import or a load error
         what = (str(e).strip().splitlines() or [""])[0][:200]
-        return (f"fa3's kernel {FA3_KERNEL} could not be fetched or loaded ({type(e).__name__}: {what}); "
+        return (f"fa3's kernel {kernels.FA3_KERNEL} could not be fetched or loaded ({type(e).__name__}: {what}); "
                 "use --attention=flex, which computes the same mask (or fetch it once with network access)")
     return None
 
