@@ -27,7 +27,8 @@ Part II, beyond the record: one chapter per claim, what its PR adds (its modules
   10. PR #261 mudd      the MUDD nets and the last block's forward
   11. The seed ideas    LoRE, the value-embedding basis
 Part III, machinery, below main (off in a record run's numbers): the command line and its checks,
-the presets and recipes, run setup, the log, checkpoints, accounting and the dry run, the
+the presets and recipes, run setup (with the GPU guard: gpu_properties, check_gpu), the log,
+checkpoints, accounting and the dry run (with the peak model and its table of what fits), the
 benchmark, the shard writer, the after-run hooks.
 
 The earlier records (x01 .. smear, 2025-09 .. 2025-11) run from their frozen script,
@@ -3823,8 +3824,11 @@ def gpu_verdict(config: Hyperparameters, gpu: GpuProperties, world_size: int,
             fixes["attention"] = "flex"
             fixed = dataclasses.replace(fixed, attention="flex")
         else:
-            cannot = ("sdpa's dense masks do not fit, and FlexAttention, which builds none, needs compute "
-                      "capability 8.0 or more")
+            longest = math.isqrt(memory // DENSE_MASK_BYTES_PER_PAIR)  # tokens whose masks would fit
+            cannot = (f"sdpa's dense masks of slices this long do not fit, and FlexAttention, which builds none, "
+                      f"needs compute capability 8.0 or more; slices of at most {longest:,} tokens, training's and "
+                      "validation's, would have masks that fit (e.g. --preset tiny; the rest of a float32 run's "
+                      "memory is not predicted)")
             if not problems:
                 chosen = " (auto's choice below 8.0)" if asked.attention == "auto" else ""
                 memory_line = f"--attention=sdpa{chosen}: this GPU ({gpu.label}) lacks {masks}"
@@ -3834,7 +3838,8 @@ def gpu_verdict(config: Hyperparameters, gpu: GpuProperties, world_size: int,
                        f"{world_size} GPU{'s' * (world_size > 1)} is more than {where} ({gpu.name})")
         found = nearest_fit(fixed, world_size, memory)
         if found is None:
-            cannot = "no micro-batch setting of this configuration is predicted to fit"
+            cannot = ("no micro-batch setting of this configuration is predicted to fit; smaller configurations "
+                      "do, e.g. --preset tiny")
         else:
             changes, peak = found
             fixes.update(changes)
@@ -3843,8 +3848,7 @@ def gpu_verdict(config: Hyperparameters, gpu: GpuProperties, world_size: int,
             nearest = (f"nearest that fits: {recipe_flag(config)}{flag_text(fixes, config)} (predicted {peak:,} MiB "
                        f"per GPU{change}); the prediction is an estimate (docs/scale.md): to run as asked anyway, "
                        "pass --gpu_memory_gib=<the GiB you expect it to need>")
-    tail = (f"nothing of this size runs on this GPU: {cannot}; smaller configurations do, e.g. --preset tiny"
-            if cannot else nearest or f"nearest that runs here: {recipe_flag(config)}{flag_text(fixes, config)}")
+    tail = (f"nothing of this size runs on this GPU: {cannot}" if cannot else nearest or f"nearest that runs here: {recipe_flag(config)}{flag_text(fixes, config)}")
     lines = [f"{flag}: this GPU ({gpu.label}) lacks {lacks}; {tail}" for flag, lacks, _ in problems]
     if memory_line is not None:
         lines.append(f"{memory_line}; {tail}")

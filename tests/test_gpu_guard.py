@@ -125,9 +125,18 @@ def test_bf16_on_a_t4_at_the_records_size_says_that_nothing_of_that_size_runs_th
     262,144-token validation slice, 640 GiB."""
     _, _, (line,) = verdict("T4", 1, ["--dtype=bfloat16"])
     assert line.startswith("--dtype=bfloat16: this GPU (Tesla T4, compute capability 7.5, 15,360 MiB) lacks bf16")
-    assert "nothing of this size runs on this GPU: sdpa's dense masks do not fit" in line
-    assert line.endswith("smaller configurations do, e.g. --preset tiny")
+    assert "nothing of this size runs on this GPU: sdpa's dense masks of slices this long do not fit" in line
+    assert "slices of at most 40,132 tokens, training's and validation's, would have masks that fit" in line
     assert tg.dense_mask_bytes(tg.make_config()) == 10 * 262_144**2 == 640 * GiB
+    assert 10 * 40_132**2 <= 15 * GiB < 10 * 40_133**2
+
+
+def test_the_record_cut_into_slices_whose_masks_fit_is_let_through_a_t4_unpredicted():
+    """64 slices of 8,192 tokens, validation's of 32,768: 10 GiB of masks. A float32 run's peak is
+    not predicted, so the guard holds nothing else against it."""
+    config, _, lines = verdict("T4", 1, ["--batch_slices=64", "--train_seq_len=8192", "--val_seq_len=32768"])
+    assert lines == [] and (config.dtype, config.attention) == ("float32", "sdpa")
+    assert tg.predicted_peak_mib(config, 1) is None
 
 
 def test_the_record_on_a_t4_with_every_switch_on_auto_is_refused_for_sdpas_masks():
