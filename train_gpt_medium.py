@@ -3848,7 +3848,10 @@ def gpu_verdict(config: Hyperparameters, gpu: GpuProperties, world_size: int,
             nearest = (f"nearest that fits: {recipe_flag(config)}{flag_text(fixes, config)} (predicted {peak:,} MiB "
                        f"per GPU{change}); the prediction is an estimate (docs/scale.md): to run as asked anyway, "
                        "pass --gpu_memory_gib=<the GiB you expect it to need>")
-    tail = (f"nothing of this size runs on this GPU: {cannot}" if cannot else nearest or f"nearest that runs here: {recipe_flag(config)}{flag_text(fixes, config)}")
+    if cannot:
+        tail = f"nothing of this size runs on this GPU: {cannot}"
+    else:
+        tail = nearest or f"nearest that runs here: {recipe_flag(config)}{flag_text(fixes, config)}"
     lines = [f"{flag}: this GPU ({gpu.label}) lacks {lacks}; {tail}" for flag, lacks, _ in problems]
     if memory_line is not None:
         lines.append(f"{memory_line}; {tail}")
@@ -4721,8 +4724,9 @@ def record_anchor() -> tuple[int, int]:
     The record sharded its Adam state over the GPUs, which this trainer replicates."""
     base = make_config(recipe="bulk")
     model = _meta_model(base)
-    state = _state_per_gpu(base, model, PEAK_WORLD_SIZE) + (
-        record_adam_bytes_per_gpu(model, base, PEAK_WORLD_SIZE) - state_bytes_per_gpu(model, base, PEAK_WORLD_SIZE)["adam"])
+    held = state_bytes_per_gpu(model, base, PEAK_WORLD_SIZE)
+    held["adam"] = record_adam_bytes_per_gpu(model, base, PEAK_WORLD_SIZE)
+    state = sum(held.values())
     return state, RECIPES["bulk"].peak_mib * 2**20 - state
 
 

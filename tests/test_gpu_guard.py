@@ -248,6 +248,16 @@ def test_a_run_refused_by_the_guard_exits_2_with_its_line_and_writes_nothing(fak
     assert not (tmp_path / "logs").exists()
 
 
+def test_the_record_on_one_24_gb_card_is_refused_before_its_data_is_read(fake_cuda_run, tmp_path, capsys):
+    """The guard comes before the data checks: no shards are needed to learn that it does not fit."""
+    fake_cuda_run("RTX 4090")
+    assert tg.main([f"--log_dir={tmp_path / 'logs'}", f"--train_files={tmp_path / 'none_*.bin'}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: memory (--batch_slices=8 --train_seq_len=65536 --val_seq_len=262144): the "
+                           "predicted peak") and "nearest that fits: --batch_slices=16" in line
+    assert not (tmp_path / "logs").exists()
+
+
 def test_a_run_on_a_t4_logs_what_auto_picked_and_runs_float32_and_sdpa(fake_cuda_run, synthetic_dir, tmp_path):
     fake_cuda_run("T4")
     with pytest.raises(Built):
