@@ -27,7 +27,8 @@ Part II, beyond the record: one chapter per claim, what its PR adds (its modules
   10. PR #261 mudd      the MUDD nets and the last block's forward
   11. The seed ideas    LoRE, the value-embedding basis
 Part III, machinery, below main (off in a record run's numbers): the command line and its checks,
-the presets and recipes, run setup, the log, checkpoints, accounting and the dry run, the
+the presets and recipes, run setup (with the GPU guard: gpu_properties, check_gpu), the log,
+checkpoints, accounting and the dry run (with the peak model and its table of what fits), the
 benchmark, the shard writer, the after-run hooks.
 
 The earlier records (x01 .. smear, 2025-09 .. 2025-11) run from their frozen script,
@@ -378,6 +379,13 @@ class Hyperparameters:
     resume: str = bookkeeping("", "a checkpoint folder, or 'latest' (the newest valid one of this run name)")
     force_resume: bool = bookkeeping(False, "resume even if the config differs in fields that change training")
     dry_run: bool = bookkeeping(False, "build on the meta device, print counts and FLOPs, exit")
+    # what fits where (docs/scale.md): neither changes a number of the run
+    gpu_memory_gib: Optional[float] = bookkeeping(
+        None, "memory per GPU the predicted peak is held against: the dry run's table of what fits (auto: 80, the "
+        "record's H100s) and a run's check before it compiles (auto: the GPU's own; more runs what it refuses)",
+        above=0)
+    gpu_count: Optional[int] = bookkeeping(None, "with --dry_run: GPUs of its table of what fits (auto: WORLD_SIZE "
+                                           "under torchrun, else 8, the record's)", at_least=1, needs=("dry_run",))
     bench_steps: int = bookkeeping(0, "benchmark: build and compile as a run, then time N training steps on random "
                                    "tokens (no data, no log) and print ms/step, tokens/s, TFLOP/s, MFU, memory; "
                                    "0: train", at_least=0)
@@ -2568,6 +2576,7 @@ def run_training(config: Hyperparameters, rank: int) -> int:
     if device.type == "cuda":
         use_expandable_segments()  # read when CUDA starts: before the first CUDA call
         torch.cuda.set_device(device)
+        config = check_gpu(config, device, world_size, notes)  # Part III: what this GPU lacks, before any compile
         if config.attention == "fa3":
             check_fa3_device(device)
         import torch._inductor.config as inductor_config
@@ -3621,13 +3630,15 @@ def check_fa3_request(config: Hyperparameters, device: torch.device) -> None:
 
 
 def check_fa3_device(device: torch.device) -> None:
-    """FA3's kernels are built for Hopper (compute capability 9.x), and the kernel is fetched and
-    loaded here, once CUDA is up and before anything is built: a machine without network (or a
-    kernel that does not load) is refused in one line, not by a traceback from the hub."""
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
-        raise ConfigError(f"--attention: fa3 runs on Hopper GPUs (compute capability 9.x); this GPU "
-                          f"({torch.cuda.get_device_name(device)}) is {major}.{minor}: use --attention=flex")
+    """FA3's kernels are built for Hopper (compute capability 9.x: fa3_capability_problem, the rule the
+    GPU guard applies too), and the kernel is fetched and loaded here, once CUDA is up and before
+    anything is built: a machine without network (or a kernel that does not load) is refused in one
+    line, not by a traceback from the hub."""
+    gpu = gpu_properties(device)
+    lacks = fa3_capability_problem(gpu)
+    if lacks:
+        raise ConfigError(f"--attention: fa3 {lacks}; this GPU ({gpu.name}) is {gpu.capability_text}: use "
+                          "--attention=flex")
     problem = fa3_kernel_problem()
     if problem:
         raise ConfigError(f"--attention: {problem}")
@@ -3638,15 +3649,14 @@ def attention_backends_here() -> dict[str, Optional[str]]:
     (tools/gpu_check.sh prints it). Starts CUDA and, for fa3, fetches its kernel."""
     if not torch.cuda.is_available():
         return dict(flex="no backward pass on the CPU", sdpa=None, fa3="runs on Hopper GPUs only, not on the CPU")
-    device = torch.device("cuda", 0)
-    major, minor = torch.cuda.get_device_capability(device)
+    gpu = gpu_properties(torch.device("cuda", 0))
     found = {name: importable(name) for name in ("triton", "kernels")}
     flex = None if found["triton"] else "needs triton (torch's CUDA builds bring it)"
-    if major < 8:
-        flex = f"compute capability {major}.{minor}: FlexAttention's kernels need 8.0 or more"
+    if gpu.capability < FLEX_CAPABILITY:
+        flex = f"compute capability {gpu.capability_text}: FlexAttention's kernels need 8.0 or more"
     fa3 = ("needs the `kernels` package (pip install kernels)" if not found["kernels"]
-           else f"compute capability {major}.{minor}: its kernels are built for Hopper (9.x)" if major != 9
-           else fa3_kernel_problem())
+           else f"compute capability {gpu.capability_text}: its kernels are built for Hopper (9.x)"
+           if fa3_capability_problem(gpu) else fa3_kernel_problem())
     return dict(flex=flex, sdpa=None, fa3=fa3)
 
 
@@ -3668,6 +3678,203 @@ def fa3_kernel_problem() -> Optional[str]:
         return (f"fa3's kernel {kernels.FA3_KERNEL} could not be fetched or loaded ({type(e).__name__}: {what}); "
                 "use --attention=flex, which computes the same mask (or fetch it once with network access)")
     return None
+
+
+# ---- the GPU guard: what this GPU lacks, refused before anything compiles (docs/scale.md)
+#
+# A feature the GPU lacks fails deep inside a kernel, minutes into a run, after the compile. The guard
+# reads the GPU once (gpu_properties, the one place; the tests fake it there), resolves the switches
+# whose `auto` depends on it, and refuses each feature the GPU lacks in one line naming the flag, what
+# is missing and the nearest flags that run; a run whose predicted peak memory (predicted_peak_mib at
+# this world size) exceeds the GPU's memory is refused the same way, naming a micro-batch that fits.
+
+class GpuProperties(NamedTuple):
+    name: str
+    capability: tuple[int, int]  # (major, minor): 8.0 A100, 8.9 Ada (L4, 4090), 9.0 H100/H200
+    total_memory: int  # bytes
+
+    @property
+    def capability_text(self) -> str:
+        return "{}.{}".format(*self.capability)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}, compute capability {self.capability_text}, {self.total_memory // 2**20:,} MiB"
+
+
+def gpu_properties(device: torch.device) -> GpuProperties:
+    """The GPU's name, compute capability and memory: the one place the trainer reads them (the guard,
+    the FA3 check, the backends tools/gpu_check.sh lists, the benchmark's report)."""
+    p = torch.cuda.get_device_properties(device)
+    return GpuProperties(p.name, (p.major, p.minor), p.total_memory)
+
+
+# What each feature needs. bf16 matrix units, and Triton's bf16 kernels (every compiled kernel of a bf16
+# run, FlexAttention's in any dtype: below 8.0 torch has no Triton lowering for it, and run eagerly it
+# would ignore the window), arrived with Ampere; FP8 products (torch._scaled_mm) with Ada and Hopper.
+BF16_CAPABILITY = FLEX_CAPABILITY = (8, 0)
+FP8_CAPABILITY = (8, 9)
+FA3_MAJOR = 9  # FlashAttention-3's kernels are built for Hopper only (9.x)
+# --attention=sdpa builds dense (T, T) masks: two kept bools, and while it builds one the int64
+# distance q - k of every pair (token_window_masks): at least 10 bytes per pair, training and evaluation
+DENSE_MASK_BYTES_PER_PAIR = 10
+
+
+def fa3_capability_problem(gpu: GpuProperties) -> Optional[str]:
+    """Why FA3 cannot run on this GPU's architecture, or None on a Hopper."""
+    return None if gpu.capability[0] == FA3_MAJOR else "runs on Hopper GPUs (compute capability 9.x)"
+
+
+def auto_choices(config: Hyperparameters, gpu: GpuProperties) -> tuple[Hyperparameters, Optional[str]]:
+    """--dtype=auto and --attention=auto on this GPU: bf16 and flex where it has them (the config
+    unchanged, as on every GPU before), float32 and sdpa below 8.0 (set in the config, so the log's
+    config says what ran); and the log's line saying what auto picked, None if neither is auto."""
+    picks, changes = [], {}
+    if config.dtype == "auto":
+        if gpu.capability >= BF16_CAPABILITY:
+            picks.append("--dtype=auto -> bfloat16")
+        else:
+            changes["dtype"] = "float32"
+            picks.append("--dtype=auto -> float32 (bf16 needs compute capability 8.0 or more)")
+    if config.attention == "auto":
+        if gpu.capability >= FLEX_CAPABILITY:
+            picks.append("--attention=auto -> flex")
+        else:
+            changes["attention"] = "sdpa"
+            picks.append("--attention=auto -> sdpa (FlexAttention needs compute capability 8.0 or more)")
+    line = f"auto on this GPU ({gpu.label}): " + ", ".join(picks) if picks else None
+    return (dataclasses.replace(config, **changes) if changes else config), line
+
+
+def gpu_feature_problems(config: Hyperparameters, gpu: GpuProperties) -> list[tuple[str, str, dict]]:
+    """Each feature of config (its auto switches resolved) that this GPU lacks: (the flag, what the GPU
+    lacks, the field values that do without it)."""
+    problems, cap = [], gpu.capability
+    below_flex = cap < FLEX_CAPABILITY
+    if config.fp8 and cap < FP8_CAPABILITY:
+        fused = ", the head's and, with --fused_softcap_ce, the fused loss's" if config.fused_softcap_ce else ""
+        problems.append(("--fp8", f"FP8 matrix products{fused} (torch._scaled_mm: compute capability "
+                         "8.9 or more, Ada or Hopper)", dict(fp8=False)))
+    if config.attention == "fa3" and fa3_capability_problem(gpu):
+        problems.append(("--attention=fa3", "FlashAttention-3's kernels, built for Hopper only (compute capability "
+                         "9.x)", dict(attention="sdpa" if below_flex else "flex")))
+    if config.dtype == "bfloat16" and cap < BF16_CAPABILITY:
+        problems.append(("--dtype=bfloat16", "bf16 matrix units and Triton's bf16 kernels (compute capability "
+                         "8.0 or more)", dict(dtype="float32")))
+    if config.attention == "flex" and below_flex:
+        problems.append(("--attention=flex", "FlexAttention's Triton kernels (compute capability 8.0 or more; run "
+                         "eagerly it would ignore the window)", dict(attention="sdpa")))
+    return problems
+
+
+def dense_mask_bytes(config: Hyperparameters) -> int:
+    """--attention=sdpa: the least its dense masks take, for the longest slice it attends over
+    (training's or validation's)."""
+    longest = max(largest_slice(config), config.val_seq_len)
+    return DENSE_MASK_BYTES_PER_PAIR * longest * longest
+
+
+def nearest_fit(config: Hyperparameters, world_size: int, memory: int) -> Optional[tuple[dict, int]]:
+    """The first micro-batch setting (micro_batch_settings' order: the same training first) whose
+    predicted peak fits in `memory` bytes per GPU: (its field values, its predicted peak MiB)."""
+    for changes in micro_batch_settings(config):
+        predicted = predicted_peak_mib(dataclasses.replace(config, **changes), world_size)
+        if predicted is not None and predicted * 2**20 <= memory:
+            return changes, predicted
+    return None
+
+
+def flag_text(changes: dict, config: Hyperparameters) -> str:
+    """The flags that set `changes` over config (those that differ), as one would type them."""
+    return " ".join(f"--{name}" if value is True else f"--{name}={to_text(value)}"
+                    for name, value in changes.items() if getattr(config, name) != value)
+
+
+def recipe_flag(config: Hyperparameters) -> str:
+    """`--recipe NAME ` for a fix's command line (nothing for the record, the default)."""
+    return "" if config.recipe == "bulk" else f"--recipe {config.recipe} "
+
+
+def micro_batch_text(config: Hyperparameters) -> str:
+    return (f"--batch_slices={config.batch_slices} --train_seq_len={config.train_seq_len} "
+            f"--val_seq_len={config.val_seq_len}" + " --activation_checkpointing" * config.activation_checkpointing)
+
+
+def gpu_verdict(config: Hyperparameters, gpu: GpuProperties, world_size: int,
+                memory: Optional[int] = None) -> tuple[Hyperparameters, Optional[str], list[str]]:
+    """What this GPU makes of config on `world_size` GPUs like it: (config with its auto switches
+    resolved, the log's line saying what auto picked or None, a refusal line per feature the GPU lacks
+    and for memory; none: it runs). memory: bytes per GPU to hold the predicted peak against (default:
+    the GPU's own). Each line names the flag, what the GPU lacks and the nearest flags that run (all
+    of the lines' fixes together)."""
+    memory = gpu.total_memory if memory is None else memory
+    where = (f"this GPU's {memory // 2**20:,} MiB" if memory == gpu.total_memory
+             else f"the {memory // 2**20:,} MiB of --gpu_memory_gib")
+    asked = config
+    config, auto_line = auto_choices(config, gpu)
+    problems = gpu_feature_problems(config, gpu)
+    fixes = {k: v for _, _, fix in problems for k, v in fix.items()}
+    fixed = dataclasses.replace(config, **fixes)
+    memory_line, nearest, cannot = None, None, None
+    if attention_backend(fixed, "cuda") == "sdpa" and dense_mask_bytes(fixed) > memory:
+        masks = (f"the memory for sdpa's dense (T, T) masks (at least {dense_mask_bytes(fixed) // 2**20:,} MiB for "
+                 f"slices of {max(largest_slice(fixed), fixed.val_seq_len):,} tokens, more than {where})")
+        if gpu.capability >= FLEX_CAPABILITY:  # flex builds no dense mask
+            problems.append(("--attention=sdpa", masks, dict(attention="flex")))
+            fixes["attention"] = "flex"
+            fixed = dataclasses.replace(fixed, attention="flex")
+        else:
+            longest = math.isqrt(memory // DENSE_MASK_BYTES_PER_PAIR)  # tokens whose masks would fit
+            cannot = (f"sdpa's dense masks of slices this long do not fit, and FlexAttention, which builds none, "
+                      f"needs compute capability 8.0 or more; slices of at most {longest:,} tokens, training's and "
+                      "validation's, would have masks that fit (e.g. --preset tiny; the rest of a float32 run's "
+                      "memory is not predicted)")
+            if not problems:
+                chosen = " (auto's choice below 8.0)" if asked.attention == "auto" else ""
+                memory_line = f"--attention=sdpa{chosen}: this GPU ({gpu.label}) lacks {masks}"
+    predicted = None if cannot else predicted_peak_mib(fixed, world_size)
+    if predicted is not None and predicted * 2**20 > memory:
+        memory_line = (f"memory ({micro_batch_text(fixed)}): the predicted peak {predicted:,} MiB per GPU on "
+                       f"{world_size} GPU{'s' * (world_size > 1)} is more than {where} ({gpu.name})")
+        found = nearest_fit(fixed, world_size, memory)
+        if found is None:
+            cannot = ("no micro-batch setting of this configuration is predicted to fit; smaller configurations "
+                      "do, e.g. --preset tiny")
+        else:
+            changes, peak = found
+            fixes.update(changes)
+            change = ("" if changes["batch_slices"] == fixed.batch_slices
+                      else "; shorter slices: this changes training")
+            nearest = (f"nearest that fits: {recipe_flag(config)}{flag_text(fixes, config)} (predicted {peak:,} MiB "
+                       f"per GPU{change}); the prediction is an estimate (docs/scale.md): to run as asked anyway, "
+                       "pass --gpu_memory_gib=<the GiB you expect it to need>")
+    if cannot:
+        tail = f"nothing of this size runs on this GPU: {cannot}"
+    else:
+        tail = nearest or f"nearest that runs here: {recipe_flag(config)}{flag_text(fixes, config)}"
+    lines = [f"{flag}: this GPU ({gpu.label}) lacks {lacks}; {tail}" for flag, lacks, _ in problems]
+    if memory_line is not None:
+        lines.append(f"{memory_line}; {tail}")
+    return config, auto_line, lines
+
+
+def check_gpu(config: Hyperparameters, device: torch.device, world_size: int, notes: list[str]) -> Hyperparameters:
+    """run_training's guard, once CUDA is up and before anything is built or compiled: ConfigError
+    with a line per feature this GPU lacks (and for memory, held against --gpu_memory_gib where given);
+    else config with its auto switches resolved, and the line saying what auto picked added to notes."""
+    gpu = gpu_properties(device)
+    memory = None if config.gpu_memory_gib is None else int(config.gpu_memory_gib * 2**30)
+    config, auto_line, refusals = gpu_verdict(config, gpu, world_size, memory)
+    if refusals:
+        raise ConfigError("\n".join(refusals))
+    if auto_line:
+        notes.append(auto_line)
+    return config
+
+
+def recipes_on_gpu(gpu: GpuProperties, world_size: int, preset: str = "medium") -> dict[str, list[str]]:
+    """Each recipe of RECIPES on `world_size` GPUs like this one: its refusal lines (none: it runs)."""
+    return {name: gpu_verdict(make_config(preset, name), gpu, world_size)[2] for name in RECIPES}
 
 
 # The caching allocator's settings: torch >= 2.8 reads PYTORCH_ALLOC_CONF, and the older
@@ -4461,6 +4668,26 @@ MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # of the logits, taken as the same (assumptions: neither was measured here).
 PEAK_WORLD_SIZE = 8
 
+# What fits where (docs/scale.md). A rank runs batch_slices / W micro-steps of one slice each (train_seq_len
+# tokens at the full batch, fewer along the batch ramp): the slice is the micro-batch, so a rank's
+# activations are one slice's at any world size W, and W moves only the state a rank holds (Muon's share
+# of the matrices; Adam's is whole on every rank). The prediction at other W and slices is derived from
+# the same anchor: the record's activations, its logged peak less the state it held, scale with the
+# slice's tokens (every tensor kept for backward is per token; the windowed attention's too). Estimates,
+# none measured on a GPU here:
+# - --activation_checkpointing: the blocks keep per_token_kept (T, d) tensors in the model dtype; one
+#   block at a time is recomputed, its share of the record's activations once its loss's are taken out;
+#   the loss runs in LOSS_CHUNK_TOKENS chunks (the fused loss, --fused_softcap_ce, over the whole slice);
+# - the record's loss is taken to keep LOGIT_BYTES per logit for backward (the (T, V) bf16 logits),
+#   twice that while its backward runs (kept and gradient);
+# - validation (no backward) holds per_token_kept tensors of a val_seq_len slice, one of its
+#   EVAL_LOSS_CHUNKS loss chunks' logits in the model dtype and in fp32, and one MLP hidden layer.
+# A run's peak is its state plus the larger of training's and validation's.
+PEAK_SCALED_FIELDS = ("batch_slices", "train_seq_len", "val_seq_len", "batch_schedule")  # the micro-batch
+LOGIT_BYTES = 2
+EVAL_LOSS_CHUNKS = 4  # GPT.forward evaluates its loss in 4 chunks
+SLICE_SPLITS = (1, 2, 4, 8)  # micro_batch_settings: the step's slices split into k times as many
+
 
 def record_adam_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> int:
     """Adam's state per GPU as the record held it: sharded over the GPUs for tensors of 1024
@@ -4469,38 +4696,150 @@ def record_adam_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: i
                for n, ps in parameter_groups(model).items() if not n.startswith("muon") for p in ps)
 
 
-def predicted_peak_mib(config: Hyperparameters) -> Optional[int]:
-    """Peak allocated MiB per GPU of an 8-GPU run of this trainer, from the record's logged peak, or
-    None for a configuration whose shapes or execution differ from the record's in other ways. The
-    prediction moves the logged peak by what this configuration holds more per GPU
-    (state_bytes_per_gpu; the record sharded its Adam state over the GPUs, which this trainer
-    replicates), by the activations the backout and MUDD keep and by --fp8's codes."""
-    base_name = "bulk"
-    base = make_config(recipe=base_name)
+def largest_slice(config: Hyperparameters) -> int:
+    """Tokens of the step grid's longest slice: the micro-batch at the full batch."""
+    return max(config.batch_schedule or (config.batch_slices * config.train_seq_len,)) // config.batch_slices
+
+
+def per_token_kept(config: Hyperparameters) -> int:
+    """(T, d) tensors that outlive a block in the forward (what checkpointed blocks keep, and what
+    validation holds): each block's output, each skip's sum, the input embeddings and their norms, the
+    value embeddings, the bigram rows."""
+    return (config.num_layers + len(config.skip_connections) + 2 * (1 + config.num_extra_embeds)
+            + config.num_value_embeds + config.bigram_embed)
+
+
+def _meta_model(config: Hyperparameters) -> GPT:
+    with torch.device("meta"):
+        return GPT(config, torch.bfloat16)
+
+
+def _state_per_gpu(config: Hyperparameters, model: GPT, world_size: int) -> int:
+    return sum(state_bytes_per_gpu(model, config, world_size).values())
+
+
+@functools.lru_cache(maxsize=1)
+def record_anchor() -> tuple[int, int]:
+    """(what the record held per GPU on its 8 GPUs, its activations: the logged peak less that), bytes.
+    The record sharded its Adam state over the GPUs, which this trainer replicates."""
+    base = make_config(recipe="bulk")
+    model = _meta_model(base)
+    held = state_bytes_per_gpu(model, base, PEAK_WORLD_SIZE)
+    held["adam"] = record_adam_bytes_per_gpu(model, base, PEAK_WORLD_SIZE)
+    state = sum(held.values())
+    return state, RECIPES["bulk"].peak_mib * 2**20 - state
+
+
+def peak_parts(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Optional[dict[str, int]]:
+    """The predicted peak's parts in bytes per GPU of a run on `world_size` GPUs: state (what a rank
+    holds, state_bytes_per_gpu), training (one micro-step's activations), evaluation (a validation
+    slice's); None for a configuration whose shapes or execution differ from the record's in more than
+    its micro-batch (PEAK_SCALED_FIELDS, --activation_checkpointing) and peak_neutral fields, or a world
+    size that does not divide its slices."""
+    base = make_config(recipe="bulk")
     differs = [f.name for f in fields(config) if f.metadata["group"] in TRAINING_GROUPS
-               and not f.metadata["peak_neutral"] and getattr(config, f.name) != getattr(base, f.name)]
-    if (differs or config.activation_checkpointing or config.compile is False or config.attention == "sdpa"
-            or config.dtype == "float32"):
+               and not f.metadata["peak_neutral"] and f.name not in PEAK_SCALED_FIELDS
+               and getattr(config, f.name) != getattr(base, f.name)]
+    if (differs or config.compile is False or config.attention == "sdpa" or config.dtype == "float32"
+            or config.batch_slices % world_size):
         return None
-
-    def meta(cfg):
-        with torch.device("meta"):
-            return GPT(cfg, torch.bfloat16)
-
-    def per_gpu(cfg, model):
-        return sum(state_bytes_per_gpu(model, cfg, PEAK_WORLD_SIZE).values())
-
-    model, base_model = meta(config), meta(base)
-    # what the record itself held: its Adam state sharded
-    base_state = per_gpu(base, base_model) + (record_adam_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)
-                                              - state_bytes_per_gpu(base_model, base, PEAK_WORLD_SIZE)["adam"])
-    tokens = config.train_seq_len * config.batch_slices // PEAK_WORLD_SIZE
+    _, record_activations = record_anchor()
+    T, T_record = largest_slice(config), largest_slice(base)
+    d, V = config.model_dim, config.padded_vocab_size
     mudd_kept = lambda cfg: cfg.mudd * MUDD_KEPT_ACTIVATIONS[cfg.mudd_nets]
     kept = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS + mudd_kept(config) - mudd_kept(base)
-    activations = kept * tokens * config.model_dim * 2
-    fp8_codes = (config.fp8 - base.fp8) * (tokens + config.padded_vocab_size) * config.model_dim
-    extra = per_gpu(config, model) - base_state + activations + fp8_codes
-    return RECIPES[base_name].peak_mib + round(extra / 2**20)
+    extra = kept * T * d * 2 + (config.fp8 - base.fp8) * (T + V) * d  # the fp8 codes: input and weight
+    if config.activation_checkpointing:
+        record_loss = T_record * V * LOGIT_BYTES
+        one_block = (record_activations - record_loss) / config.num_layers * T / T_record
+        loss_tokens = T if config.fused_softcap_ce else min(T, LOSS_CHUNK_TOKENS)  # the fused loss is not chunked
+        training = per_token_kept(config) * T * d * 2 + one_block + 2 * LOGIT_BYTES * loss_tokens * V + extra
+    else:
+        training = record_activations * T / T_record + extra
+    T_val = config.val_seq_len
+    evaluation = (per_token_kept(config) * T_val * d * 2 + T_val // EVAL_LOSS_CHUNKS * V * (2 + 4)
+                  + T_val * config.mlp_ratio * d * 2)
+    return dict(state=_state_per_gpu(config, _meta_model(config), world_size), training=round(training),
+                evaluation=evaluation)
+
+
+def predicted_peak_mib(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Optional[int]:
+    """Peak allocated MiB per GPU of a run of this trainer on `world_size` GPUs, from the record's logged
+    8-GPU peak (peak_parts), or None where peak_parts gives none. At the record's micro-batch on 8 GPUs
+    it moves the logged peak by what this configuration holds more per GPU (state_bytes_per_gpu; the
+    record sharded its Adam state over the GPUs, which this trainer replicates), by the activations the
+    backout and MUDD keep and by --fp8's codes."""
+    parts = peak_parts(config, world_size)
+    if parts is None:
+        return None
+    logged = RECIPES["bulk"].peak_mib
+    peak = parts["state"] + max(parts["training"], parts["evaluation"])
+    return logged + round((peak - logged * 2**20) / 2**20)
+
+
+def micro_batch_settings(config: Hyperparameters) -> list[dict]:
+    """config's micro-batch settings, nearest first: its slices as they are, then split into k = 2, 4, 8
+    times as many of 1/k the tokens (the same tokens per step; validation's slices shortened alike, so
+    that val_tokens still divides), each without, then with activation checkpointing; those the config
+    check accepts. Checkpointing trains as config does; shorter slices change training (their documents
+    are cut and batched otherwise, and each slice's loss weighs 1/k as much)."""
+    settings = []
+    for k in SLICE_SPLITS:
+        if config.train_seq_len % k or config.val_seq_len % k:
+            continue
+        slices = dict(batch_slices=config.batch_slices * k, train_seq_len=config.train_seq_len // k,
+                      val_seq_len=config.val_seq_len // k)
+        try:
+            check_config(dataclasses.replace(config, **slices))
+        except ConfigError:
+            continue
+        settings += [dict(slices, activation_checkpointing=False), dict(slices, activation_checkpointing=True)]
+    return settings
+
+
+RECORD_GPU_MEMORY_GIB = 80  # the dry run's default: the record's H100 80 GB
+
+
+def dry_run_world_size(config: Hyperparameters, environ=os.environ) -> int:
+    """The dry run's GPU count: --gpu_count, else WORLD_SIZE where torchrun started it, else the record's 8."""
+    return config.gpu_count or int(environ.get("WORLD_SIZE", PEAK_WORLD_SIZE))
+
+
+def fit_lines(config: Hyperparameters, world_size: int, memory_gib: float) -> list[str]:
+    """The dry run's table of what fits: this configuration's predicted peak per GPU against memory_gib,
+    then (at the medium preset) for every recipe each micro-batch setting's, with "fits" or "does not fit"."""
+    memory = int(memory_gib * 2**30)
+    word = lambda mib: "fits" if mib * 2**20 <= memory else "does not fit"
+    gpus = f"{world_size} GPU{'s' * (world_size > 1)}"
+    lines = [f"what fits on {gpus} of {memory_gib:g} GiB ({memory // 2**20:,} MiB) each (--gpu_count, "
+             f"--gpu_memory_gib; auto: the record's {PEAK_WORLD_SIZE} GPUs of {RECORD_GPU_MEMORY_GIB} GiB): the "
+             "predicted peak allocated per GPU, an estimate from the record's logged peak (docs/scale.md)"]
+    own = predicted_peak_mib(config, world_size)
+    if own is None:
+        why = (f"{world_size} does not divide --batch_slices={config.batch_slices}"
+               if config.batch_slices % world_size else "only the record's shapes and execution are predicted")
+        lines.append(f"  this configuration: no prediction ({why})")
+    else:
+        lines.append(f"  this configuration: {own:,} MiB, {word(own)}")
+        found = nearest_fit(config, world_size, memory) if own * 2**20 > memory else None
+        if found:
+            lines.append(f"  this configuration's nearest that fits: {flag_text(found[0], config)} ({found[1]:,} MiB)")
+    if config.preset != "medium":
+        return lines
+    for name in RECIPES:
+        recipe_config = make_config(recipe=name)
+        if recipe_config.batch_slices % world_size:
+            lines.append(f"  {name:<9} {gpus} do not divide its {recipe_config.batch_slices} slices")
+            continue
+        for changes in micro_batch_settings(recipe_config):
+            peak = predicted_peak_mib(dataclasses.replace(recipe_config, **changes), world_size)
+            setting = flag_text(changes, recipe_config) or (
+                f"its own micro-batch ({recipe_config.batch_slices} slices of {recipe_config.train_seq_len:,} tokens)")
+            if changes["batch_slices"] != recipe_config.batch_slices:
+                setting += " (changes training)"
+            lines.append(f"  {name:<9} {'-' if peak is None else f'{peak:,}':>7} MiB  "
+                         f"{'-' if peak is None else word(peak):<12}  {setting}")
+    return lines
 
 
 def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
@@ -4644,6 +4983,7 @@ def dry_run(config: Hyperparameters) -> int:
     print("\n".join(accounting_lines(model, config)))
     print("\n".join(optimizer_table_lines(model, config)))
     print("\n".join(memory_lines(model, config)))
+    print("\n".join(fit_lines(config, dry_run_world_size(config), config.gpu_memory_gib or RECORD_GPU_MEMORY_GIB)))
     if weight_dtype(config, other) != model.dtype:
         other_model = meta_model(other)
         total = next(line for line in accounting_lines(other_model, config) if line.startswith("params total:"))
@@ -4661,7 +5001,7 @@ def dry_run(config: Hyperparameters) -> int:
 # ---- benchmark (--bench_steps): training steps timed on random tokens; no data, no log
 
 # Dense (not "with sparsity") bf16 tensor-core peak of one GPU in TFLOP/s, by a substring of
-# torch.cuda.get_device_name(); the first match wins. Source: NVIDIA's datasheets: H100 SXM
+# the GPU's name (gpu_properties); the first match wins. Source: NVIDIA's datasheets: H100 SXM
 # 989.4 and H100 PCIe 756 (H100 Tensor Core GPU datasheet), H200 989.4 (H200 datasheet, SXM),
 # A100 312 (A100 datasheet). NVL boards run at other clocks and have no entry here.
 PEAK_BF16_TFLOPS = (
@@ -4798,7 +5138,8 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
     """The benchmark's numbers: per point the step times and losses of every rank reduced, and what
     follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs."""
     cfg, device, world_size = runner.config, runner.device, runner.world_size
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    gpu = gpu_properties(device) if device.type == "cuda" else None
+    name = gpu.name if gpu else platform.processor() or platform.machine()
     peak = peak_bf16_tflops(name) if device.type == "cuda" else None
     flops, step_tokens = flops_per_token(cfg, runner.model)["total"], cfg.batch_slices * cfg.train_seq_len
     for result in results:
@@ -4818,7 +5159,7 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
         dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,
         peak_tflops_per_device=peak, points=results, **compiled_counts,
         peak_memory_allocated_mib=int(memory_mib[0]), peak_memory_reserved_mib=int(memory_mib[1]),
-        device_memory_mib=torch.cuda.get_device_properties(device).total_memory // 2**20 if device.type == "cuda" else None,
+        device_memory_mib=gpu.total_memory // 2**20 if gpu else None,
         **dict(zip(("allocator_settings", "allocator_settings_source"),
                    allocator_settings() if device.type == "cuda" else (None, "no CUDA allocator on the CPU"))))
 

@@ -341,7 +341,7 @@ def test_the_quick_check_gives_its_verdict_from_a_benchmark_and_a_one_phase_trai
     assert code == 0, out[-3000:] + err[-3000:]
     assert summary["ok"] and summary["quick"]
     names = [c["check"] for c in summary["checks"]]
-    assert names == ["attention backends", "bench, CPU, step 47 (window 13)", "compiled graphs after warm-up, CPU", "into evaluation, CPU",
+    assert names == ["attention backends", "GPU class", "bench, CPU, step 47 (window 13)", "compiled graphs after warm-up, CPU", "into evaluation, CPU",
                      "peak memory, CPU", "allocator, CPU", "training 10 steps at one phase, CPU"]
     assert "generated tokens" in summary["checks"][-1]["measured"]
     assert "(time limit 240 s)" in out

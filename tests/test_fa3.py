@@ -34,6 +34,12 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out
 
 
+def fake_gpu(capability, memory_gib=80) -> tg.GpuProperties:
+    """A GPU's properties as tg.gpu_properties (the one place the trainer reads them) gives them."""
+    return tg.GpuProperties(f"a GPU of compute capability {capability[0]}.{capability[1]}", capability,
+                            memory_gib * 2**30)
+
+
 @pytest.fixture
 def fake_kernels(monkeypatch):
     calls = []
@@ -141,7 +147,7 @@ def test_fa3_whose_kernel_cannot_be_fetched_or_loaded_is_refused_in_one_line_nam
     module.get_kernel = get_kernel
     monkeypatch.setitem(sys.modules, "kernels", module)
     monkeypatch.setattr(kernels, "_fa3_kernel", {})
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tg, "gpu_properties", lambda device: fake_gpu((9, 0)))
     with pytest.raises(tg.ConfigError) as refusal:
         tg.check_fa3_device(torch.device("cuda", 0))
     line = str(refusal.value)
@@ -150,7 +156,7 @@ def test_fa3_whose_kernel_cannot_be_fetched_or_loaded_is_refused_in_one_line_nam
 
 
 def test_fa3_whose_kernel_loads_passes_the_device_check(fake_kernels, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tg, "gpu_properties", lambda device: fake_gpu((9, 0)))
     tg.check_fa3_device(torch.device("cuda", 0))
     assert "varlen" in kernels._fa3_kernel  # fetched once, before the Runner asks for it
 
@@ -162,13 +168,13 @@ def test_the_backends_of_a_machine_are_named_with_why_one_cannot_run(monkeypatch
     here = tg.attention_backends_here()
     assert here["sdpa"] is None and "CPU" in here["flex"] and "Hopper" in here["fa3"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(tg, "gpu_properties", lambda device: fake_gpu((8, 0)))
     monkeypatch.setattr(tg, "importable", lambda name: name == "kernels")
     assert tg.attention_backends_here()["flex"] == "needs triton (torch's CUDA builds bring it)"
     monkeypatch.setattr(tg, "importable", lambda name: name in ("kernels", "triton"))
     here = tg.attention_backends_here()
     assert here["flex"] is None and here["sdpa"] is None and here["fa3"].startswith("compute capability 8.0")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tg, "gpu_properties", lambda device: fake_gpu((9, 0)))
     assert tg.attention_backends_here() == dict(flex=None, sdpa=None, fa3=None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(tg, "gpu_properties", lambda device: fake_gpu((7, 5)))
     assert "8.0 or more" in tg.attention_backends_here()["flex"]

@@ -15,6 +15,12 @@ coordinate-descent tuning is off. It proves the compiled path runs, its speed an
 record's full batch, and that the model learns; not the other phases, activation checkpointing or
 several GPUs (the full check's).
 
+Both start with two rows from one probe of the machine: the attention backends it has, and its GPU
+class (name, compute capability, memory) with the recipes that run on it, the GPU guard's verdicts
+(train_gpt_medium.py's gpu_verdict: FP8 needs 8.9, FA3 9.x, bf16 and FlexAttention 8.0, and the
+predicted peak must fit; a refused recipe's lines, with the nearest flags that run, are printed
+above the table). The row fails when the guard refuses the runs' own flags.
+
 The full check: each check is a run of train_gpt_medium.py in its own process (torchrun for several GPUs):
 
   1. --bench_steps at the first and the last step of the schedule, on one GPU: ms/step, tokens/s,
@@ -188,25 +194,73 @@ def training_data(config: tg.Hyperparameters, folder: Path, steps: int) -> tuple
             "--token_bytes_file="], "generated tokens, no shards found"
 
 
-BACKENDS_PROBE = ("import json, torch, train_gpt_medium as tg; "
-                  "print(json.dumps([torch.cuda.is_available(), tg.attention_backends_here()]))")
+def machine_probe(argv: list[str]) -> dict:
+    """What the trainer's runs will find on this machine: CUDA or not, each attention backend, and on
+    a GPU its class (tg.gpu_properties), what the GPU guard says of each recipe on all of the
+    machine's GPUs (a count that divides the recipes' 8 slices) and of the runs' own flags on one
+    GPU. Run in a child process (probe_machine), so that this one never starts CUDA."""
+    config = tg.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    report = dict(cuda=cuda, backends=tg.attention_backends_here(), gpu=None)
+    if cuda and config.device != "cpu":
+        gpu = tg.gpu_properties(torch.device("cuda", 0))
+        gpus = max(w for w in range(1, torch.cuda.device_count() + 1) if tg.PEAK_WORLD_SIZE % w == 0)
+        report["gpu"] = dict(label=gpu.label, gpus=gpus, recipes=tg.recipes_on_gpu(gpu, gpus),
+                             this_run=tg.gpu_verdict(config, gpu, 1)[2])
+    return report
 
 
-def backends_row(config: tg.Hyperparameters, gpus: int) -> dict:
-    """Which attention backends this machine has (asked in a child process, as the trainer's runs see
-    the machine, so this one never starts CUDA), and whether the runs' own is one of them."""
+PROBE = ("import json, sys; sys.path.insert(0, 'tools'); import gpu_check; "
+         "print(json.dumps(gpu_check.machine_probe(sys.argv[1:])))")
+
+
+def probe_machine(argv: list[str]) -> dict | str:
+    """machine_probe in a child process (as the trainer's runs see the machine), or why it failed."""
     try:
-        done = subprocess.run([sys.executable, "-c", BACKENDS_PROBE], cwd=ROOT, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
                               timeout=120)
-        cuda, found = json.loads(done.stdout.strip().splitlines()[-1])
+        return json.loads(done.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, IndexError, ValueError) as e:
-        return row("attention backends", "could not be asked", "the runs' backend available",
-                   f"attention backends: the probe failed ({type(e).__name__})")
+        return f"the probe failed ({type(e).__name__})"
+
+
+def machine_rows(config: tg.Hyperparameters, argv: list[str]) -> list[dict]:
+    """The attention backends and the GPU class rows, from one probe of the machine."""
+    report = probe_machine(argv)
+    if isinstance(report, str):
+        return [row("attention backends", "could not be asked", "the runs' backend available",
+                    f"attention backends: {report}"),
+                row("GPU class", "could not be asked", "the runs' flags run here", f"GPU class: {report}")]
+    return [backends_row(config, report), gpu_class_row(report)]
+
+
+def backends_row(config: tg.Hyperparameters, report: dict) -> dict:
+    """Which attention backends this machine has, and whether the runs' own is one of them."""
+    cuda, found = report["cuda"], report["backends"]
     used = tg.attention_backend(config, "cuda" if cuda and config.device != "cpu" else "cpu")
     measured = "; ".join(f"{name}: yes" if why is None else f"{name}: no ({why})" for name, why in found.items())
     problem = found.get(used)
     return row("attention backends", measured, f"{used} (the runs' backend) available",
                None if problem is None else f"attention backends: --attention={used} cannot run here: {problem}")
+
+
+def gpu_class_row(report: dict) -> dict:
+    """The GPU class and which recipes run on it (the GPU guard's verdicts; each refusal's lines are
+    printed above the table); failed when the guard refuses the runs' own flags on one GPU."""
+    gpu = report["gpu"]
+    if gpu is None:
+        return row("GPU class", "no CUDA GPU: the runs use the CPU", "the runs' flags run here")
+    runs = [name for name, lines in gpu["recipes"].items() if not lines]
+    refused = {name: lines for name, lines in gpu["recipes"].items() if lines}
+    for name, lines in refused.items():
+        for line in lines:
+            print(f"[gpu_check] recipe {name} on {gpu['gpus']} GPU(s) like this one: {line}", flush=True)
+    flags = [line.split(":", 1)[0] for lines in refused.values() for line in lines[:1]]
+    measured = (f"{gpu['label']}, {gpu['gpus']} GPU(s): runs {', '.join(runs) or 'no recipe'}"
+                + "".join(f"; not {name} ({flag})" for name, flag in zip(refused, flags)))
+    problem = gpu["this_run"]
+    return row("GPU class", measured, "the runs' flags run here (1 GPU)",
+               None if not problem else f"GPU class: the GPU guard refuses the runs' flags: {problem[0]}")
 
 
 # ---- the checks: each returns rows of the table
@@ -452,7 +506,7 @@ def own_flags(argv: list[str]) -> tuple[bool, float | None, list[str]]:
 def quick_main(config: tg.Hyperparameters, argv: list[str], gpus: int, dtype: str, limit: float) -> int:
     """--quick: the benchmark and the one-phase training run on one GPU (or the CPU)."""
     label = "1 GPU" if gpus else "CPU"
-    rows = [backends_row(config, gpus)]
+    rows = machine_rows(config, argv)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)
         data_flags, source = training_data(config, tmp / "data", QUICK_TRAIN_STEPS)
@@ -498,7 +552,7 @@ def main(argv: list[str]) -> int:
     if quick:
         return quick_main(config, argv, gpus, dtype, limit or QUICK_TIMEOUT_S)
     limit = limit or RUN_TIMEOUT_S
-    rows.append(backends_row(config, gpus))
+    rows += machine_rows(config, argv)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)
         data_flags, source = training_data(config, tmp / "data", TRAIN_STEPS)
