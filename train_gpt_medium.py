@@ -330,6 +330,14 @@ class Hyperparameters:
     fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce: pr252 or pr261, the numerics of PR #261's "
                                    "kernel (docs/fused-ce.md)", choices=("pr252", "pr261"),
                                    needs=("fused_softcap_ce",), peak_neutral=True)
+    # ---- the short track since MUDD (Part II, sections 12-17, docs/short-track-transfer.md): candidates for
+    # the next record, each a switch, off here; --recipe transfer sets them. No claim, no GPU run yet
+    # §12 #264/#317 learnable XSA
+    # §13 #253 Q and K orthogonalized per head group
+    # §14 #299 sign rows on the bigram table
+    # §15 #322 the MLP backward from relu(pre)^2
+    # §16 #337 prefix token prediction
+    # §17 #306/#342 the MLP products in FP8
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -3141,6 +3149,24 @@ class ValueEmbeddingBasis(ValueEmbeddings):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
+# §12 anchor (#264/#317 learnable XSA): this chapter lands here
+
+
+# §13 anchor (#253 Q and K orthogonalized per head group): this chapter lands here
+
+
+# §14 anchor (#299 sign rows on the bigram table): this chapter lands here
+
+
+# §15 anchor (#322 the MLP backward from relu(pre)^2): this chapter lands here
+
+
+# §16 anchor (#337 prefix token prediction): this chapter lands here
+
+
+# §17 anchor (#306/#342 the MLP products in FP8): this chapter lands here
+
+
 # #############################################################################
 # Part III. Machinery: what a record diff does not touch. The command line and config checks; run
 # setup, called once before training (device, threads, seed, input and output checks, the log, the
@@ -3433,6 +3459,12 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(cfg.attn_input_from_layer < cfg.num_layers - 1, "attn_input_from_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): the blocks after it read it")
     check_mudd(cfg)  # §10
+    # §12
+    # §13
+    # §14
+    # §15
+    # §16
+    # §17
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len
