@@ -371,8 +371,8 @@ class Hyperparameters:
                                      "(never elsewhere)")
     # ---- bookkeeping: names, seeds, outputs, checkpoints, tool modes
     preset: str = bookkeeping("medium", "starting point the other flags override", choices=("medium", "tiny"))
-    recipe: str = bookkeeping("bulk", "a record's recipe on top of the preset (see the list at the end of --help): "
-                              "it sets the fields it names, your flags override them")
+    recipe: str = bookkeeping("bulk", "a record's recipe (or a candidate's) on top of the preset (see the list at the "
+                              "end of --help): it sets the fields it names, your flags override them")
     run_id: str = bookkeeping("", "log file is <log_dir>/<run_id or preset>_<uuid>.txt")
     seed: Optional[int] = bookkeeping(None, "init and warm-up seed; unset: a fresh one per run, written to the log",
                                       at_least=0, at_most=2**64 - 1)  # torch's generators take 64 bits
@@ -3272,15 +3272,37 @@ RECIPES["mudd"] = Recipe({**RECIPES["bigram"].values, **dict(
     at_preset=dict(tiny=dict(num_iterations=167)))  # S = 4125 / 25 = 165, +2
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A recipe that is not a record: the values it sets over the defaults, what it is built on, and
+    where it is described. It has not run on a GPU: no claim, no published time, no logged peak."""
+    values: dict
+    base: str  # the recipe it starts from (its values are included in `values`)
+    change: str  # what it adds, one line
+    docs: str
+    at_preset: dict = field(default_factory=dict)
+
+
+# `--recipe NAME` of a candidate for the next record: the ideas of Part II's sections 12-17 on mudd,
+# on mudd's step grid until GPUs tune it (docs/short-track-transfer.md says how)
+TRANSFER_IDEAS: dict = {}
+CANDIDATES: dict[str, Candidate] = {
+    "transfer": Candidate({**RECIPES["mudd"].values, **TRANSFER_IDEAS}, "mudd",
+                          "mudd plus the short track's records since MUDD that carry over (Part II, sections 12-17)",
+                          "docs/short-track-transfer.md", at_preset=RECIPES["mudd"].at_preset),
+}
+CANDIDATE_NOTE = "a candidate, not a record: not run on a GPU, no claim, no published time"
+
+
 def recipe_values(preset: str, name: str) -> dict:
     """The fields recipe `name` sets under `preset`: its values, except those the preset sets itself
     (its scale), then its values for that preset."""
     if name in FROZEN_RECIPES:
         raise ConfigError(f"--recipe: {name} is an earlier record of the x01 lineage: run it from its frozen script, "
                           f"python {FROZEN_SCRIPT} --recipe={name}")
-    if name not in RECIPES:
-        raise ConfigError(f"--recipe: unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    entry = RECIPES[name]
+    if name not in RECIPES and name not in CANDIDATES:
+        raise ConfigError(f"--recipe: unknown recipe {name!r}; choose from {', '.join([*RECIPES, *CANDIDATES])}")
+    entry = RECIPES[name] if name in RECIPES else CANDIDATES[name]
     kept = {k: v for k, v in entry.values.items() if k not in PRESETS[preset]}
     return {**kept, **entry.at_preset.get(preset, {})}
 
@@ -3576,6 +3598,9 @@ def recipe_facts(name: str) -> str:
 def recipe_summary(config: Hyperparameters) -> str:
     """One short line naming the run's recipe: its record and published result. Its values are the
     config lines (the log's config block, the dry run's list); --help says what each recipe sets."""
+    if config.recipe in CANDIDATES:
+        c = CANDIDATES[config.recipe]
+        return f"recipe {config.recipe}: {CANDIDATE_NOTE}; {c.base} plus the ideas of {c.docs}"
     r = RECIPES[config.recipe]
     return f"recipe {config.recipe}: record {r.folder}, published {recipe_facts(config.recipe)}"
 
@@ -3591,6 +3616,11 @@ def help_epilog() -> str:
         lines += textwrap.wrap(f"{name} ({r.date}, {r.folder}): {r.change}", HELP_WIDTH, initial_indent="  ",
                                subsequent_indent=" " * 6)
         body = f"published {recipe_facts(name)}; sets {recipe_flags(name)}"
+        lines += textwrap.wrap(body, HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False)
+    for name, c in CANDIDATES.items():
+        lines += textwrap.wrap(f"{name} (CANDIDATE, {c.docs}): {c.change}", HELP_WIDTH, initial_indent="  ",
+                               subsequent_indent=" " * 6)
+        body = f"{CANDIDATE_NOTE}; sets {recipe_flags(name)}"
         lines += textwrap.wrap(body, HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False)
     lines += [""] + textwrap.wrap(
         "With --preset tiny a recipe keeps its switches and the preset its scale. The earlier records "
@@ -4858,7 +4888,7 @@ def fit_lines(config: Hyperparameters, world_size: int, memory_gib: float) -> li
             lines.append(f"  this configuration's nearest that fits: {flag_text(found[0], config)} ({found[1]:,} MiB)")
     if config.preset != "medium":
         return lines
-    for name in RECIPES:
+    for name in [*RECIPES, *CANDIDATES]:
         recipe_config = make_config(recipe=name)
         if recipe_config.batch_slices % world_size:
             lines.append(f"  {name:<9} {gpus} do not divide its {recipe_config.batch_slices} slices")
@@ -4881,6 +4911,12 @@ def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
     held = state_bytes_per_gpu(model, config, PEAK_WORLD_SIZE)
     lines = ["per GPU of 8: " + ", ".join(f"{k} {mib(v)}" for k, v in held.items())
              + " (muon: the rank owning the most)"]
+    if config.recipe in CANDIDATES:  # nothing logged to compare with
+        predicted = predicted_peak_mib(config)
+        lines.append(f"predicted peak memory allocated: {'none' if predicted is None else f'{predicted:,} MiB'} per "
+                     f"GPU on 8 GPUs (recipe {config.recipe} is {CANDIDATE_NOTE}; the prediction starts from bulk's "
+                     f"{RECIPES['bulk'].peak_mib:,} MiB)")
+        return lines
     predicted, logged = predicted_peak_mib(config), RECIPES[config.recipe].peak_mib
     if predicted is None:
         lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "

@@ -350,7 +350,7 @@ def test_the_dry_run_names_what_fits_on_one_24_gb_gpu_for_every_recipe(capsys):
     out = capsys.readouterr().out
     assert "what fits on 1 GPU of 24 GiB (24,576 MiB) each" in out
     rows = fit_rows(out)
-    assert [r[0] for r in rows] == [name for name in tg.RECIPES for _ in range(8)]
+    assert [r[0] for r in rows] == [name for name in [*tg.RECIPES, *tg.CANDIDATES] for _ in range(8)]
     for recipe, peak, word, setting in rows:
         expected = tg.predicted_peak_mib(tg.parse_args(setting_argv(recipe, setting)), 1)
         assert peak == expected and word == ("fits" if expected * MiB <= 24 * GiB else "does not fit"), setting

@@ -275,7 +275,9 @@ def failed_run(name: str, run: Run) -> list[dict]:
 
 
 def is_record_shape(config: tg.Hyperparameters) -> bool:
-    """The shapes of the record of config's recipe (its figures then apply)."""
+    """The shapes of the record of config's recipe (its figures then apply). A candidate has no record."""
+    if config.recipe in tg.CANDIDATES:
+        return False
     record = tg.make_config(recipe=config.recipe)
     names = ("vocab_size", "model_dim", "num_layers", "num_heads", "head_dim", "mlp_ratio", "train_seq_len",
              "batch_slices", "max_window_tokens", "value_embed_layout", "attention_free_layers", "batch_schedule")

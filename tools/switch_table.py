@@ -42,6 +42,10 @@ def recipes_table() -> str:
         config = tg.make_config(recipe=name)
         rows.append(f"| `{name}` | {r.date} `{r.folder}` | {r.change.replace('|', '/')} | {config.num_iterations} | "
                     f"{config.muon_lr} | {tg.recipe_facts(name)} |")
+    for name, c in tg.CANDIDATES.items():
+        config = tg.make_config(recipe=name)
+        rows.append(f"| `{name}` | candidate ([{c.docs}]({c.docs})) | {c.change.replace('|', '/')} | "
+                    f"{config.num_iterations} | {config.muon_lr} | {tg.CANDIDATE_NOTE} |")
     return "\n".join(rows)
 
 

@@ -1,0 +1,56 @@
+"""--recipe transfer: the candidate for the next record (mudd plus Part II's sections 12-17). It is a
+recipe like the records' except that nothing was published for it: every place that shows a
+recipe's record says instead that it is a candidate that has not run on a GPU."""
+import pytest
+
+import train_gpt_medium as tg
+
+
+def test_the_candidate_is_mudd_plus_its_ideas_and_each_idea_is_off_in_the_record():
+    config, mudd, record = (tg.make_config(recipe=r) for r in ("transfer", "mudd", "bulk"))
+    ideas = tg.TRANSFER_IDEAS
+    for name, value in tg.RECIPES["mudd"].values.items():
+        if name not in ideas:
+            assert getattr(config, name) == value, name
+    for name, value in ideas.items():
+        field = tg.Hyperparameters.__dataclass_fields__[name]
+        assert getattr(config, name) == tg._as_field_value(field, value), name
+        assert getattr(record, name) != getattr(config, name), f"{name}: the record must have it off"
+        assert name not in tg.RECIPES["mudd"].values, f"{name}: an idea beyond mudd"
+    assert config.num_iterations == mudd.num_iterations and config.extension_steps == mudd.extension_steps
+    assert tg.make_config("tiny", recipe="transfer").num_iterations == tg.make_config("tiny", recipe="mudd").num_iterations
+
+
+def test_the_candidate_sets_no_value_without_effect():
+    for preset in ("medium", "tiny"):
+        assert tg.inert_setting_notes(tg.make_config(preset, recipe="transfer")) == []
+
+
+def test_the_recipe_line_and_help_say_candidate_with_no_published_time():
+    line = tg.recipe_summary(tg.make_config(recipe="transfer"))
+    assert "\n" not in line and len(line) <= 160
+    assert line.startswith("recipe transfer: a candidate, not a record: not run on a GPU, no claim, no published time")
+    epilog = tg.help_epilog()
+    assert "transfer (CANDIDATE, docs/short-track-transfer.md)" in epilog
+    assert epilog.count(tg.CANDIDATE_NOTE) == 1
+
+
+def test_the_dry_run_predicts_its_peak_without_a_record_to_compare(capsys):
+    assert tg.main(["--recipe=transfer", "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe transfer: a candidate, not a record" in out
+    peak = [line for line in out.splitlines() if line.startswith("predicted peak memory allocated:")]
+    assert len(peak) == 1 and "recipe transfer is a candidate" in peak[0] and "record logged" not in peak[0]
+    assert any(line.lstrip().startswith("transfer ") and "MiB" in line for line in out.splitlines())
+
+
+def test_an_unknown_recipe_names_the_candidates_too():
+    with pytest.raises(tg.ConfigError) as refusal:
+        tg.make_config(recipe="tranfser")
+    assert "transfer" in str(refusal.value) and "mudd" in str(refusal.value)
+
+
+def test_gpu_check_compares_a_candidate_with_no_record():
+    from tools import gpu_check
+    assert not gpu_check.is_record_shape(tg.make_config(recipe="transfer"))
+    assert gpu_check.is_record_shape(tg.make_config(recipe="mudd"))
