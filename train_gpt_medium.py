@@ -333,6 +333,10 @@ class Hyperparameters:
     # ---- the short track since MUDD (Part II, sections 12-17, docs/short-track-transfer.md): candidates for
     # the next record, each a switch, off here; --recipe transfer sets them. No claim, no GPU run yet
     # §12 #264/#317 learnable XSA
+    xsa_layers: tuple[int, ...] = recipe((), "blocks whose attention output loses tanh(alpha) of its component along "
+                                         "v, one alpha per head from 0 (#264)")
+    xsa_lr: float = recipe(0.004, "with --xsa_layers: Adam lr of the alphas (betas 0.9/0.95, no decay)", at_least=0,
+                           at_most=LR_LIMIT, needs=("xsa_layers",), peak_neutral=True)
     # §13 #253 Q and K orthogonalized per head group
     # §14 #299 sign rows on the bigram table
     # §15 #322 the MLP backward from relu(pre)^2
@@ -1337,6 +1341,7 @@ class Attention(nn.Module):
                             if config.attn_output_gate else None)
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group) if gated_ve else None
+        self.xsa = XSA(config) if layer in config.xsa_layers else None  # §12 --xsa_layers
 
     def forward(self, x: torch.Tensor, a: AttentionArgs) -> torch.Tensor:
         """x = norm of the residual stream (B, T, d) -> (B, T, d). The scale: a.scale, or a.scale_tensor
@@ -1360,6 +1365,7 @@ class Attention(nn.Module):
             v = v + ve
         scale = self.scale if a.scale is None and a.scale_tensor is None else a.scale
         y = attend(q, k, v, a.mask, scale, a.scale_tensor)
+        y = y if self.xsa is None else self.xsa(y, v)  # §12 --xsa_layers
         if self.output_gate is not None:
             y = y * torch.sigmoid(self.output_gate(x)).view(B, T, H, 1)
         y = y.reshape(B, T, -1)
@@ -3149,7 +3155,45 @@ class ValueEmbeddingBasis(ValueEmbeddings):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
-# §12 anchor (#264/#317 learnable XSA): this chapter lands here
+# =============================================================================
+# 12. PR #264 and #317 (docs/short-track-transfer.md section 1): learnable XSA (--xsa_layers, --xsa_lr).
+#     After a listed block's attention each head's output loses tanh(alpha) of its component along
+#     its value, computed in #317's algebraic form
+
+XSA_BETAS = (0.9, 0.95)  # the short track's bigram_lambdas' betas, as #252 ported them
+XSA_DENOM_FLOOR = 1e-8  # max(|v|^2, 1e-8) = max(|v|, 1e-4)^2, #264's floor of |v|
+
+
+def xsa(y: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """y - tanh(alpha) (y . v) / max(|v|^2, 1e-8) v for each token and head (#317's form): y and v
+    (B, T, H, D), alpha (H,) fp32. tanh(alpha) is cast to y's dtype and every operation runs in it, as
+    #317's code; a zero alpha gives y's values (and passes y's gradient on) exactly."""
+    dot = (y * v).sum(-1, keepdim=True)
+    denom = v.square().sum(-1, keepdim=True).clamp_min(XSA_DENOM_FLOOR)
+    a = torch.tanh(alpha).type_as(y).view(1, 1, -1, 1)
+    return y - a * (dot / denom) * v
+
+
+class XSA(nn.Module):
+    """--xsa_layers: one block's alphas, (num_heads,) fp32 from zero. Adam group `xsa`: lr --xsa_lr,
+    betas 0.9/0.95, no weight decay (replicated, like every Adam parameter here)."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        self.alpha = declare(nn.Parameter(torch.empty(config.num_heads, dtype=torch.float32)), "xsa", zeros,
+                             lr_mul=1.0, wd_mul=0.0, betas=XSA_BETAS, lr="xsa_lr")
+
+    def forward(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return xsa(y, v, self.alpha)
+
+
+def check_xsa(cfg: Hyperparameters) -> None:
+    """§12's config rule: each listed block exists and has attention."""
+    for layer in cfg.xsa_layers:
+        require(0 <= layer < cfg.num_layers, "xsa_layers", f"block {layer} does not exist: list blocks in "
+                f"0..{cfg.num_layers - 1}")
+        require(layer in cfg.attention_layers, "xsa_layers", f"block {layer} has no attention "
+                "(attention_free_layers): drop it from the list")
 
 
 # §13 anchor (#253 Q and K orthogonalized per head group): this chapter lands here
@@ -3459,7 +3503,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(cfg.attn_input_from_layer < cfg.num_layers - 1, "attn_input_from_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): the blocks after it read it")
     check_mudd(cfg)  # §10
-    # §12
+    check_xsa(cfg)  # §12
     # §13
     # §14
     # §15

@@ -317,6 +317,7 @@ CLAIM_FIELDS = (
     # §10
     "attn_input_from_layer", "mudd", "mudd_nets", "mudd_lr", "fused_ce_variant",
     # §12
+    "xsa_layers", "xsa_lr",
     # §13
     # §14
     # §15
