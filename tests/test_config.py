@@ -319,6 +319,7 @@ CLAIM_FIELDS = (
     # §12
     "xsa_layers", "xsa_lr",
     # §13
+    "muon_qk_group_heads",
     # §14
     # §15
     # §16
