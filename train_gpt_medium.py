@@ -333,7 +333,13 @@ class Hyperparameters:
     # ---- the short track since MUDD (Part II, sections 12-17, docs/short-track-transfer.md): candidates for
     # the next record, each a switch, off here; --recipe transfer sets them. No claim, no GPU run yet
     # §12 #264/#317 learnable XSA
+    xsa_layers: tuple[int, ...] = recipe((), "blocks whose attention output loses tanh(alpha) of its component along "
+                                         "v, one alpha per head from 0 (#264)")
+    xsa_lr: float = recipe(0.004, "with --xsa_layers: Adam lr of the alphas (betas 0.9/0.95, no decay)", at_least=0,
+                           at_most=LR_LIMIT, needs=("xsa_layers",), peak_neutral=True)
     # §13 #253 Q and K orthogonalized per head group
+    muon_qk_group_heads: int = recipe(0, "Muon orthogonalizes Q and K in row blocks of N heads each (#253: 2), each "
+                                      "with its own row statistic; 0: whole", at_least=0, peak_neutral=True)
     # §14 #299 sign rows on the bigram table
     # §15 #322 the MLP backward from relu(pre)^2
     # §16 #337 prefix token prediction
@@ -868,6 +874,7 @@ class Muon(torch.optim.Optimizer):
             shape = list(orthogonalized_shape(p, group))
             shape[normuon_reduce_dim(p, group)] = 1
             state["row_mean_square"] = torch.zeros(shape, dtype=dtype, device=p.device)
+        state.update(qk_group_state(self, group, p, dtype))  # §13 --muon_qk_group_heads
         return state
 
     def owned(self, group: dict) -> list[nn.Parameter]:
@@ -894,6 +901,8 @@ class Muon(torch.optim.Optimizer):
 
     def update_matrix(self, group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
         """This rank's step of one matrix it owns, on views split into the group's blocks."""
+        if group.get("qk_rows"):  # §13 --muon_qk_group_heads
+            return qk_grouped_update(self, group, scalars, p)  # §13 --muon_qk_group_heads
         state, as_blocks = self.state[p], block_view(p, group)
         weight, low_bits = as_blocks(p.data), state.get("low_bits")
         g = nesterov_momentum(as_blocks(p.grad), as_blocks(state["momentum_buffer"]), scalars["momentum"],
@@ -1337,6 +1346,7 @@ class Attention(nn.Module):
                             if config.attn_output_gate else None)
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group) if gated_ve else None
+        self.xsa = XSA(config) if layer in config.xsa_layers else None  # §12 --xsa_layers
 
     def forward(self, x: torch.Tensor, a: AttentionArgs) -> torch.Tensor:
         """x = norm of the residual stream (B, T, d) -> (B, T, d). The scale: a.scale, or a.scale_tensor
@@ -1360,6 +1370,7 @@ class Attention(nn.Module):
             v = v + ve
         scale = self.scale if a.scale is None and a.scale_tensor is None else a.scale
         y = attend(q, k, v, a.mask, scale, a.scale_tensor)
+        y = y if self.xsa is None else self.xsa(y, v)  # §12 --xsa_layers
         if self.output_gate is not None:
             y = y * torch.sigmoid(self.output_gate(x)).view(B, T, H, 1)
         y = y.reshape(B, T, -1)
@@ -2139,6 +2150,7 @@ def optimizer_groups(model: GPT, config: Hyperparameters) -> tuple[list[dict], l
             for name, ps in groups.items() if not name.startswith("muon")]
     muon = [dict(params=ps, name=name, **MUON_GROUP_OPTIONS.get(name, {}))
             for name, ps in groups.items() if name.startswith("muon")]
+    add_qk_groups(muon, cfg)  # §13 --muon_qk_group_heads
     return adam, muon
 
 
@@ -3149,10 +3161,133 @@ class ValueEmbeddingBasis(ValueEmbeddings):
         return [mix(layer) if t is not None else None for layer, t in enumerate(self.layout)]
 
 
-# §12 anchor (#264/#317 learnable XSA): this chapter lands here
+# =============================================================================
+# 12. PR #264 and #317 (docs/short-track-transfer.md section 1): learnable XSA (--xsa_layers, --xsa_lr).
+#     After a listed block's attention each head's output loses tanh(alpha) of its component along
+#     its value, computed in #317's algebraic form
+
+XSA_BETAS = (0.9, 0.95)  # the short track's bigram_lambdas' betas, as #252 ported them
+XSA_DENOM_FLOOR = 1e-8  # max(|v|^2, 1e-8) = max(|v|, 1e-4)^2, #264's floor of |v|
 
 
-# §13 anchor (#253 Q and K orthogonalized per head group): this chapter lands here
+def xsa(y: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """y - tanh(alpha) (y . v) / max(|v|^2, 1e-8) v for each token and head (#317's form): y and v
+    (B, T, H, D), alpha (H,) fp32. tanh(alpha) is cast to y's dtype and every operation runs in it, as
+    #317's code; a zero alpha gives y's values (and passes y's gradient on) exactly."""
+    dot = (y * v).sum(-1, keepdim=True)
+    denom = v.square().sum(-1, keepdim=True).clamp_min(XSA_DENOM_FLOOR)
+    a = torch.tanh(alpha).type_as(y).view(1, 1, -1, 1)
+    return y - a * (dot / denom) * v
+
+
+class XSA(nn.Module):
+    """--xsa_layers: one block's alphas, (num_heads,) fp32 from zero. Adam group `xsa`: lr --xsa_lr,
+    betas 0.9/0.95, no weight decay (replicated, like every Adam parameter here)."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        self.alpha = declare(nn.Parameter(torch.empty(config.num_heads, dtype=torch.float32)), "xsa", zeros,
+                             lr_mul=1.0, wd_mul=0.0, betas=XSA_BETAS, lr="xsa_lr")
+
+    def forward(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return xsa(y, v, self.alpha)
+
+
+def check_xsa(cfg: Hyperparameters) -> None:
+    """§12's config rule: each listed block exists and has attention."""
+    for layer in cfg.xsa_layers:
+        require(0 <= layer < cfg.num_layers, "xsa_layers", f"block {layer} does not exist: list blocks in "
+                f"0..{cfg.num_layers - 1}")
+        require(layer in cfg.attention_layers, "xsa_layers", f"block {layer} has no attention "
+                "(attention_free_layers): drop it from the list")
+
+
+# =============================================================================
+# 13. PR #253 (docs/short-track-transfer.md section 2): Q and K orthogonalized per head group
+#     (--muon_qk_group_heads). Muon's update of the attention bank cuts Q and K into row blocks of
+#     N heads, each orthogonalized and NorMuon-normalized on its own; V and O stay whole. The stored
+#     parameter, its momentum, its step and its exchange between ranks do not change
+
+def qk_group_rows(cfg: Hyperparameters) -> int:
+    """Rows of one of Q's and K's blocks, N x head_dim (0: off)."""
+    return cfg.muon_qk_group_heads * cfg.head_dim
+
+
+def add_qk_groups(muon_groups: list[dict], cfg: Hyperparameters) -> None:
+    """--muon_qk_group_heads: the muon_attn group's option qk_rows, which Muon's step reads."""
+    for group in muon_groups:
+        if group["name"] == "muon_attn" and cfg.muon_qk_group_heads:
+            group["qk_rows"] = qk_group_rows(cfg)
+
+
+def block_reduce_dim(shape) -> int:
+    """NorMuon's axis from an orthogonalized block's own shape (the batch dim aside): one value per
+    row when rows >= columns, else one per column (#253's (256, 768) blocks: per column)."""
+    return -1 if shape[-2] >= shape[-1] else -2
+
+
+def qk_group_pieces(shape, rows: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(statistic's state key, the batch of blocks' shape) of the attention bank's two pieces, for a
+    stored (4, attn_dim, d): Q and K as (2 attn_dim / rows, rows, d), V and O as (2, attn_dim, d)."""
+    attn_dim, d = shape[-2], shape[-1]
+    return [("qk_row_mean_square", (2 * attn_dim // rows, rows, d)), ("row_mean_square", (2, attn_dim, d))]
+
+
+def qk_group_statistic_shapes(shape, rows: int) -> dict[str, tuple[int, ...]]:
+    """NorMuon's statistic of each piece: its blocks' shape with the reduced axis 1."""
+    shapes = {}
+    for key, piece in qk_group_pieces(shape, rows):
+        stat = list(piece)
+        stat[block_reduce_dim(piece)] = 1
+        shapes[key] = tuple(stat)
+    return shapes
+
+
+def qk_group_state(muon: "Muon", group: dict, p: nn.Parameter, dtype: torch.dtype) -> dict:
+    """The statistics Muon.new_state makes for a grouped bank (nothing for any other matrix, or
+    without row normalization): row_mean_square (V and O's, (2, attn_dim, 1)) replaces the whole
+    bank's, qk_row_mean_square holds Q and K's blocks' ((2 H / N, 1, d) for blocks wider than tall)."""
+    if not group.get("qk_rows") or not muon.row_normalization:
+        return {}
+    return {key: torch.zeros(shape, dtype=dtype, device=p.device)
+            for key, shape in qk_group_statistic_shapes(p.shape, group["qk_rows"]).items()}
+
+
+def qk_grouped_update(muon: "Muon", group: dict, scalars: dict[str, torch.Tensor], p: nn.Parameter) -> None:
+    """Muon.update_matrix for a grouped attention bank: the same momentum (of the whole bank) and the
+    same step (cautious or decoupled, with the group's scalars, whose lr factor is the same for every
+    block: 1 from each block with --muon_lr_shape=blocks, the stored matrix's with stored), but the
+    orthogonalization and the row normalization run per piece, Q and K in row blocks of qk_rows with
+    their own statistic, V and O whole."""
+    state, as_blocks = muon.state[p], block_view(p, group)
+    weight, low_bits = as_blocks(p.data), state.get("low_bits")
+    g = nesterov_momentum(as_blocks(p.grad), as_blocks(state["momentum_buffer"]), scalars["momentum"],
+                          scalars["one_minus_momentum"])  # (4, attn_dim, d)
+    updates = []
+    for (key, shape), piece in zip(qk_group_pieces(g.shape, group["qk_rows"]), (g[:2], g[2:])):
+        piece = piece.reshape(shape)
+        if muon.orthogonalization == "polar_express":
+            update = muon.orthogonalize(piece, split_last_product=group.get("split_last_product", False))
+        else:
+            update = muon.orthogonalize(piece, weight.dtype)
+        if muon.row_normalization:
+            update = muon.row_normalize(update, state[key], muon.row_beta2, block_reduce_dim(shape))
+        updates.append(update.reshape(2, *g.shape[1:]))
+    update = torch.cat(updates)
+    master = fp32_from_halves(weight, as_blocks(low_bits)) if low_bits is not None else weight
+    if muon.cautious_weight_decay:
+        muon.cautious_step(master, update, scalars["wd_factor"], scalars["lr_factor"])
+    else:
+        muon.decoupled_step(master, update, scalars["decay"], scalars["step_size"])
+    if low_bits is not None:
+        store_halves(master, weight, as_blocks(low_bits))
+
+
+def check_qk_groups(cfg: Hyperparameters) -> None:
+    """§13's config rule: N heads per block divide the heads."""
+    N = cfg.muon_qk_group_heads
+    require(N == 0 or cfg.num_heads % N == 0, "muon_qk_group_heads", f"{N} does not divide num_heads="
+            f"{cfg.num_heads}: choose a divisor of it (or 0: Q and K whole)")
 
 
 # §14 anchor (#299 sign rows on the bigram table): this chapter lands here
@@ -3481,8 +3616,8 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
         need(cfg.attn_input_from_layer < cfg.num_layers - 1, "attn_input_from_layer",
              f"must name a block before the last one (0..{cfg.num_layers - 2}): the blocks after it read it")
     check_mudd(cfg)  # §10
-    # §12
-    # §13
+    check_xsa(cfg)  # §12
+    check_qk_groups(cfg)  # §13
     # §14
     # §15
     # §16
@@ -4681,6 +4816,9 @@ def optimizer_state_parts(group: str, p: nn.Parameter, config: Optional[Hyperpar
     if cfg.muon_row_normalization:
         shape = orthogonalized_shape(p, options)
         parts[f"normuon row statistics {dtype_name(state)}"] = p.numel() // shape[normuon_reduce_dim(p, options)] * size
+        if group == "muon_attn" and cfg.muon_qk_group_heads:  # §13: Q and K's blocks' statistics and V and O's
+            stats = qk_group_statistic_shapes(p.shape, qk_group_rows(cfg)).values()
+            parts[f"normuon row statistics {dtype_name(state)}"] = sum(math.prod(s) for s in stats) * size
     return parts
 
 

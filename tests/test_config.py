@@ -317,7 +317,9 @@ CLAIM_FIELDS = (
     # §10
     "attn_input_from_layer", "mudd", "mudd_nets", "mudd_lr", "fused_ce_variant",
     # §12
+    "xsa_layers", "xsa_lr",
     # §13
+    "muon_qk_group_heads",
     # §14
     # §15
     # §16
