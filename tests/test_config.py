@@ -319,6 +319,7 @@ CLAIM_FIELDS = (
     # §12
     # §13
     # §14
+    "bigram_sign_rows",
     # §15
     # §16
     # §17
