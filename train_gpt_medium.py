@@ -335,8 +335,8 @@ class Hyperparameters:
     # §12 #264/#317 learnable XSA
     # §13 #253 Q and K orthogonalized per head group
     # §14 #299 sign rows on the bigram table
-    bigram_sign_rows: int = recipe(0, "with --bigram_embed: each bigram row times a fixed +-1 vector, row (previous "
-                                   "XOR current token) mod N of a random sign table (#299: 8192); 0: off", at_least=0,
+    bigram_sign_rows: int = recipe(0, "with --bigram_embed: each bigram row times row (previous XOR current token) "
+                                   "mod N of a fixed random +-1 table (#299: 8192); 0: off", at_least=0,
                                    needs=("bigram_embed",), peak_neutral=True)
     # §15 #322 the MLP backward from relu(pre)^2
     # §16 #337 prefix token prediction
