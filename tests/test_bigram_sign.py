@@ -61,6 +61,15 @@ def test_the_sign_index_traces_into_one_graph():
     assert torch.equal(traced, tg.bigram_sign_ids(ids, 8192))
 
 
+def test_the_signed_rows_trace_into_one_graph():
+    model = tg.build_model(signed())
+    with torch.no_grad():
+        model.bigram.table.normal_(generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 500, (512,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    rows, _ = torch.compile(model.bigram, backend="eager", fullgraph=True)(ids)
+    assert torch.equal(rows, model.bigram(ids)[0])
+
+
 # ---- the sign table
 
 
