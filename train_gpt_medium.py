@@ -300,9 +300,9 @@ class Hyperparameters:
     # the fused loss, each change of its optimizer table
     bigram_embed: bool = recipe(False, "each block's input adds gamma_i x a zero-init table row picked by a hash "
                                 "of the token pair (docs/bigram.md)", peak_neutral=True)
-    bigram_table_multiple: int = recipe(5, "with --bigram_embed: the hash table's rows, x the vocabulary table's "
-                                        "(5 x 50304 = 251,520)", at_least=1, needs=("bigram_embed",),
-                                        peak_neutral=True)
+    bigram_table_multiple: float = recipe(5.0, "with --bigram_embed: the hash table's rows, floor(N x the vocabulary "
+                                          "table's), 2 or more (5 x 50304 = 251,520; #315: 7.5)", above=0,
+                                          needs=("bigram_embed",), peak_neutral=True)
     bigram_lambda_init: float = recipe(0.05, "with --bigram_embed: every layer's gamma at the start",
                                        needs=("bigram_embed",), peak_neutral=True)
     fused_softcap_ce: bool = recipe(False, "the training loss as one op from the head's input and weight, in fp32 "
@@ -341,6 +341,9 @@ class Hyperparameters:
     muon_qk_group_heads: int = recipe(0, "Muon orthogonalizes Q and K in row blocks of N heads each (#253: 2), each "
                                       "with its own row statistic; 0: whole", at_least=0, peak_neutral=True)
     # §14 #299 sign rows on the bigram table
+    bigram_sign_rows: int = recipe(0, "with --bigram_embed: each bigram row times row (previous XOR current token) "
+                                   "mod N of a fixed random +-1 table (#299: 8192); 0: off", at_least=0,
+                                   needs=("bigram_embed",), peak_neutral=True)
     # §15 #322 the MLP backward from relu(pre)^2
     # §16 #337 prefix token prediction
     # §17 #306/#342 the MLP products in FP8
@@ -1793,6 +1796,8 @@ def init_parameters(model: GPT, seed: int) -> None:
     its name, then cast and copied. The frozen value-embedding coefficients are a buffer."""
     for name, p in model.named_parameters():
         p.copy_(p.init(p.shape, _param_generator(seed, name)))
+    if model.bigram is not None and model.bigram.signs is not None:  # §14 --bigram_sign_rows
+        model.bigram.signs.fill(seed)  # §14 --bigram_sign_rows: its fixed table, from a stream of its own name
     if model.value_embeds.coeffs is not None and not isinstance(model.value_embeds.coeffs, nn.Parameter):
         model.value_embeds.coeffs.copy_(model.value_embeds.initial_coeffs())
     model.rotary.changes = None
@@ -2753,17 +2758,20 @@ class BigramEmbedding(nn.Module):
 
     def __init__(self, config: Hyperparameters, dtype: torch.dtype):
         super().__init__()
-        rows = config.bigram_table_multiple * config.table_rows
+        rows = bigram_table_rows(config)  # §14 --bigram_table_multiple: a float
         lr_mul, wd_mul = (75.0, 5.0) if config.table_multipliers else (1.0, 1.0)
         self.table = declare(nn.Parameter(torch.empty(rows, config.model_dim, dtype=dtype)), "bigram", zeros,
                              lr_mul, wd_mul, betas=BIGRAM_TABLE_BETAS, lr="embed_lr")
         self.lambdas = declare(nn.Parameter(torch.empty(config.num_layers, dtype=torch.float32)), "bigram_lambdas",
                                constant_init([config.bigram_lambda_init] * config.num_layers), lr_mul=1.0, wd_mul=0.0,
                                betas=BIGRAM_LAMBDA_BETAS, lr="embed_lr")
+        self.signs = BigramSigns(config, dtype) if config.bigram_sign_rows else None  # §14 --bigram_sign_rows
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows (1, T, d), not normed; gammas (L,) cast to the rows' dtype)."""
         rows = F.embedding(bigram_ids(ids, self.table.shape[0]), self.table)[None]
+        if self.signs is not None:  # §14 --bigram_sign_rows: each row times its +-1 vector
+            rows = self.signs(ids, rows)
         return rows, self.lambdas.to(rows.dtype)
 
 
@@ -2810,7 +2818,7 @@ def bigram_exchange_is_sparse(config: Hyperparameters, world_size: int) -> bool:
     if not config.bigram_embed or world_size == 1:
         return False
     positions = (2 if config.adam_odd_steps_only else 1) * (config.batch_slices // world_size) * config.train_seq_len
-    return world_size * positions < 2 * config.bigram_table_multiple * config.table_rows
+    return world_size * positions < 2 * bigram_table_rows(config)  # §14 --bigram_table_multiple: a float
 
 
 class FusedSoftcapCE(torch.autograd.Function):
@@ -3290,7 +3298,61 @@ def check_qk_groups(cfg: Hyperparameters) -> None:
             f"{cfg.num_heads}: choose a divisor of it (or 0: Q and K whole)")
 
 
-# §14 anchor (#299 sign rows on the bigram table): this chapter lands here
+# =============================================================================
+# 14. PR #299 (docs/short-track-transfer.md section 3): a fixed +-1 vector on each bigram row
+#     (--bigram_sign_rows), and the table's rows as a float multiple of the vocabulary table's
+#     (--bigram_table_multiple, #315's 7.5)
+
+BIGRAM_SIGNS_STREAM = "bigram.signs.table"  # the sign table's random stream: its buffer's name
+
+
+def bigram_table_rows(config: Hyperparameters) -> int:
+    """--bigram_embed's table rows: floor(bigram_table_multiple x table_rows) (5 x 50,304 = 251,520;
+    7.5 x 50,304 = 377,280, 7.5 x 512 = 3,840 at the tiny preset)."""
+    return math.floor(config.bigram_table_multiple * config.table_rows)
+
+
+def bigram_sign_ids(ids: torch.Tensor, sign_rows: int) -> torch.Tensor:
+    """The sign-table row of each position of one rank's sequence `ids` (T,), int64: 0 at position 0,
+    (t_(i-1) XOR t_i) mod sign_rows for i >= 1. As the bigram hash (bigram_ids), across documents,
+    from the sequence the forward receives; position 0, which has no previous token, takes row 0."""
+    t = ids.long()
+    return torch.cat([t.new_zeros(1), torch.remainder(t[:-1] ^ t[1:], sign_rows)])
+
+
+def sign_table(seed: int, rows: int, dim: int) -> torch.Tensor:
+    """(rows, dim) fp32 of +-1: the sign of a standard normal draw (+1 for a draw of 0) from the stream
+    of its own name, so every rank and every resumed run of a seed has the same table."""
+    draw = torch.randn((rows, dim), generator=_param_generator(seed, BIGRAM_SIGNS_STREAM))
+    return torch.where(draw >= 0, 1.0, -1.0)
+
+
+class BigramSigns(nn.Module):
+    """--bigram_sign_rows: the bigram row b_t = table[h_t] becomes b_t * S[bigram_sign_ids(x)_t], S a
+    fixed (bigram_sign_rows, model_dim) table of +-1 in the model dtype. S is a buffer: no gradient,
+    no optimizer state, not counted as a parameter, not saved (init_parameters draws it from the
+    seed). The product is exact, and so is its backward: the table's gradient is the signless one
+    times s_t, position by position, so its rows stay as sparse as before (sparse_row_sum)."""
+
+    def __init__(self, config: Hyperparameters, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("table", torch.empty(config.bigram_sign_rows, config.model_dim, dtype=dtype),
+                             persistent=False)
+
+    @torch.no_grad()
+    def fill(self, seed: int) -> None:
+        self.table.copy_(sign_table(seed, *self.table.shape))
+
+    def forward(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """rows (1, T, d) times the signs of ids' positions."""
+        return rows * F.embedding(bigram_sign_ids(ids, self.table.shape[0]), self.table)[None]
+
+
+def check_bigram_signs(cfg: Hyperparameters) -> None:
+    """§14's config rule: the hash's mod M needs M = rows - 1 >= 1."""
+    if cfg.bigram_embed:
+        require(bigram_table_rows(cfg) >= 2, "bigram_table_multiple", f"{cfg.bigram_table_multiple:g} x "
+                f"{cfg.table_rows} rows gives {bigram_table_rows(cfg)}: the hash needs 2 rows or more")
 
 
 # §15 anchor (#322 the MLP backward from relu(pre)^2): this chapter lands here
@@ -3618,7 +3680,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     check_mudd(cfg)  # §10
     check_xsa(cfg)  # §12
     check_qk_groups(cfg)  # §13
-    # §14
+    check_bigram_signs(cfg)  # §14
     # §15
     # §16
     # §17
@@ -4842,11 +4904,14 @@ def muon_owned_bytes(model: GPT, config: Hyperparameters, world_size: int) -> li
 
 def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> dict[str, int]:
     """What one process holds besides activations: parameters, their gradients, Adam's moments
-    (replicated), the Muon state of the busiest rank."""
+    (replicated), the Muon state of the busiest rank (and §14's sign table, where built)."""
     groups = parameter_groups(model)
     params = sum(p.numel() * p.element_size() for ps in groups.values() for p in ps)
     adam = sum(optimizer_state_bytes(n, p, config) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
-    return dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)))
+    held = dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)))
+    if model.bigram is not None and model.bigram.signs is not None:  # §14 --bigram_sign_rows: a buffer
+        held["sign table"] = model.bigram.signs.table.numel() * model.bigram.signs.table.element_size()
+    return held
 
 
 # The peak memory the record logged on 8xH100 (57,397 MiB allocated) is the base of the predicted
@@ -4861,6 +4926,9 @@ BACKOUT_KEPT_ACTIVATIONS = 1
 MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # --fp8 keeps the head's e4m3 codes for backward, one byte each: the rank's input (T, d) and the
 # weight (d, V). Transients of the loss's backward (the gradient's e5m2 codes) are not modelled.
+# §14 --bigram_sign_rows holds its sign table (state_bytes_per_gpu) and is taken to keep the gathered
+# signs for the product's backward, one (T, d) tensor in the model dtype (recomputing them from the
+# indices would keep T int64s instead: an estimate, not measured).
 # A configuration that differs from the record only in peak_neutral fields (their metadata) gets a
 # prediction. Among them, #252's held tensors (the bigram table, fp32 Adam moments, bf16 blocks and
 # their low bits) are in state_bytes_per_gpu, and its fused loss is taken to keep what the record's
@@ -4948,6 +5016,7 @@ def peak_parts(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Op
     d, V = config.model_dim, config.padded_vocab_size
     mudd_kept = lambda cfg: cfg.mudd * MUDD_KEPT_ACTIVATIONS[cfg.mudd_nets]
     kept = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS + mudd_kept(config) - mudd_kept(base)
+    kept += bool(config.bigram_embed and config.bigram_sign_rows)  # §14 --bigram_sign_rows: the gathered signs
     extra = kept * T * d * 2 + (config.fp8 - base.fp8) * (T + V) * d  # the fp8 codes: input and weight
     if config.activation_checkpointing:
         record_loss = T_record * V * LOGIT_BYTES

@@ -321,6 +321,7 @@ CLAIM_FIELDS = (
     # §13
     "muon_qk_group_heads",
     # §14
+    "bigram_sign_rows",
     # §15
     # §16
     # §17
