@@ -321,6 +321,7 @@ CLAIM_FIELDS = (
     # §14
     # §15
     # §16
+    "prefix_loss_weight",
     # §17
 )
 
