@@ -299,7 +299,9 @@ def test_the_fused_model_paths_equal_the_plain_one(synthetic_dir):
     grads = {}
     for name, flags in (("plain", {}), ("pr252", dict(fused_softcap_ce=True)),
                         ("pr261", dict(fused_softcap_ce=True, fused_ce_variant="pr261")),
-                        ("off", dict(prefix_loss_weight=0.0))):
+                        ("off", dict(prefix_loss_weight=0.0)),
+                        ("pr252_fp8", dict(fused_softcap_ce=True, fp8=True)),
+                        ("pr261_fp8", dict(fused_softcap_ce=True, fused_ce_variant="pr261", fp8=True))):
         runner = tg.Runner(prefix_config(synthetic_dir, **flags), torch.device("cpu"))
         with torch.no_grad():
             runner.model.head.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
@@ -313,6 +315,30 @@ def test_the_fused_model_paths_equal_the_plain_one(synthetic_dir):
     assert rel(flat["pr252"], flat["plain"]) < 1e-5
     assert rel(flat["pr261"], flat["plain"]) < 0.01
     assert rel(flat["off"], flat["plain"]) > 0.01
+    for name in ("pr252_fp8", "pr261_fp8"):  # FP8's gradient codes: a few % (docs/fused-ce.md)
+        assert rel(flat[name], flat["plain"]) < 0.5 * rel(flat["off"], flat["plain"]), name
+
+
+def test_the_training_forward_with_the_prefix_traces_into_one_graph(synthetic_dir):
+    """Static shapes, no host syncs: the training forward with the multi-token weights and the prefix
+    term, traced whole, equals the eager one; the term set off (the third phase) traces too and then
+    equals the forward of a model without the prefix."""
+    from test_bulk_model import WINDOW, fill_random, packed
+    config = prefix_config(synthetic_dir)
+    model = tg.build_model(config)
+    fill_random(model)
+    model.train()
+    inputs, targets = packed(config)
+    mtp = torch.tensor(MTP)
+    traced = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
+    got, want = traced(inputs, targets, WINDOW, mtp_weights=mtp), model(inputs, targets, WINDOW, mtp_weights=mtp)
+    assert torch.equal(got, want)
+    model.prefix.set_weight(None)
+    off = tg.build_model(prefix_config(synthetic_dir, prefix_loss_weight=0.0))
+    fill_random(off)
+    off.train()
+    plain = traced(inputs, targets, WINDOW, mtp_weights=mtp)
+    assert torch.equal(plain, off(inputs, targets, WINDOW, mtp_weights=mtp)) and not torch.equal(plain, got)
 
 
 # ---- off: bit for bit; validation unchanged
