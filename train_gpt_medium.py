@@ -346,6 +346,9 @@ class Hyperparameters:
                                    needs=("bigram_embed",), peak_neutral=True)
     # §15 #322 the MLP backward from relu(pre)^2
     # §16 #337 prefix token prediction
+    prefix_loss_weight: float = recipe(0.0, "training loss adds w x the cross-entropy of the next token's longest "
+                                       "byte-prefix token, w from the multi-token phases (#337: 0.25)", at_least=0,
+                                       peak_neutral=True)
     # §17 #306/#342 the MLP products in FP8
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
@@ -1621,6 +1624,7 @@ class GPT(nn.Module):
         self.backout = Backout(config.backout_layer) if config.backout else None
         self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None  # §9 --bigram_embed
         self.mudd = Mudd(config) if config.mudd else None  # §10 --mudd
+        self.prefix = PrefixTargets(config) if config.prefix_loss_weight else None  # §16 --prefix_loss_weight
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
         self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates") if config.smear_embed else None
         self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates")
@@ -1752,10 +1756,15 @@ class GPT(nn.Module):
         """Soft-capped logits and cross-entropy (or the multi-token loss); chunks bound the (T, V)
         logits' memory. reduction: mean, sum or none (per token)."""
         per_token = reduction == "none"
+        prefix = self.prefix.terms(targets) if self.prefix is not None and self.training else None  # §16 (p(y), w)
+        if prefix is not None and mtp_weights is None:  # §16 --prefix_loss_weight: it rides the multi-token loss
+            mtp_weights = torch.ones(1, device=x.device)
         if self.config.fused_softcap_ce and self.training and not per_token:  # §9 --fused_softcap_ce
-            return fused_training_loss(self, x, targets, reduction, mtp_weights)
+            return fused_training_loss(self, x, targets, reduction, mtp_weights, prefix)  # §16 prefix: (p(y), w)
         if mtp_weights is not None and not per_token:
             ahead, inside = multi_token_targets(targets, mtp_weights.numel())
+            if prefix is not None:  # §16 --prefix_loss_weight: one more column, the prefix target
+                ahead, inside, mtp_weights = prefix_columns(ahead, inside, mtp_weights, prefix)
             part = lambda xc, tc, ic: multi_token_loss(self.logits(xc), tc, ic, mtp_weights)
             chunks = zip(x.chunk(num_chunks), ahead.chunk(num_chunks), inside.chunk(num_chunks))
             parts = [checkpoint(part, *c, use_reentrant=False) if recompute else part(*c) for c in chunks]
@@ -1802,6 +1811,8 @@ def init_parameters(model: GPT, seed: int) -> None:
         model.value_embeds.coeffs.copy_(model.value_embeds.initial_coeffs())
     model.rotary.changes = None
     model.rotary.set_changes(())  # the base tables
+    if model.prefix is not None:  # §16 --prefix_loss_weight: its table, from the token byte files
+        model.prefix.fill_table()
 
 
 def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
@@ -2106,6 +2117,8 @@ def load_data(config: Hyperparameters) -> RunData:
     if val_tokens.numel() < cfg.val_tokens + 1:
         raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
     token_bytes, why_not = read_token_bytes(cfg)
+    if cfg.prefix_loss_weight:  # §16 --prefix_loss_weight: its byte files checked before the log opens
+        prefix_table(cfg)
     return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
 
 # =============================================================================
@@ -2287,6 +2300,8 @@ class Runner:
         schedule's with --multi_token_prediction, else the next-token loss."""
         window, scale = self.window(step), train_loss_scale(self.config)  # = 1 / (micro-steps x ranks)
         self.set_embedding_tie(step)
+        if self.model.prefix is not None:  # §16 --prefix_loss_weight: this step's weight of the prefix term
+            self.model.prefix.set_step(step)
         if mtp_weights is None and self.config.multi_token_prediction:
             mtp_weights = multi_token_weights(step, self.config)
         mtp = self.mtp_input(mtp_weights)
@@ -2853,23 +2868,29 @@ class FusedSoftcapCE(torch.autograd.Function):
 def fused_softcap_ce(h: torch.Tensor, H: torch.Tensor, targets: torch.Tensor,
                      weights: Optional[torch.Tensor] = None, transposed: bool = False,
                      scales: Optional[tuple[float, float, float]] = None, variant: str = "pr252",
-                     grad_scale: Optional[float] = None) -> torch.Tensor:
+                     grad_scale: Optional[float] = None,
+                     prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """sum_t sum_k w_k (LSE_t - z_t[y_(t+k)]) (fp32) of z = 23 sigmoid((l + 5) / 7.5) over all of H's
     columns, l = h H (H stored (V, d), or (d, V) if transposed). weights: the MTP weights (K,),
     None: the next token only. scales (s_x, s_w, s_g), --fp8: the product and its gradients from FP8
     codes (fp8_matmul), the logits bf16; None: in h's dtype. variant "pr261" (docs/fused-ce.md): PR
     #261's numerics; grad_scale (required there) is the gradient the loss will receive from above:
-    its backward gives the gradient for that, whatever it receives."""
+    its backward gives the gradient for that, whatever it receives. prefix (§16 --prefix_loss_weight):
+    (p(y_t) (T,), w (1,)), one more term w (LSE_t - z_t[p(y_t)]) per row where p(y_t) >= 0."""
     if variant not in kernels.FUSED_CE_VARIANTS:
         raise ValueError(f"fused_softcap_ce: variant {variant!r} is not one of {', '.join(kernels.FUSED_CE_VARIANTS)}")
     if (variant == "pr261") != (grad_scale is not None):
         raise ValueError("fused_softcap_ce: grad_scale is given with variant pr261 only, and always there")
     if weights is None:
         weights = torch.ones(1, device=h.device)
-    cols, wts = kernels.fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0])
+    cols, wts = kernels.fused_ce_terms(targets, weights, H.shape[1] if transposed else H.shape[0],
+                                       *(prefix or ()))  # §16 --prefix_loss_weight: its column last
     s_w_all = None
     if variant == "pr261":  # #261's S_w: every weight, added in order in fp32
-        s_w_all = functools.reduce(torch.add, weights.float().unbind())
+        terms = weights.float().unbind()
+        if prefix is not None:  # §16: per row, #337's order: the prefix's weight (0 where none) first
+            terms = (wts[:, -1] + terms[0],) + terms[1:]
+        s_w_all = functools.reduce(torch.add, terms)
     return FusedSoftcapCE.apply(h, H, cols, wts, transposed, None if scales is None else tuple(scales),
                                 None if grad_scale is None else float(grad_scale), s_w_all)
 
@@ -2884,19 +2905,20 @@ def check_fused_loss(cfg: Hyperparameters) -> None:
 
 
 def fused_training_loss(model: GPT, x: torch.Tensor, targets: torch.Tensor, reduction: str,
-                        mtp_weights: Optional[torch.Tensor]) -> torch.Tensor:
+                        mtp_weights: Optional[torch.Tensor], prefix=None) -> torch.Tensor:
     """GPT.loss in training with --fused_softcap_ce: one op over all rows of x (T, d) (it bounds its
     own memory), the head as stored ((d, V) with --head_transposed), FP8 codes with --fp8. pr261
     makes the gradient in the forward, for the upstream gradient the trainer will give this loss
     (train_loss_scale, and 1/T for a mean), and scales s_g by it itself; pr252 takes the trainer's
-    loss scale in s_g (fp8_training_scales)."""
+    loss scale in s_g (fp8_training_scales). prefix: §16's (p(y_t), w), or None."""
     cfg = model.config
     grad_scale = None
     if cfg.fused_ce_variant == "pr261":
         grad_scale = train_loss_scale(cfg) / (1 if reduction == "sum" else targets.numel())
     scales = (fp8_scales if grad_scale is not None else fp8_training_scales)(cfg)
     total = fused_softcap_ce(x, model.head.weight, targets, mtp_weights, cfg.head_transposed,
-                             scales if cfg.fp8 else None, variant=cfg.fused_ce_variant, grad_scale=grad_scale)
+                             scales if cfg.fp8 else None, variant=cfg.fused_ce_variant, grad_scale=grad_scale,
+                             prefix=prefix)  # §16 --prefix_loss_weight
     return total if reduction == "sum" else total / targets.numel()
 
 
@@ -3358,7 +3380,137 @@ def check_bigram_signs(cfg: Hyperparameters) -> None:
 # §15 anchor (#322 the MLP backward from relu(pre)^2): this chapter lands here
 
 
-# §16 anchor (#337 prefix token prediction): this chapter lands here
+# =============================================================================
+# 16. PR #337 (docs/short-track-transfer.md section 7): prefix token prediction (--prefix_loss_weight).
+#     The training loss of each position t adds w (LSE_t - z_t[p(y_t)]), p(y) the token whose bytes are
+#     the longest proper prefix of y's (none: no term), z the capped logits: one more column of the
+#     multi-token loss, and one more term per row of both fused kernels. w follows the multi-token
+#     phases (prefix_loss_weight_at). The table is made once, when the model is built, from the token
+#     byte files beside --token_bytes_file. Validation is unchanged.
+
+TOKEN_LENGTHS_SUFFIX, TOKEN_STRINGS_SUFFIX = "_token_bytes.npy", "_tokens.bin"
+
+
+def token_strings_file(token_bytes_file: str) -> str:
+    """The file of every token's bytes beside a table of their lengths (data/gpt2_token_bytes.py and
+    data/synthetic.py write both): <name>_token_bytes.npy -> <name>_tokens.bin."""
+    return token_bytes_file[:-len(TOKEN_LENGTHS_SUFFIX)] + TOKEN_STRINGS_SUFFIX
+
+
+def token_strings(lengths: np.ndarray, blob: bytes) -> list[bytes]:
+    """Each token's bytes: token i is blob[sum(lengths[:i]) : sum(lengths[:i + 1])]."""
+    ends = np.cumsum(lengths.astype(np.int64)).tolist()
+    return [blob[start:end] for start, end in zip([0] + ends[:-1], ends)]
+
+
+def longest_prefix_table(tokens: list[bytes]) -> np.ndarray:
+    """p (len(tokens),) int64: p[y] is the token whose bytes are the longest proper prefix of y's, -1 where
+    no token's are (one byte, or none: end-of-text). An empty token is no one's prefix; of tokens with
+    equal bytes the lowest id is the one found (GPT-2 has none). In sorted order every prefix comes
+    before the strings it starts, and everything between them starts with it too, so a stack of the
+    current string's prefix tokens finds each one: O(V log V), once when the model is built."""
+    table = np.full(len(tokens), -1, dtype=np.int64)
+    strings, ids = [], []  # the prefix tokens of the current string, shortest first
+    for b, token in sorted((b, token) for token, b in enumerate(tokens) if b):
+        while strings and not b.startswith(strings[-1]):
+            strings.pop()
+            ids.pop()
+        if strings and strings[-1] == b:  # the same bytes as a lower id: the same prefix
+            table[token] = table[ids[-1]]
+            continue
+        if ids:
+            table[token] = ids[-1]
+        strings.append(b)
+        ids.append(token)
+    return table
+
+
+def prefix_table(config: Hyperparameters) -> np.ndarray:
+    """p(y) for every padded id (padded_vocab_size,) int64, -1 for none (padding ids included), from
+    --token_bytes_file's lengths and the token bytes beside it; ConfigError in one line naming the file
+    and how to make it."""
+    lengths, why_not = read_token_bytes(config)
+    flag = "--prefix_loss_weight"
+    if lengths is None:
+        raise ConfigError(f"{flag}: its table comes from --token_bytes_file and the bytes beside it, but {why_not}; "
+                          "make them with data/gpt2_token_bytes.py (or data/synthetic.py)")
+    path = Path(token_strings_file(config.token_bytes_file))
+    fix = ("delete data/synthetic/ so the tiny preset writes it again" if config.token_bytes_file ==
+           PRESETS["tiny"]["token_bytes_file"] else "make it with data/gpt2_token_bytes.py (or data/synthetic.py)")
+    if not path.is_file():
+        raise ConfigError(f"{flag}: {path}, every token's bytes beside --token_bytes_file, is missing; {fix}")
+    blob = path.read_bytes()
+    if len(blob) != int(lengths.astype(np.int64).sum()):
+        raise ConfigError(f"{flag}: {path} holds {len(blob)} bytes, --token_bytes_file's lengths sum to "
+                          f"{int(lengths.astype(np.int64).sum())}: not the same vocabulary; {fix}")
+    table = np.full(config.padded_vocab_size, -1, dtype=np.int64)
+    table[:config.vocab_size] = longest_prefix_table(token_strings(lengths, blob))
+    return table
+
+
+def prefix_loss_weight_at(step: int, config: Hyperparameters) -> Optional[float]:
+    """w at `step`, None where there is no prefix term: tied to the multi-token phases as #337 ties it
+    (multi_token_weights, same x and edges): prefix_loss_weight while three weights are active (step/S
+    < 1/12), falling linearly toward 0 while two are (as the second weight falls), then none."""
+    x = step / (scheduled_steps(config) / 4)
+    if x < 1 / 3:
+        return config.prefix_loss_weight
+    if x < 2 / 3:
+        return config.prefix_loss_weight * (1 - (3 * x - 1))
+    return None
+
+
+class PrefixTargets(nn.Module):
+    """The table p (padded_vocab_size,) int64 and this step's w (1,) fp32, both buffers outside the
+    state dict (made again from the files; w from the step), and whether the term is on at this step
+    (`active`, a Python bool set by the trainer each step, as embed_tied; on at w = prefix_loss_weight
+    after it is built, for a model used outside the trainer)."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        self.config, self.active = config, True
+        self.register_buffer("table", torch.full((config.padded_vocab_size,), -1, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("weight", torch.empty(1, dtype=torch.float32), persistent=False)
+
+    @torch.no_grad()
+    def fill_table(self) -> None:
+        """The table from the byte files (prefix_table); w = prefix_loss_weight, on."""
+        self.table.copy_(torch.from_numpy(prefix_table(self.config)))
+        self.set_weight(self.config.prefix_loss_weight)
+
+    def set_weight(self, w: Optional[float]) -> None:
+        """w for the next forwards (a fill kernel, no host-device copy); None: no prefix term."""
+        self.active = w is not None
+        if self.active:
+            self.weight.fill_(w)
+
+    def set_step(self, step: int) -> None:
+        self.set_weight(prefix_loss_weight_at(step, self.config))
+
+    def terms(self, targets: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(p(y_t) (T,), w (1,)) for next-token targets y, or None while the term is off."""
+        return (self.table[targets], self.weight) if self.active else None
+
+
+def prefix_columns(ahead: torch.Tensor, inside: torch.Tensor, weights: torch.Tensor,
+                   prefix: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """multi_token_targets' (T, K) targets and inside, and the weights (K,), with the prefix term as a
+    last column: target p(y_t) (column 0 where none), inside where p(y_t) >= 0, weight w."""
+    p, w = prefix
+    return (torch.cat([ahead, p.clamp_min(0)[:, None]], 1), torch.cat([inside, (p >= 0)[:, None]], 1),
+            torch.cat([weights, w.to(weights.dtype)]))
+
+
+def check_prefix(cfg: Hyperparameters) -> None:
+    """§16's config rules: the weight follows the multi-token phases; the table needs the byte files."""
+    if not cfg.prefix_loss_weight:
+        return
+    require(cfg.multi_token_prediction, "prefix_loss_weight", "follows the multi-token phases (prefix_loss_weight_at): "
+            "it needs --multi_token_prediction")
+    require(cfg.token_bytes_file.endswith(TOKEN_LENGTHS_SUFFIX), "prefix_loss_weight",
+            f"its table comes from --token_bytes_file (a *{TOKEN_LENGTHS_SUFFIX}) and the *{TOKEN_STRINGS_SUFFIX} "
+            f"beside it; --token_bytes_file={cfg.token_bytes_file!r} is not one (data/gpt2_token_bytes.npy is)")
 
 
 # §17 anchor (#306/#342 the MLP products in FP8): this chapter lands here
@@ -3682,7 +3834,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     check_qk_groups(cfg)  # §13
     check_bigram_signs(cfg)  # §14
     # §15
-    # §16
+    check_prefix(cfg)  # §16
     # §17
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
@@ -4236,7 +4388,9 @@ def ensure_synthetic_data(config: Hyperparameters) -> None:
     if (config.train_files, config.val_files) != (SYNTHETIC_PATHS["train_files"], SYNTHETIC_PATHS["val_files"]):
         return
     if (glob.glob(config.train_files) and glob.glob(config.val_files)
-            and Path(SYNTHETIC_PATHS["token_bytes_file"]).exists()):
+            and Path(SYNTHETIC_PATHS["token_bytes_file"]).exists()
+            and (not config.prefix_loss_weight  # §16 --prefix_loss_weight: and the tokens' bytes
+                 or Path(token_strings_file(SYNTHETIC_PATHS["token_bytes_file"])).exists())):
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
     import synthetic

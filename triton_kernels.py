@@ -228,15 +228,25 @@ FUSED_CE_CHUNK = 1 << 22  # elements of one fp32 temporary of the CPU path (16 M
 FUSED_CE_VARIANTS = ("pr252", "pr261")
 
 
-def fused_ce_terms(targets: torch.Tensor, weights: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_ce_terms(targets: torch.Tensor, weights: torch.Tensor, n_cols: int,
+                   prefix_targets: Optional[torch.Tensor] = None, prefix_weight: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's loss terms as (T, K) target columns and weights: term k of row t is
     w_k (LSE_t - z_t[y_(t+k)]) when t+k < T, w_k > 0 and 0 <= y_(t+k) < n_cols; any other gets
-    column -1 and weight 0, so the loss and its gradient (whose S_w sums the same weights) agree."""
+    column -1 and weight 0, so the loss and its gradient (whose S_w sums the same weights) agree.
+    prefix_targets (T,) and prefix_weight (1,) (--prefix_loss_weight, #337): a last column, term
+    w (LSE_t - z_t[p_t]) where 0 <= p_t < n_cols (K + 1 columns)."""
     T, K = targets.numel(), weights.numel()
     ahead = torch.arange(T, device=targets.device)[:, None] + torch.arange(K, device=targets.device)[None, :]
     y = targets[ahead.clamp_max(T - 1)].long()
     valid = (ahead < T) & (weights[None, :] > 0) & (y >= 0) & (y < n_cols)
-    return torch.where(valid, y, -1), torch.where(valid, weights.float()[None, :], 0.0)
+    cols, wts = torch.where(valid, y, -1), torch.where(valid, weights.float()[None, :], 0.0)
+    if prefix_targets is None:
+        return cols, wts
+    p = prefix_targets.long()[:, None]
+    has = (p >= 0) & (p < n_cols)
+    return (torch.cat([cols, torch.where(has, p, -1)], 1),
+            torch.cat([wts, torch.where(has, prefix_weight.float().reshape(1, 1), 0.0)], 1))
 
 
 def _fused_ce_sigmoid(l: torch.Tensor, variant: str = "pr252") -> torch.Tensor:
@@ -282,14 +292,14 @@ def _fused_ce_dlogits_torch(logits: torch.Tensor, lse: torch.Tensor, cols: torch
     """(dL/dl) / scale in out_dtype (T, V): g (A/C) (S_w p - sum_k w_k [v = y_(t+k)]) sigma (1 - sigma),
     p = exp(z - LSE), S_w = the row's weights; computed in fp32 and rounded once (e5m2 codes with
     scale = s_g, the model dtype with scale 1, fp32 to look at it unrounded). pr261: sigma rounded to
-    bf16, S_w = s_w_all (the sum of all the weights, every row), #261's fp32 order (the factor
-    g (A/C) (1/scale) first), and values past out_dtype's largest saturate to it (torch's e5m2 cast
-    would give inf)."""
+    bf16, S_w = s_w_all (the sum of all the weights, every row; one per row (T,) with #337's prefix
+    term), #261's fp32 order (the factor g (A/C) (1/scale) first), and values past out_dtype's largest
+    saturate to it (torch's e5m2 cast would give inf)."""
     T, V = logits.shape
     out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
     pr261 = variant == "pr261"
     coef = _fused_ce_pr261_coef(g, scale) if pr261 else g.float() * (SIGMOID_CAP / SIGMOID_TEMPERATURE)
-    s_w = s_w_all.float().reshape(1, 1) if pr261 else wts.sum(1, keepdim=True)
+    s_w = s_w_all.float().reshape(-1, 1) if pr261 else wts.sum(1, keepdim=True)
     top = torch.finfo(out_dtype).max
     step = max(1, chunk // V)
     for a in range(0, T, step):
@@ -297,7 +307,8 @@ def _fused_ce_dlogits_torch(logits: torch.Tensor, lse: torch.Tensor, cols: torch
         p = torch.exp(SIGMOID_CAP * s - lse[a:a + step, None])
         hit = torch.zeros_like(p).scatter_add_(1, cols[a:a + step].clamp_min(0), wts[a:a + step])
         if pr261:
-            d = (coef * (s_w * p - hit) * s * (1 - s)).clamp(-top, top)
+            s_w_rows = s_w if s_w.shape[0] == 1 else s_w[a:a + step]  # one for all rows, or one per row
+            d = (coef * (s_w_rows * p - hit) * s * (1 - s)).clamp(-top, top)
         else:
             d = coef * (s_w[a:a + step] * p - hit) * s * (1 - s) / scale
         out[a:a + step] = d.to(out_dtype)
@@ -357,7 +368,7 @@ def _fused_ce_kernels():
     def dlogits_kernel(logits_ptr, lse_ptr, cols_ptr, wts_ptr, g_ptr, out_ptr, V, row_stride, out_stride,
                        inv_c, shift, cap, slope, scale, K: tl.constexpr, BLOCK: tl.constexpr,
                        ROUND: tl.constexpr, PR261: tl.constexpr = False, sw_ptr=None, inv_scale=1.0,
-                       top=1.0):
+                       top=1.0, sw_stride=0):
         # one program per (row, block of columns); every element independent given the row's LSE
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -373,7 +384,8 @@ def _fused_ce_kernels():
             s_w += w
             hit += tl.where(c == tl.load(cols_ptr + t * K + k), w, 0.0)
         if PR261:  # S_w: all the weights; #261's order (slope = fp32(1/C) A); saturate at the output's largest
-            d = tl.load(g_ptr) * slope * inv_scale * (tl.load(sw_ptr) * p - hit) * s * (1.0 - s)
+            # S_w: one value for every row (sw_stride 0), or one per row (1: #337's prefix term)
+            d = tl.load(g_ptr) * slope * inv_scale * (tl.load(sw_ptr + t * sw_stride) * p - hit) * s * (1.0 - s)
             d = tl.where(d > top, top, tl.where(d < -top, -top, d))
         else:
             d = tl.math.div_rn(tl.load(g_ptr) * slope * (s_w * p - hit) * s * (1.0 - s), scale)
@@ -410,8 +422,9 @@ def _fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, out_dtype, block:
     slope, extra = SIGMOID_CAP / SIGMOID_TEMPERATURE, {}
     if variant == "pr261":  # the factors as #261 rounds them to fp32
         slope, inv_scale = _fused_ce_pr261_factors(scale)
-        extra = dict(PR261=True, sw_ptr=s_w_all.float().reshape(1).contiguous(), inv_scale=inv_scale,
-                     top=torch.finfo(out_dtype).max)
+        s_w = s_w_all.float().reshape(-1).contiguous()
+        extra = dict(PR261=True, sw_ptr=s_w, inv_scale=inv_scale, top=torch.finfo(out_dtype).max,
+                     sw_stride=0 if s_w.numel() == 1 else 1)
     dlogits_kernel[(T, -(-V // block))](
         logits, lse, cols.contiguous(), wts.contiguous(), g.float().contiguous(), out, V, logits.stride(0),
         out.stride(0), slope=slope, scale=float(scale), K=cols.shape[1], BLOCK=block,

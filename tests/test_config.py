@@ -324,6 +324,7 @@ CLAIM_FIELDS = (
     "bigram_sign_rows",
     # §15
     # §16
+    "prefix_loss_weight",
     # §17
 )
 

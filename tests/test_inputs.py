@@ -418,7 +418,7 @@ def test_the_tiny_preset_generates_its_data_into_its_own_folder(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     tg.ensure_synthetic_data(tg.make_config("tiny"))
     assert sorted(p.name for p in (tmp_path / "data" / "synthetic").iterdir()) == [
-        "synthetic_meta.json", "synthetic_token_bytes.npy", "synthetic_train_000001.bin",
+        "synthetic_meta.json", "synthetic_token_bytes.npy", "synthetic_tokens.bin", "synthetic_train_000001.bin",
         "synthetic_train_000002.bin", "synthetic_val_000000.bin"]
 
 
@@ -434,7 +434,7 @@ def test_synthetic_data_appears_whole_with_the_token_byte_table_last(tmp_path, m
         real_replace(src, dst)
     monkeypatch.setattr(tg.os, "replace", replace)
     tg.ensure_synthetic_data(tg.make_config("tiny"))
-    assert len(moved) == 5 and moved[-1] == "synthetic_token_bytes.npy"
+    assert len(moved) == 6 and moved[-1] == "synthetic_token_bytes.npy"
     assert [p.name for p in (tmp_path / "data").iterdir()] == ["synthetic"]
     assert capsys.readouterr().out.startswith("synthetic data in data/synthetic: conditional entropy ")
 
