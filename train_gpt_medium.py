@@ -334,7 +334,7 @@ class Hyperparameters:
     # the next record, each a switch, off here; --recipe transfer sets them. No claim, no GPU run yet
     # §12 #264/#317 learnable XSA
     xsa_layers: tuple[int, ...] = recipe((), "blocks whose attention output loses tanh(alpha) of its component along "
-                                         "v, one alpha per head from 0 (#264)")
+                                         "v, one alpha per head from 0 (#264)", peak_neutral=True)
     xsa_lr: float = recipe(0.004, "with --xsa_layers: Adam lr of the alphas (betas 0.9/0.95, no decay)", at_least=0,
                            at_most=LR_LIMIT, needs=("xsa_layers",), peak_neutral=True)
     # §13 #253 Q and K orthogonalized per head group
@@ -3634,7 +3634,12 @@ class Candidate:
 
 # `--recipe NAME` of a candidate for the next record: the ideas of Part II's sections 12-17 on mudd,
 # on mudd's step grid until GPUs tune it (docs/short-track-transfer.md says how)
-TRANSFER_IDEAS: dict = {}
+TRANSFER_IDEAS: dict = dict(
+    xsa_layers=tuple(range(12)),  # §12 #264/#317: the blocks up to the last one MUDD's attention reads (11)
+    muon_qk_group_heads=2,  # §13 #253
+    bigram_sign_rows=8192, bigram_table_multiple=7.5,  # §14 #299, and #315's table of 7.5 x the vocabulary
+    prefix_loss_weight=0.25,  # §16 #337
+)
 CANDIDATES: dict[str, Candidate] = {
     "transfer": Candidate({**RECIPES["mudd"].values, **TRANSFER_IDEAS}, "mudd",
                           "mudd plus the short track's records since MUDD that carry over (Part II, sections 12-17)",
@@ -5083,6 +5088,9 @@ MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # §14 --bigram_sign_rows holds its sign table (state_bytes_per_gpu) and is taken to keep the gathered
 # signs for the product's backward, one (T, d) tensor in the model dtype (recomputing them from the
 # indices would keep T int64s instead: an estimate, not measured).
+# §12 --xsa_layers is taken to keep XSA_KEPT_PER_HEAD (T, H) tensors in the model dtype per listed block
+# (y.v, |v|^2 and their quotient; what torch 2.13's CPU Inductor keeps for a toy XSA: not measured on CUDA).
+XSA_KEPT_PER_HEAD = 3
 # A configuration that differs from the record only in peak_neutral fields (their metadata) gets a
 # prediction. Among them, #252's held tensors (the bigram table, fp32 Adam moments, bf16 blocks and
 # their low bits) are in state_bytes_per_gpu, and its fused loss is taken to keep what the record's
@@ -5172,6 +5180,7 @@ def peak_parts(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Op
     kept = (config.backout - base.backout) * BACKOUT_KEPT_ACTIVATIONS + mudd_kept(config) - mudd_kept(base)
     kept += bool(config.bigram_embed and config.bigram_sign_rows)  # §14 --bigram_sign_rows: the gathered signs
     extra = kept * T * d * 2 + (config.fp8 - base.fp8) * (T + V) * d  # the fp8 codes: input and weight
+    extra += len(config.xsa_layers) * XSA_KEPT_PER_HEAD * T * config.num_heads * 2  # §12 --xsa_layers
     if config.activation_checkpointing:
         record_loss = T_record * V * LOGIT_BYTES
         one_block = (record_activations - record_loss) / config.num_layers * T / T_record

@@ -9,6 +9,7 @@ import train_gpt_medium as tg
 def test_the_candidate_is_mudd_plus_its_ideas_and_each_idea_is_off_in_the_record():
     config, mudd, record = (tg.make_config(recipe=r) for r in ("transfer", "mudd", "bulk"))
     ideas = tg.TRANSFER_IDEAS
+    assert ideas, "the candidate adds at least one idea to mudd"
     for name, value in tg.RECIPES["mudd"].values.items():
         if name not in ideas:
             assert getattr(config, name) == value, name

@@ -275,6 +275,16 @@ def test_the_mudd_recipes_dry_run_counts_one_alpha_per_head_and_block(capsys):
     assert summary["total_params"] == 871_110_088 + 96
 
 
+def test_the_predicted_peak_adds_three_kept_head_tensors_per_xsa_block():
+    """The memory model's estimate for --xsa_layers: XSA_KEPT_PER_HEAD (T, H) bf16 tensors per listed
+    block at the full batch's slice (T = 65,536 tokens, H = 8): 3 MiB a block."""
+    base = tg.make_config(recipe="mudd")
+    parts = tg.peak_parts(base)
+    with_xsa = tg.peak_parts(tg.make_config(recipe="mudd", xsa_layers=tuple(range(12))))
+    assert with_xsa["training"] - parts["training"] == 12 * 3 * 65_536 * 8 * 2
+    assert with_xsa["state"] - parts["state"] == 96 * 4 * 4  # alpha, its gradient, Adam's two fp32 moments
+
+
 def test_the_xsa_forward_traces_into_one_graph():
     """Static shapes and no host syncs: --recipe mudd's training forward with every block's XSA (the
     plain loss) and its gradients, traced whole, equal the eager ones."""
