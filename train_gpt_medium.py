@@ -336,8 +336,12 @@ class Hyperparameters:
     # §13 #253 Q and K orthogonalized per head group
     # §14 #299 sign rows on the bigram table
     # §15 #322 the MLP backward from relu(pre)^2
+    mlp_backward_from_post: bool = recipe(False, "the MLP keeps relu(pre)^2 only and takes relu(pre) as its square "
+                                          "root in the backward (#322)")
     # §16 #337 prefix token prediction
     # §17 #306/#342 the MLP products in FP8
+    fp8_mlp_up: bool = recipe(False, "training's MLP input projection from e4m3 codes, per-tensor scales max|W|/448 "
+                              "and max|x|/448, bf16 backward (#306)")
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -1380,8 +1384,12 @@ class MLP(nn.Module):
         proj_shape = (hidden, config.model_dim) if self.transposed else (config.model_dim, hidden)
         self.proj_w = declare(nn.Parameter(torch.empty(*proj_shape, dtype=dtype)), "muon_mlp", zeros,
                               lr_mul=2.0 if self.transposed else 1.0, wd_mul=wd_mul)
+        self.from_post = config.mlp_backward_from_post  # §15 --mlp_backward_from_post
+        self.fp8_up = config.fp8_mlp_up  # §17 --fp8_mlp_up
 
     def forward(self, x):  # (B, T, d) -> (B, T, d): relu(x W_fc^T)^2 W_proj^T
+        if self.from_post or (self.fp8_up and self.training):  # §15 --mlp_backward_from_post, §17 --fp8_mlp_up
+            return short_track_mlp(self, x)
         hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()  # (B, T, hidden)
         proj = self.proj_w.T if self.transposed else self.proj_w
         return F.linear(hidden, proj.type_as(hidden))
@@ -3158,13 +3166,103 @@ class ValueEmbeddingBasis(ValueEmbeddings):
 # §14 anchor (#299 sign rows on the bigram table): this chapter lands here
 
 
-# §15 anchor (#322 the MLP backward from relu(pre)^2): this chapter lands here
+# =============================================================================
+# 15. PR #322 (docs/short-track-transfer.md section 6): the MLP's backward from relu(pre)^2
+#     (--mlp_backward_from_post); short_track_mlp, MLP.forward wherever §15's or §17's switches act
+
+def short_track_mlp(mlp: "MLP", x: torch.Tensor) -> torch.Tensor:
+    """MLP.forward with --mlp_backward_from_post, or in training with --fp8_mlp_up: the plain
+    forward's casts (each weight .type_as the input) and output-weight storage (--mlp_proj_transposed);
+    §17's FP8 input projection in training only; with §15 one autograd function around both
+    products (MLPFromPost), else autograd through relu and the square as the plain MLP."""
+    w1 = mlp.fc_w.type_as(x)
+    proj = mlp.proj_w.T if mlp.transposed else mlp.proj_w
+    fp8_up = mlp.fp8_up and mlp.training  # §17: validation keeps the plain product
+    if mlp.from_post:
+        return MLPFromPost.apply(x, w1, proj.type_as(x), fp8_up)
+    hidden = F.relu(FP8UpProduct.apply(x, w1) if fp8_up else F.linear(x, w1)).square()
+    return F.linear(hidden, proj.type_as(hidden))
+
+
+class MLPFromPost(torch.autograd.Function):
+    """--mlp_backward_from_post (#322): out = post W2^T with post = relu(pre)^2, pre = x W1^T (or
+    §17's FP8 pre); kept for backward: x, post and the two weights, never pre or relu(pre). The
+    backward rebuilds relu(pre) as sqrt(post): dpre = (g W2) * 2 sqrt(post), 0 where post = 0 (as
+    relu's backward gives there). Equal to the plain backward wherever pre squares exactly in its
+    dtype, else within one rounding (sqrt(post) = |pre| (1 + e), |e| <= 2^-9 in bf16).
+    apply(x (..., d), W1 (hidden, d), W2 (d, hidden), both in x's dtype, fp8_up) -> (..., d)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, fp8_up: bool):
+        pre = fp8_up_product(x, w1) if fp8_up else F.linear(x, w1)
+        post = F.relu(pre).square()
+        ctx.save_for_backward(x, post, w1, w2)
+        return F.linear(post, w2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, post, w1, w2 = ctx.saved_tensors
+        g, h, x2 = (t.reshape(-1, t.shape[-1]) for t in (grad, post, x))  # tokens x features
+        dpost = g @ w2
+        dpre = torch.where(h > 0, dpost * (2 * h.sqrt()), 0)
+        return (dpre @ w1).view(x.shape), dpre.t() @ x2, g.t() @ h, None
 
 
 # §16 anchor (#337 prefix token prediction): this chapter lands here
 
 
-# §17 anchor (#306/#342 the MLP products in FP8): this chapter lands here
+# =============================================================================
+# 17. PRs #306 and #342 (docs/short-track-transfer.md sections 4 and 8): the MLP's products in FP8
+#     e4m3. Built: the input projection (--fp8_mlp_up). The FP8 codes and products: triton_kernels.py
+
+def fp8_up_codes(x: torch.Tensor, w1: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """--fp8_mlp_up's codes and scales (#306), per tensor: (x8, W8, a / 448, s_W) with
+        s_W = max|W1| / 448, W8 = e4m3(W1 / s_W);  a = max|x| (at least 1e-12), x8 = e4m3(x (448 / a)).
+    Both maxima map to 448, e4m3's largest: no code saturates. The scales are 0-d fp32 tensors made
+    on the device (no host sync); 448 / a is fp32 from the input's maximum in its dtype, and the
+    codes are rounded once from fp32. s_W is the record's "per optimizer step" scale computed here
+    from the current weight: the weight changes only at the step, so every forward between two
+    steps gets the same value (one small max per block and forward; also clamped at 1e-12, which
+    only a zero W1 reaches)."""
+    top = kernels.FP8_E4M3_MAX
+    a = x.abs().amax().float().clamp_min(1e-12)
+    s_w = w1.abs().amax().float().clamp_min(1e-12) / top
+    return kernels.to_fp8(x.float() * (top / a), 1.0), kernels.to_fp8(w1, s_w), a / top, s_w
+
+
+def fp8_up_product(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """--fp8_mlp_up's forward: pre = x W1^T (..., hidden) = (x8 @ W8^T) (a / 448) s_W from fp8_up_codes,
+    accumulated in fp32 (no fast accumulation: the short track's kernel accumulates in fp32) and
+    rounded once to x's dtype (bf16 in the model). The codes are freed after the product."""
+    x8, w8, s_x, s_w = fp8_up_codes(x, w1)
+    pre = kernels.fp8_matmul(x8.reshape(-1, x.shape[-1]), w8.t(), s_x, s_w, x.dtype)
+    return pre.view(*x.shape[:-1], w1.shape[0])
+
+
+class FP8UpProduct(torch.autograd.Function):
+    """--fp8_mlp_up without §15: pre = fp8_up_product(x, W1); the backward is the plain product's,
+    from x and W1 in their dtype (bf16): dx = G W1, dW1 = G^T x at the FP8 forward's activations.
+    Kept for backward: x and W1, as F.linear keeps (the codes are freed after the product)."""
+
+    @staticmethod
+    def forward(ctx, x, w1):
+        ctx.save_for_backward(x, w1)
+        return fp8_up_product(x, w1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w1 = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        return (g @ w1).view(x.shape), g.t() @ x.reshape(-1, x.shape[-1])
+
+
+def check_fp8_mlp(cfg: Hyperparameters) -> None:
+    """§17's config rule: _scaled_mm takes an FP8 product's inner and outer widths in multiples of 16."""
+    hidden = cfg.mlp_ratio * cfg.model_dim
+    require(not cfg.fp8_mlp_up or (cfg.model_dim % 16 == 0 and hidden % 16 == 0), "fp8_mlp_up",
+            f"its FP8 product needs model_dim ({cfg.model_dim}) and mlp_ratio x model_dim ({hidden}) in multiples "
+            "of 16 (torch._scaled_mm): change the widths or drop --fp8_mlp_up")
 
 
 # #############################################################################
@@ -3462,9 +3560,9 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     # §12
     # §13
     # §14
-    # §15
+    # §15: no rule, any MLP takes it
     # §16
-    # §17
+    check_fp8_mlp(cfg)  # §17
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len

@@ -320,8 +320,10 @@ CLAIM_FIELDS = (
     # §13
     # §14
     # §15
+    "mlp_backward_from_post",
     # §16
     # §17
+    "fp8_mlp_up",
 )
 
 
