@@ -137,7 +137,7 @@ def fp32_scale(s, device) -> torch.Tensor:
     """A scale as the 0-d fp32 tensor _scaled_mm takes: a tensor as it is, a float filled in on the
     device (torch.tensor(s, device=...) would be a blocking host-to-device copy, a stream sync)."""
     if isinstance(s, torch.Tensor):
-        return s.float().reshape(())
+        return s if s.dtype == torch.float32 and s.dim() == 0 else s.float().reshape(())
     return torch.full((), s, dtype=torch.float32, device=device)
 
 
