@@ -342,6 +342,8 @@ class Hyperparameters:
     # §17 #306/#342 the MLP products in FP8
     fp8_mlp_up: bool = recipe(False, "training's MLP input projection from e4m3 codes, per-tensor scales max|W|/448 "
                               "and max|x|/448, bf16 backward (#306)")
+    fp8_mlp_down: bool = recipe(False, "training's MLP output projection from e4m3 codes, delayed scales: max post "
+                                "x1.80 (per slice), max|W| x1.12 (#342)")
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -1386,9 +1388,10 @@ class MLP(nn.Module):
                               lr_mul=2.0 if self.transposed else 1.0, wd_mul=wd_mul)
         self.from_post = config.mlp_backward_from_post  # §15 --mlp_backward_from_post
         self.fp8_up = config.fp8_mlp_up  # §17 --fp8_mlp_up
+        self.fp8_down = FP8DownScales(config.batch_slices) if config.fp8_mlp_down else None  # §17 --fp8_mlp_down
 
     def forward(self, x):  # (B, T, d) -> (B, T, d): relu(x W_fc^T)^2 W_proj^T
-        if self.from_post or (self.fp8_up and self.training):  # §15 --mlp_backward_from_post, §17 --fp8_mlp_up
+        if self.from_post or (self.fp8_up or self.fp8_down is not None) and self.training:  # §15, §17 --fp8_mlp_*
             return short_track_mlp(self, x)
         hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()  # (B, T, hidden)
         proj = self.proj_w.T if self.transposed else self.proj_w
@@ -1794,6 +1797,7 @@ def init_parameters(model: GPT, seed: int) -> None:
         model.value_embeds.coeffs.copy_(model.value_embeds.initial_coeffs())
     model.rotary.changes = None
     model.rotary.set_changes(())  # the base tables
+    reset_fp8_down_scales(model)  # §17 --fp8_mlp_down: its scales' starting values (no module without it)
 
 
 def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
@@ -2286,6 +2290,8 @@ class Runner:
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             self.averager.armed = i == len(batches) - 1
+            if self.config.fp8_mlp_down:  # §17 --fp8_mlp_down: this micro-batch's slice
+                set_fp8_down_slice(self.model, self.rank * self.micro_steps + i)  # §17 --fp8_mlp_down
             loss = self.forward(inputs, targets, window) if mtp is None else self.forward(inputs, targets, window,
                                                                                         mtp_weights=mtp)
             (loss * scale).backward()
@@ -2296,6 +2302,8 @@ class Runner:
         for opt in self.optimizers:
             if not (adam_waits and opt is self.optimizers[0]):
                 opt.step()
+        if self.config.fp8_mlp_down:  # §17 --fp8_mlp_down: the weight scales after the step
+            refresh_fp8_down_weights(self.model, step)  # §17 --fp8_mlp_down
         if adam_waits:  # Adam's local gradients stay for the next (odd) step's backward to add to
             for p in self.stepped_every_step:
                 p.grad = None
@@ -3171,17 +3179,25 @@ class ValueEmbeddingBasis(ValueEmbeddings):
 #     (--mlp_backward_from_post); short_track_mlp, MLP.forward wherever §15's or §17's switches act
 
 def short_track_mlp(mlp: "MLP", x: torch.Tensor) -> torch.Tensor:
-    """MLP.forward with --mlp_backward_from_post, or in training with --fp8_mlp_up: the plain
-    forward's casts (each weight .type_as the input) and output-weight storage (--mlp_proj_transposed);
-    §17's FP8 input projection in training only; with §15 one autograd function around both
-    products (MLPFromPost), else autograd through relu and the square as the plain MLP."""
+    """MLP.forward with --mlp_backward_from_post, or in training with --fp8_mlp_up/--fp8_mlp_down: the
+    plain forward's casts (each weight .type_as the input) and output-weight storage
+    (--mlp_proj_transposed); §17's FP8 products in training only (validation keeps the plain ones);
+    with §15 one autograd function around both products (MLPFromPost), else autograd through relu and
+    the square as the plain MLP. --fp8_mlp_down's scales: read before, the slice's updated after."""
     w1 = mlp.fc_w.type_as(x)
     proj = mlp.proj_w.T if mlp.transposed else mlp.proj_w
-    fp8_up = mlp.fp8_up and mlp.training  # §17: validation keeps the plain product
+    fp8_up = mlp.fp8_up and mlp.training
+    down = mlp.fp8_down.scales(proj) if mlp.fp8_down is not None and mlp.training else None
     if mlp.from_post:
-        return MLPFromPost.apply(x, w1, proj.type_as(x), fp8_up)
-    hidden = F.relu(FP8UpProduct.apply(x, w1) if fp8_up else F.linear(x, w1)).square()
-    return F.linear(hidden, proj.type_as(hidden))
+        out, post_max = MLPFromPost.apply(x, w1, proj.type_as(x), fp8_up, down)
+    else:
+        hidden = F.relu(FP8UpProduct.apply(x, w1) if fp8_up else F.linear(x, w1)).square()
+        w2 = proj.type_as(hidden)
+        out = F.linear(hidden, w2) if down is None else FP8DownProduct.apply(hidden, w2, *down)
+        post_max = hidden.detach().amax()
+    if down is not None:
+        mlp.fp8_down.record(post_max)
+    return out
 
 
 class MLPFromPost(torch.autograd.Function):
@@ -3190,22 +3206,26 @@ class MLPFromPost(torch.autograd.Function):
     backward rebuilds relu(pre) as sqrt(post): dpre = (g W2) * 2 sqrt(post), 0 where post = 0 (as
     relu's backward gives there). Equal to the plain backward wherever pre squares exactly in its
     dtype, else within one rounding (sqrt(post) = |pre| (1 + e), |e| <= 2^-9 in bf16).
-    apply(x (..., d), W1 (hidden, d), W2 (d, hidden), both in x's dtype, fp8_up) -> (..., d)."""
+    apply(x (..., d), W1 (hidden, d), W2 (d, hidden), both in x's dtype, fp8_up, §17's down scales or
+    None) -> (out (..., d), max of post)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, fp8_up: bool):
+    def forward(ctx, x, w1, w2, fp8_up: bool, down=None):
         pre = fp8_up_product(x, w1) if fp8_up else F.linear(x, w1)
         post = F.relu(pre).square()
         ctx.save_for_backward(x, post, w1, w2)
-        return F.linear(post, w2)
+        out = F.linear(post, w2) if down is None else fp8_down_product(post, w2, *down)
+        post_max = post.amax()  # for --fp8_mlp_down's next activation scale (not differentiated)
+        ctx.mark_non_differentiable(post_max)
+        return out, post_max
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         x, post, w1, w2 = ctx.saved_tensors
         g, h, x2 = (t.reshape(-1, t.shape[-1]) for t in (grad, post, x))  # tokens x features
         dpost = g @ w2
         dpre = torch.where(h > 0, dpost * (2 * h.sqrt()), 0)
-        return (dpre @ w1).view(x.shape), dpre.t() @ x2, g.t() @ h, None
+        return (dpre @ w1).view(x.shape), dpre.t() @ x2, g.t() @ h, None, None
 
 
 # §16 anchor (#337 prefix token prediction): this chapter lands here
@@ -3213,7 +3233,8 @@ class MLPFromPost(torch.autograd.Function):
 
 # =============================================================================
 # 17. PRs #306 and #342 (docs/short-track-transfer.md sections 4 and 8): the MLP's products in FP8
-#     e4m3. Built: the input projection (--fp8_mlp_up). The FP8 codes and products: triton_kernels.py
+#     e4m3, the input projection (--fp8_mlp_up) and the output projection with delayed scales
+#     (--fp8_mlp_down). The FP8 codes and products: triton_kernels.py
 
 def fp8_up_codes(x: torch.Tensor, w1: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -3257,12 +3278,122 @@ class FP8UpProduct(torch.autograd.Function):
         return (g @ w1).view(x.shape), g.t() @ x.reshape(-1, x.shape[-1])
 
 
+# ---- --fp8_mlp_down (#342): the output projection from e4m3 codes with delayed scales
+
+FP8_DOWN_ACT_HEADROOM, FP8_DOWN_WEIGHT_HEADROOM = 1.80, 1.12  # the short track's, kept (a choice)
+FP8_DOWN_BOOTSTRAP_STEPS = 16  # steps 0..15 quantize the weight with its current max (W2 starts at 0)
+
+
+class FP8DownScales(nn.Module):
+    """--fp8_mlp_down's state of one block, kept in the model's state_dict (so in checkpoints and in
+    the warm-up's restore, with the weights):
+      act (batch_slices,) fp32: slice j's activation scale s_a = max(amax, 1e-12) 1.80 / 448 from the
+        largest post of this block in slice j's previous training forward; 1.0 before the first.
+        The record keeps one per GPU, each GPU one slice: per slice here, the 8-GPU codes at any
+        world size and accumulation;
+      weight (3,) fp32: [the delayed weight scale, max|W2| recorded at the last refresh, 1.0 while
+        the current max|W2| / 448 is used instead (steps 0..15)];
+      slice () int64 (not saved): the slice the next training forward belongs to (set_fp8_down_slice).
+    No parameters."""
+
+    def __init__(self, batch_slices: int):
+        super().__init__()
+        self.register_buffer("act", torch.empty(batch_slices, dtype=torch.float32))
+        self.register_buffer("weight", torch.empty(3, dtype=torch.float32))
+        self.register_buffer("slice", torch.empty((), dtype=torch.int64), persistent=False)
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The starting values (build_model makes the buffers on the meta device, then fills them here)."""
+        self.act.fill_(1.0)
+        self.weight.copy_(torch.tensor([1.0, 0.0, 1.0]))
+        self.slice.zero_()
+
+    def scales(self, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s_a, s_w), 0-d fp32 device tensors, for this forward's slice and the weight w2 as stored
+        or viewed (any layout: a max)."""
+        s_a = self.act.index_select(0, self.slice.view(1)).view(())
+        current = w2.detach().abs().amax().float().clamp_min(1e-12) / kernels.FP8_E4M3_MAX
+        return s_a, torch.where(self.weight[2] > 0, current, self.weight[0])
+
+    def record(self, post_max: torch.Tensor) -> None:
+        """After the forward: the slice's next activation scale from this forward's largest post."""
+        scale = post_max.detach().float().clamp_min(1e-12) * FP8_DOWN_ACT_HEADROOM / kernels.FP8_E4M3_MAX
+        with torch.no_grad():
+            self.act.index_copy_(0, self.slice.view(1), scale.view(1))
+
+
+def fp8_down_modules(model: nn.Module) -> list[FP8DownScales]:
+    return [m for m in model.modules() if isinstance(m, FP8DownScales)]
+
+
+def reset_fp8_down_scales(model: nn.Module) -> None:
+    """init_parameters' part: every block's --fp8_mlp_down scales at their starting values."""
+    for m in fp8_down_modules(model):
+        m.reset()
+
+
+def set_fp8_down_slice(model: nn.Module, index: int) -> None:
+    """The training forward that follows is global slice `index` (rank x micro_steps + micro-batch):
+    a fill of each block's device tensor (a kernel launch, no host-device copy)."""
+    for m in fp8_down_modules(model):
+        m.slice.fill_(index)
+
+
+@torch.no_grad()
+def refresh_fp8_down_weights(model: nn.Module, step: int) -> None:
+    """After step `step`'s update (the record's requantization): the next forward's weight scale is
+    the max|W2| recorded at the previous refresh x 1.12 / 448 (the current max|W2| / 448 while the
+    next step is below 16), and max|W2| now is recorded for the next. The codes themselves are made
+    in each forward from the weight (unchanged until the next step) with that scale."""
+    bootstrap = float(step + 1 < FP8_DOWN_BOOTSTRAP_STEPS)
+    for mlp in (m for m in model.modules() if isinstance(m, MLP) and m.fp8_down is not None):
+        state = mlp.fp8_down.weight
+        state[0] = state[1] * FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX
+        state[1] = mlp.proj_w.detach().abs().amax().float()
+        state[2] = bootstrap
+
+
+def fp8_down_product(post: torch.Tensor, w2: torch.Tensor, s_a: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
+    """out = post W2^T (..., d) from e4m3 codes (#342): post8 = e4m3(min(post / s_a, 448)) (post >= 0),
+    W8 = e4m3(clamp(W2 / s_w, -448, 448)), (post8 @ W8^T) s_a s_w with fast accumulation (the
+    record's), rounded once to post's dtype. w2 (d, hidden) as the MLP uses it (a view of the
+    (hidden, d) storage with --mlp_proj_transposed). Saturates where post passes 1.80 x the last
+    maximum or the weight has grown 12 % past the last step's."""
+    post8 = kernels.to_fp8(post.reshape(-1, post.shape[-1]), s_a)
+    w8 = kernels.to_fp8(w2, s_w)
+    out = kernels.fp8_matmul(post8, w8.t(), s_a, s_w, post.dtype, fast_accum=True)
+    return out.view(*post.shape[:-1], w2.shape[0])
+
+
+class FP8DownProduct(torch.autograd.Function):
+    """--fp8_mlp_down without §15: fp8_down_product forward, the plain product's backward in post's
+    dtype from post and W2 (dpost = G W2, dW2 = G^T post). Keeps post and W2, as F.linear does."""
+
+    @staticmethod
+    def forward(ctx, post, w2, s_a, s_w):
+        ctx.save_for_backward(post, w2)
+        return fp8_down_product(post, w2, s_a, s_w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, w2 = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        return (g @ w2).view(post.shape), g.t() @ post.reshape(-1, post.shape[-1]), None, None
+
+
 def check_fp8_mlp(cfg: Hyperparameters) -> None:
-    """§17's config rule: _scaled_mm takes an FP8 product's inner and outer widths in multiples of 16."""
+    """§17's config rules: _scaled_mm takes an FP8 product's inner and outer widths in multiples of
+    16; --fp8_mlp_down's forward updates its scales, so a recomputed forward would read another."""
     hidden = cfg.mlp_ratio * cfg.model_dim
-    require(not cfg.fp8_mlp_up or (cfg.model_dim % 16 == 0 and hidden % 16 == 0), "fp8_mlp_up",
-            f"its FP8 product needs model_dim ({cfg.model_dim}) and mlp_ratio x model_dim ({hidden}) in multiples "
-            "of 16 (torch._scaled_mm): change the widths or drop --fp8_mlp_up")
+    for flag in ("fp8_mlp_up", "fp8_mlp_down"):
+        require(not getattr(cfg, flag) or (cfg.model_dim % 16 == 0 and hidden % 16 == 0), flag,
+                f"its FP8 product needs model_dim ({cfg.model_dim}) and mlp_ratio x model_dim ({hidden}) in "
+                f"multiples of 16 (torch._scaled_mm): change the widths or drop --{flag}")
+    require(not (cfg.fp8_mlp_down and cfg.activation_checkpointing), "fp8_mlp_down",
+            "each training forward updates its activation scales, and --activation_checkpointing's recomputed "
+            "forward would quantize with the updated one: drop one of the two")
 
 
 # #############################################################################

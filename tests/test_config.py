@@ -323,7 +323,7 @@ CLAIM_FIELDS = (
     "mlp_backward_from_post",
     # §16
     # §17
-    "fp8_mlp_up",
+    "fp8_mlp_up", "fp8_mlp_down",
 )
 
 
