@@ -3187,7 +3187,7 @@ def short_track_mlp(mlp: "MLP", x: torch.Tensor) -> torch.Tensor:
     w1 = mlp.fc_w.type_as(x)
     proj = mlp.proj_w.T if mlp.transposed else mlp.proj_w
     fp8_up = mlp.fp8_up and mlp.training
-    down = mlp.fp8_down.scales(proj) if mlp.fp8_down is not None and mlp.training else None
+    down = mlp.fp8_down.scales(proj.type_as(x)) if mlp.fp8_down is not None and mlp.training else None
     if mlp.from_post:
         out, post_max = MLPFromPost.apply(x, w1, proj.type_as(x), fp8_up, down)
     else:
@@ -3291,8 +3291,9 @@ class FP8DownScales(nn.Module):
         largest post of this block in slice j's previous training forward; 1.0 before the first.
         The record keeps one per GPU, each GPU one slice: per slice here, the 8-GPU codes at any
         world size and accumulation;
-      weight (3,) fp32: [the delayed weight scale, max|W2| recorded at the last refresh, 1.0 while
-        the current max|W2| / 448 is used instead (steps 0..15)];
+      weight (3,) fp32: [the delayed weight scale (1.12 x the previous step's max|W2| / 448), max|W2|
+        of this step (written by each training forward), 1.0 while the current max|W2| / 448 is used
+        instead (steps 0..15)], W2 as the product reads it (in the activations' dtype);
       slice () int64 (not saved): the slice the next training forward belongs to (set_fp8_down_slice).
     No parameters."""
 
@@ -3311,10 +3312,13 @@ class FP8DownScales(nn.Module):
         self.slice.zero_()
 
     def scales(self, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s_a, s_w), 0-d fp32 device tensors, for this forward's slice and the weight w2 as stored
-        or viewed (any layout: a max)."""
+        """(s_a, s_w), 0-d fp32 device tensors, for this forward's slice and the weight w2 as the
+        product reads it (any layout: a max); records max|w2| for the step's refresh."""
         s_a = self.act.index_select(0, self.slice.view(1)).view(())
-        current = w2.detach().abs().amax().float().clamp_min(1e-12) / kernels.FP8_E4M3_MAX
+        w_max = w2.detach().abs().amax().float()
+        with torch.no_grad():
+            self.weight[1:2].copy_(w_max.view(1))
+        current = w_max.clamp_min(1e-12) / kernels.FP8_E4M3_MAX
         return s_a, torch.where(self.weight[2] > 0, current, self.weight[0])
 
     def record(self, post_max: torch.Tensor) -> None:
@@ -3343,16 +3347,15 @@ def set_fp8_down_slice(model: nn.Module, index: int) -> None:
 
 @torch.no_grad()
 def refresh_fp8_down_weights(model: nn.Module, step: int) -> None:
-    """After step `step`'s update (the record's requantization): the next forward's weight scale is
-    the max|W2| recorded at the previous refresh x 1.12 / 448 (the current max|W2| / 448 while the
-    next step is below 16), and max|W2| now is recorded for the next. The codes themselves are made
-    in each forward from the weight (unchanged until the next step) with that scale."""
+    """After step `step`'s update (the record's requantization): the next step's weight scale is
+    1.12 x max|W2| of step `step` (the weight before this update, as its forwards recorded it) / 448;
+    while the next step is below 16 its forwards use the current max|W2| / 448 instead. The codes
+    are made in each forward from the weight (unchanged until the next step) with that scale. Device
+    ops only (no host read)."""
     bootstrap = float(step + 1 < FP8_DOWN_BOOTSTRAP_STEPS)
-    for mlp in (m for m in model.modules() if isinstance(m, MLP) and m.fp8_down is not None):
-        state = mlp.fp8_down.weight
-        state[0] = state[1] * FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX
-        state[1] = mlp.proj_w.detach().abs().amax().float()
-        state[2] = bootstrap
+    for down in fp8_down_modules(model):
+        down.weight[0:1].copy_(down.weight[1:2] * FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX)
+        down.weight[2:3].fill_(bootstrap)
 
 
 def fp8_down_product(post: torch.Tensor, w2: torch.Tensor, s_a: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
