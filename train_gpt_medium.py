@@ -3185,18 +3185,19 @@ def short_track_mlp(mlp: "MLP", x: torch.Tensor) -> torch.Tensor:
     with §15 one autograd function around both products (MLPFromPost), else autograd through relu and
     the square as the plain MLP. --fp8_mlp_down's scales: read before, the slice's updated after."""
     w1 = mlp.fc_w.type_as(x)
-    proj = mlp.proj_w.T if mlp.transposed else mlp.proj_w
+    w2 = (mlp.proj_w.T if mlp.transposed else mlp.proj_w).type_as(x)  # (d, hidden); hidden is in x's dtype
     fp8_up = mlp.fp8_up and mlp.training
-    down = mlp.fp8_down.scales(proj.type_as(x)) if mlp.fp8_down is not None and mlp.training else None
+    down = mlp.fp8_down.scales(w2) if mlp.fp8_down is not None and mlp.training else None
+    if mlp.from_post and down is None:
+        return MLPFromPost.apply(x, w1, w2, fp8_up, None)
     if mlp.from_post:
-        out, post_max = MLPFromPost.apply(x, w1, proj.type_as(x), fp8_up, down)
+        out, post_max = MLPFromPost.apply(x, w1, w2, fp8_up, down)
     else:
         hidden = F.relu(FP8UpProduct.apply(x, w1) if fp8_up else F.linear(x, w1)).square()
-        w2 = proj.type_as(hidden)
-        out = F.linear(hidden, w2) if down is None else FP8DownProduct.apply(hidden, w2, *down)
-        post_max = hidden.detach().amax()
-    if down is not None:
-        mlp.fp8_down.record(post_max)
+        if down is None:
+            return F.linear(hidden, w2)
+        out, post_max = FP8DownProduct.apply(hidden, w2, *down), hidden.detach().amax()
+    mlp.fp8_down.record(post_max)
     return out
 
 
@@ -3207,20 +3208,21 @@ class MLPFromPost(torch.autograd.Function):
     relu's backward gives there). Equal to the plain backward wherever pre squares exactly in its
     dtype, else within one rounding (sqrt(post) = |pre| (1 + e), |e| <= 2^-9 in bf16).
     apply(x (..., d), W1 (hidden, d), W2 (d, hidden), both in x's dtype, fp8_up, §17's down scales or
-    None) -> (out (..., d), max of post)."""
+    None) -> out (..., d); with the down scales (out, max of post)."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, fp8_up: bool, down=None):
         pre = fp8_up_product(x, w1) if fp8_up else F.linear(x, w1)
         post = F.relu(pre).square()
         ctx.save_for_backward(x, post, w1, w2)
-        out = F.linear(post, w2) if down is None else fp8_down_product(post, w2, *down)
+        if down is None:
+            return F.linear(post, w2)
         post_max = post.amax()  # for --fp8_mlp_down's next activation scale (not differentiated)
         ctx.mark_non_differentiable(post_max)
-        return out, post_max
+        return fp8_down_product(post, w2, *down), post_max
 
     @staticmethod
-    def backward(ctx, grad, _):
+    def backward(ctx, grad, *_):
         x, post, w1, w2 = ctx.saved_tensors
         g, h, x2 = (t.reshape(-1, t.shape[-1]) for t in (grad, post, x))  # tokens x features
         dpost = g @ w2
