@@ -345,11 +345,17 @@ class Hyperparameters:
                                    "mod N of a fixed random +-1 table (#299: 8192); 0: off", at_least=0,
                                    needs=("bigram_embed",), peak_neutral=True)
     # §15 #322 the MLP backward from relu(pre)^2
+    mlp_backward_from_post: bool = recipe(False, "the MLP keeps relu(pre)^2 only and takes relu(pre) as its square "
+                                          "root in the backward (#322)")
     # §16 #337 prefix token prediction
     prefix_loss_weight: float = recipe(0.0, "training loss adds w x the cross-entropy of the next token's longest "
                                        "byte-prefix token, w from the multi-token phases (#337: 0.25)", at_least=0,
                                        peak_neutral=True)
     # §17 #306/#342 the MLP products in FP8
+    fp8_mlp_up: bool = recipe(False, "training's MLP input projection from e4m3 codes, per-tensor scales max|W|/448 "
+                              "and max|x|/448, bf16 backward (#306)")
+    fp8_mlp_down: bool = recipe(False, "training's MLP output projection from e4m3 codes, delayed scales: max post "
+                                "x1.80 (per slice), max|W| x1.12 (#342)")
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -1397,8 +1403,13 @@ class MLP(nn.Module):
         proj_shape = (hidden, config.model_dim) if self.transposed else (config.model_dim, hidden)
         self.proj_w = declare(nn.Parameter(torch.empty(*proj_shape, dtype=dtype)), "muon_mlp", zeros,
                               lr_mul=2.0 if self.transposed else 1.0, wd_mul=wd_mul)
+        self.from_post = config.mlp_backward_from_post  # §15 --mlp_backward_from_post
+        self.fp8_up = config.fp8_mlp_up  # §17 --fp8_mlp_up
+        self.fp8_down = FP8DownScales(config.batch_slices) if config.fp8_mlp_down else None  # §17 --fp8_mlp_down
 
     def forward(self, x):  # (B, T, d) -> (B, T, d): relu(x W_fc^T)^2 W_proj^T
+        if self.from_post or (self.fp8_up or self.fp8_down is not None) and self.training:  # §15, §17 --fp8_mlp_*
+            return short_track_mlp(self, x)
         hidden = F.relu(F.linear(x, self.fc_w.type_as(x))).square()  # (B, T, hidden)
         proj = self.proj_w.T if self.transposed else self.proj_w
         return F.linear(hidden, proj.type_as(hidden))
@@ -1813,6 +1824,7 @@ def init_parameters(model: GPT, seed: int) -> None:
     model.rotary.set_changes(())  # the base tables
     if model.prefix is not None:  # §16 --prefix_loss_weight: its table, from the token byte files
         model.prefix.fill_table()
+    reset_fp8_down_scales(model)  # §17 --fp8_mlp_down: its scales' starting values (no module without it)
 
 
 def weight_dtype(config: Hyperparameters, device) -> torch.dtype:
@@ -2310,6 +2322,8 @@ class Runner:
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             self.averager.armed = i == len(batches) - 1
+            if self.config.fp8_mlp_down:  # §17 --fp8_mlp_down: this micro-batch's slice
+                set_fp8_down_slice(self.model, self.rank * self.micro_steps + i)  # §17 --fp8_mlp_down
             loss = self.forward(inputs, targets, window) if mtp is None else self.forward(inputs, targets, window,
                                                                                         mtp_weights=mtp)
             (loss * scale).backward()
@@ -2320,6 +2334,8 @@ class Runner:
         for opt in self.optimizers:
             if not (adam_waits and opt is self.optimizers[0]):
                 opt.step()
+        if self.config.fp8_mlp_down:  # §17 --fp8_mlp_down: the weight scales after the step
+            refresh_fp8_down_weights(self.model, step)  # §17 --fp8_mlp_down
         if adam_waits:  # Adam's local gradients stay for the next (odd) step's backward to add to
             for p in self.stepped_every_step:
                 p.grad = None
@@ -3377,7 +3393,60 @@ def check_bigram_signs(cfg: Hyperparameters) -> None:
                 f"{cfg.table_rows} rows gives {bigram_table_rows(cfg)}: the hash needs 2 rows or more")
 
 
-# §15 anchor (#322 the MLP backward from relu(pre)^2): this chapter lands here
+# =============================================================================
+# 15. PR #322 (docs/short-track-transfer.md section 6): the MLP's backward from relu(pre)^2
+#     (--mlp_backward_from_post); short_track_mlp, MLP.forward wherever §15's or §17's switches act
+
+def short_track_mlp(mlp: "MLP", x: torch.Tensor) -> torch.Tensor:
+    """MLP.forward with --mlp_backward_from_post, or in training with --fp8_mlp_up/--fp8_mlp_down: the
+    plain forward's casts (each weight .type_as the input) and output-weight storage
+    (--mlp_proj_transposed); §17's FP8 products in training only (validation keeps the plain ones);
+    with §15 one autograd function around both products (MLPFromPost), else autograd through relu and
+    the square as the plain MLP. --fp8_mlp_down's scales: read before, the slice's updated after."""
+    w1 = mlp.fc_w.type_as(x)
+    w2 = (mlp.proj_w.T if mlp.transposed else mlp.proj_w).type_as(x)  # (d, hidden); hidden is in x's dtype
+    fp8_up = mlp.fp8_up and mlp.training
+    down = mlp.fp8_down.scales(w2) if mlp.fp8_down is not None and mlp.training else None
+    if mlp.from_post and down is None:
+        return MLPFromPost.apply(x, w1, w2, fp8_up, None)
+    if mlp.from_post:
+        out, post_max = MLPFromPost.apply(x, w1, w2, fp8_up, down)
+    else:
+        hidden = F.relu(FP8UpProduct.apply(x, w1) if fp8_up else F.linear(x, w1)).square()
+        if down is None:
+            return F.linear(hidden, w2)
+        out, post_max = FP8DownProduct.apply(hidden, w2, *down), hidden.detach().amax()
+    mlp.fp8_down.record(post_max)
+    return out
+
+
+class MLPFromPost(torch.autograd.Function):
+    """--mlp_backward_from_post (#322): out = post W2^T with post = relu(pre)^2, pre = x W1^T (or
+    §17's FP8 pre); kept for backward: x, post and the two weights, never pre or relu(pre). The
+    backward rebuilds relu(pre) as sqrt(post): dpre = (g W2) * 2 sqrt(post), 0 where post = 0 (as
+    relu's backward gives there). Equal to the plain backward wherever pre squares exactly in its
+    dtype, else within one rounding (sqrt(post) = |pre| (1 + e), |e| <= 2^-9 in bf16).
+    apply(x (..., d), W1 (hidden, d), W2 (d, hidden), both in x's dtype, fp8_up, §17's down scales or
+    None) -> out (..., d); with the down scales (out, max of post)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, fp8_up: bool, down=None):
+        pre = fp8_up_product(x, w1) if fp8_up else F.linear(x, w1)
+        post = F.relu(pre).square()
+        ctx.save_for_backward(x, post, w1, w2)
+        if down is None:
+            return F.linear(post, w2)
+        post_max = post.amax()  # for --fp8_mlp_down's next activation scale (not differentiated)
+        ctx.mark_non_differentiable(post_max)
+        return fp8_down_product(post, w2, *down), post_max
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        x, post, w1, w2 = ctx.saved_tensors
+        g, h, x2 = (t.reshape(-1, t.shape[-1]) for t in (grad, post, x))  # tokens x features
+        dpost = g @ w2
+        dpre = torch.where(h > 0, dpost * (2 * h.sqrt()), 0)
+        return (dpre @ w1).view(x.shape), dpre.t() @ x2, g.t() @ h, None, None
 
 
 # =============================================================================
@@ -3513,7 +3582,172 @@ def check_prefix(cfg: Hyperparameters) -> None:
             f"beside it; --token_bytes_file={cfg.token_bytes_file!r} is not one (data/gpt2_token_bytes.npy is)")
 
 
-# §17 anchor (#306/#342 the MLP products in FP8): this chapter lands here
+# =============================================================================
+# 17. PRs #306 and #342 (docs/short-track-transfer.md sections 4 and 8): the MLP's products in FP8
+#     e4m3, the input projection (--fp8_mlp_up) and the output projection with delayed scales
+#     (--fp8_mlp_down). The FP8 codes and products: triton_kernels.py
+
+def fp8_up_codes(x: torch.Tensor, w1: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """--fp8_mlp_up's codes and scales (#306), per tensor: (x8, W8, a / 448, s_W) with
+        s_W = max|W1| / 448, W8 = e4m3(W1 / s_W);  a = max|x| (at least 1e-12), x8 = e4m3(x (448 / a)).
+    Both maxima map to 448, e4m3's largest: no code saturates. The scales are 0-d fp32 tensors made
+    on the device (no host sync); 448 / a is fp32 from the input's maximum in its dtype, and the
+    codes are rounded once from fp32. s_W is the record's "per optimizer step" scale computed here
+    from the current weight: the weight changes only at the step, so every forward between two
+    steps gets the same value (one small max per block and forward; also clamped at 1e-12, which
+    only a zero W1 reaches)."""
+    top = kernels.FP8_E4M3_MAX
+    a = x.abs().amax().float().clamp_min(1e-12)
+    s_w = w1.abs().amax().float().clamp_min(1e-12) / top
+    return kernels.to_fp8(x.float() * (top / a), 1.0), kernels.to_fp8(w1, s_w), a / top, s_w
+
+
+def fp8_up_product(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """--fp8_mlp_up's forward: pre = x W1^T (..., hidden) = (x8 @ W8^T) (a / 448) s_W from fp8_up_codes,
+    accumulated in fp32 (no fast accumulation: the short track's kernel accumulates in fp32) and
+    rounded once to x's dtype (bf16 in the model). The codes are freed after the product."""
+    x8, w8, s_x, s_w = fp8_up_codes(x, w1)
+    pre = kernels.fp8_matmul(x8.reshape(-1, x.shape[-1]), w8.t(), s_x, s_w, x.dtype)
+    return pre.view(*x.shape[:-1], w1.shape[0])
+
+
+class FP8UpProduct(torch.autograd.Function):
+    """--fp8_mlp_up without §15: pre = fp8_up_product(x, W1); the backward is the plain product's,
+    from x and W1 in their dtype (bf16): dx = G W1, dW1 = G^T x at the FP8 forward's activations.
+    Kept for backward: x and W1, as F.linear keeps (the codes are freed after the product)."""
+
+    @staticmethod
+    def forward(ctx, x, w1):
+        ctx.save_for_backward(x, w1)
+        return fp8_up_product(x, w1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w1 = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        return (g @ w1).view(x.shape), g.t() @ x.reshape(-1, x.shape[-1])
+
+
+# ---- --fp8_mlp_down (#342): the output projection from e4m3 codes with delayed scales
+
+FP8_DOWN_ACT_HEADROOM, FP8_DOWN_WEIGHT_HEADROOM = 1.80, 1.12  # the short track's, kept (a choice)
+FP8_DOWN_BOOTSTRAP_STEPS = 16  # steps 0..15 quantize the weight with its current max (W2 starts at 0)
+
+
+class FP8DownScales(nn.Module):
+    """--fp8_mlp_down's state of one block, kept in the model's state_dict (so in checkpoints and in
+    the warm-up's restore, with the weights):
+      act (batch_slices,) fp32: slice j's activation scale s_a = max(amax, 1e-12) 1.80 / 448 from the
+        largest post of this block in slice j's previous training forward; 1.0 before the first.
+        The record keeps one per GPU, each GPU one slice: per slice here, the 8-GPU codes at any
+        world size and accumulation;
+      weight (3,) fp32: [the delayed weight scale (1.12 x the previous step's max|W2| / 448), max|W2|
+        of this step (written by each training forward), 1.0 while the current max|W2| / 448 is used
+        instead (steps 0..15)], W2 as the product reads it (in the activations' dtype);
+      slice () int64 (not saved): the slice the next training forward belongs to (set_fp8_down_slice).
+    No parameters."""
+
+    def __init__(self, batch_slices: int):
+        super().__init__()
+        self.register_buffer("act", torch.empty(batch_slices, dtype=torch.float32))
+        self.register_buffer("weight", torch.empty(3, dtype=torch.float32))
+        self.register_buffer("slice", torch.empty((), dtype=torch.int64), persistent=False)
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The starting values (build_model makes the buffers on the meta device, then fills them here)."""
+        self.act.fill_(1.0)
+        self.weight.copy_(torch.tensor([1.0, 0.0, 1.0]))
+        self.slice.zero_()
+
+    def scales(self, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s_a, s_w), 0-d fp32 device tensors, for this forward's slice and the weight w2 as the
+        product reads it (any layout: a max); records max|w2| for the step's refresh."""
+        s_a = self.act.index_select(0, self.slice.view(1)).view(())
+        w_max = w2.detach().abs().amax().float()
+        with torch.no_grad():
+            self.weight[1:2].copy_(w_max.view(1))
+        current = w_max.clamp_min(1e-12) / kernels.FP8_E4M3_MAX
+        return s_a, torch.where(self.weight[2] > 0, current, self.weight[0])
+
+    def record(self, post_max: torch.Tensor) -> None:
+        """After the forward: the slice's next activation scale from this forward's largest post."""
+        scale = post_max.detach().float().clamp_min(1e-12) * FP8_DOWN_ACT_HEADROOM / kernels.FP8_E4M3_MAX
+        with torch.no_grad():
+            self.act.index_copy_(0, self.slice.view(1), scale.view(1))
+
+
+def fp8_down_modules(model: nn.Module) -> list[FP8DownScales]:
+    return [m for m in model.modules() if isinstance(m, FP8DownScales)]
+
+
+def reset_fp8_down_scales(model: nn.Module) -> None:
+    """init_parameters' part: every block's --fp8_mlp_down scales at their starting values."""
+    for m in fp8_down_modules(model):
+        m.reset()
+
+
+def set_fp8_down_slice(model: nn.Module, index: int) -> None:
+    """The training forward that follows is global slice `index` (rank x micro_steps + micro-batch):
+    a fill of each block's device tensor (a kernel launch, no host-device copy)."""
+    for m in fp8_down_modules(model):
+        m.slice.fill_(index)
+
+
+@torch.no_grad()
+def refresh_fp8_down_weights(model: nn.Module, step: int) -> None:
+    """After step `step`'s update (the record's requantization): the next step's weight scale is
+    1.12 x max|W2| of step `step` (the weight before this update, as its forwards recorded it) / 448;
+    while the next step is below 16 its forwards use the current max|W2| / 448 instead. The codes
+    are made in each forward from the weight (unchanged until the next step) with that scale. Device
+    ops only (no host read)."""
+    bootstrap = float(step + 1 < FP8_DOWN_BOOTSTRAP_STEPS)
+    for down in fp8_down_modules(model):
+        down.weight[0:1].copy_(down.weight[1:2] * FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX)
+        down.weight[2:3].fill_(bootstrap)
+
+
+def fp8_down_product(post: torch.Tensor, w2: torch.Tensor, s_a: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
+    """out = post W2^T (..., d) from e4m3 codes (#342): post8 = e4m3(min(post / s_a, 448)) (post >= 0),
+    W8 = e4m3(clamp(W2 / s_w, -448, 448)), (post8 @ W8^T) s_a s_w with fast accumulation (the
+    record's), rounded once to post's dtype. w2 (d, hidden) as the MLP uses it (a view of the
+    (hidden, d) storage with --mlp_proj_transposed). Saturates where post passes 1.80 x the last
+    maximum or the weight has grown 12 % past the last step's."""
+    post8 = kernels.to_fp8(post.reshape(-1, post.shape[-1]), s_a)
+    w8 = kernels.to_fp8(w2, s_w)
+    out = kernels.fp8_matmul(post8, w8.t(), s_a, s_w, post.dtype, fast_accum=True)
+    return out.view(*post.shape[:-1], w2.shape[0])
+
+
+class FP8DownProduct(torch.autograd.Function):
+    """--fp8_mlp_down without §15: fp8_down_product forward, the plain product's backward in post's
+    dtype from post and W2 (dpost = G W2, dW2 = G^T post). Keeps post and W2, as F.linear does."""
+
+    @staticmethod
+    def forward(ctx, post, w2, s_a, s_w):
+        ctx.save_for_backward(post, w2)
+        return fp8_down_product(post, w2, s_a, s_w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, w2 = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        return (g @ w2).view(post.shape), g.t() @ post.reshape(-1, post.shape[-1]), None, None
+
+
+def check_fp8_mlp(cfg: Hyperparameters) -> None:
+    """§17's config rules: _scaled_mm takes an FP8 product's inner and outer widths in multiples of
+    16; --fp8_mlp_down's forward updates its scales, so a recomputed forward would read another."""
+    hidden = cfg.mlp_ratio * cfg.model_dim
+    for flag in ("fp8_mlp_up", "fp8_mlp_down"):
+        require(not getattr(cfg, flag) or (cfg.model_dim % 16 == 0 and hidden % 16 == 0), flag,
+                f"its FP8 product needs model_dim ({cfg.model_dim}) and mlp_ratio x model_dim ({hidden}) in "
+                f"multiples of 16 (torch._scaled_mm): change the widths or drop --{flag}")
+    require(not (cfg.fp8_mlp_down and cfg.activation_checkpointing), "fp8_mlp_down",
+            "each training forward updates its activation scales, and --activation_checkpointing's recomputed "
+            "forward would quantize with the updated one: drop one of the two")
 
 
 # #############################################################################
@@ -3838,9 +4072,8 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     check_xsa(cfg)  # §12
     check_qk_groups(cfg)  # §13
     check_bigram_signs(cfg)  # §14
-    # §15
     check_prefix(cfg)  # §16
-    # §17
+    check_fp8_mlp(cfg)  # §17
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len

@@ -109,8 +109,9 @@ def fp32_sum(dtype: torch.dtype, *terms, gain: float = 1.0) -> torch.Tensor:
 FP8_E4M3_MAX = 448.0
 
 
-def to_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """FP8 codes of t / scale, one round-to-nearest-even from fp32, saturating at the format's
+def to_fp8(t: torch.Tensor, scale, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """FP8 codes of t / scale (a float, or a 0-d fp32 tensor on t's device: a scale computed on the
+    device, no host sync), one round-to-nearest-even from fp32, saturating at the format's
     largest value (e4m3fn 448, e5m2 57344) on every torch and device, as the records' casts inside
     compiled code do. The clamp is explicit because eager casts differ: torch 2.11 turns e4m3fn values
     past about 464 into NaN, torch 2.12+ saturates, and e5m2 overflows to inf. NaN stays NaN."""
@@ -118,25 +119,34 @@ def to_fp8(t: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3
     return (t.float() / scale).clamp(-top, top).to(dtype)
 
 
-def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: float, out_dtype: torch.dtype,
+def fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, scale_a, scale_b, out_dtype: torch.dtype,
                fast_accum: bool = False) -> torch.Tensor:
     """(a8 @ b8) * scale_a * scale_b, (m, k) @ (k, n), accumulated in fp32 and rounded once to
     out_dtype. CUDA: torch._scaled_mm (fast_accum: Hopper's faster, less often renormalized fp32
     accumulation, as the records' forward); elsewhere the same product of the codes' exact values
     in fp32 (an FP8 code is exact in fp32), times the two scales' product formed in fp32 from
-    their fp32 values, as _scaled_mm takes them."""
+    their fp32 values, as _scaled_mm takes them. Each scale is a float or a 0-d fp32 tensor on the
+    codes' device (per-tensor scales computed there, read by neither host)."""
     if a8.is_cuda:
         return scaled_mm(a8, b8, scale_a, scale_b, out_dtype, fast_accum)
-    scale = torch.full((), scale_a, dtype=torch.float32) * torch.full((), scale_b, dtype=torch.float32)  # fp32, as the GPU
+    scale = fp32_scale(scale_a, a8.device) * fp32_scale(scale_b, a8.device)  # fp32, as the GPU
     return cast((a8.float() @ b8.float()) * scale, out_dtype)
 
 
-def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: float, scale_b: float, out_dtype: torch.dtype,
+def fp32_scale(s, device) -> torch.Tensor:
+    """A scale as the 0-d fp32 tensor _scaled_mm takes: a tensor as it is, a float filled in on the
+    device (torch.tensor(s, device=...) would be a blocking host-to-device copy, a stream sync)."""
+    if isinstance(s, torch.Tensor):
+        return s if s.dtype == torch.float32 and s.dim() == 0 else s.float().reshape(())
+    return torch.full((), s, dtype=torch.float32, device=device)
+
+
+def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a, scale_b, out_dtype: torch.dtype,
               fast_accum: bool) -> torch.Tensor:
     """fp8_matmul on a device: torch._scaled_mm, a row-major and b column-major (callers pass them so,
-    and the layouts below then copy nothing). Its 0-d scales are made on the device by a fill kernel:
-    torch.tensor(s, device=...) would be a blocking host-to-device copy, a stream sync per operand."""
-    scale = lambda s: torch.full((), s, dtype=torch.float32, device=a8.device)
+    and the layouts below then copy nothing). Its 0-d scales are made on the device by a fill kernel
+    (fp32_scale), or are the caller's device tensors."""
+    scale = lambda s: fp32_scale(s, a8.device)
     return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=scale(scale_a), scale_b=scale(scale_b),
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
 

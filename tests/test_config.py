@@ -323,9 +323,11 @@ CLAIM_FIELDS = (
     # §14
     "bigram_sign_rows",
     # §15
+    "mlp_backward_from_post",
     # §16
     "prefix_loss_weight",
     # §17
+    "fp8_mlp_up", "fp8_mlp_down",
 )
 
 
