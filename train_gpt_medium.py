@@ -346,16 +346,16 @@ class Hyperparameters:
                                    needs=("bigram_embed",), peak_neutral=True)
     # §15 #322 the MLP backward from relu(pre)^2
     mlp_backward_from_post: bool = recipe(False, "the MLP keeps relu(pre)^2 only and takes relu(pre) as its square "
-                                          "root in the backward (#322)")
+                                          "root in the backward (#322)", peak_neutral=True)
     # §16 #337 prefix token prediction
     prefix_loss_weight: float = recipe(0.0, "training loss adds w x the cross-entropy of the next token's longest "
                                        "byte-prefix token, w from the multi-token phases (#337: 0.25)", at_least=0,
                                        peak_neutral=True)
     # §17 #306/#342 the MLP products in FP8
     fp8_mlp_up: bool = recipe(False, "training's MLP input projection from e4m3 codes, per-tensor scales max|W|/448 "
-                              "and max|x|/448, bf16 backward (#306)")
+                              "and max|x|/448, bf16 backward (#306)", peak_neutral=True)
     fp8_mlp_down: bool = recipe(False, "training's MLP output projection from e4m3 codes, delayed scales: max post "
-                                "x1.80 (per slice), max|W| x1.12 (#342)")
+                                "x1.80 (per slice), max|W| x1.12 (#342)", peak_neutral=True)
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -3872,7 +3872,9 @@ TRANSFER_IDEAS: dict = dict(
     xsa_layers=tuple(range(12)),  # §12 #264/#317: the blocks up to the last one MUDD's attention reads (11)
     muon_qk_group_heads=2,  # §13 #253
     bigram_sign_rows=8192, bigram_table_multiple=7.5,  # §14 #299, and #315's table of 7.5 x the vocabulary
+    mlp_backward_from_post=True,  # §15 #322
     prefix_loss_weight=0.25,  # §16 #337
+    fp8_mlp_up=True, fp8_mlp_down=True,  # §17 #306, #342
 )
 CANDIDATES: dict[str, Candidate] = {
     "transfer": Candidate({**RECIPES["mudd"].values, **TRANSFER_IDEAS}, "mudd",
@@ -5324,6 +5326,10 @@ MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # §12 --xsa_layers is taken to keep XSA_KEPT_PER_HEAD (T, H) tensors in the model dtype per listed block
 # (y.v, |v|^2 and their quotient; what torch 2.13's CPU Inductor keeps for a toy XSA: not measured on CUDA).
 XSA_KEPT_PER_HEAD = 3
+# §15 --mlp_backward_from_post is taken to keep one (T, hidden) tensor per block, as the record's compiled
+# MLP is taken to (its pre, relu(pre)^2 recomputed): no change predicted. If CUDA's Inductor keeps two, as
+# the CPU's does, the switch frees one per block, which this does not count. §17's FP8 codes are made and
+# freed inside the forward's product (nothing new is kept for the backward); its scales are bytes.
 # A configuration that differs from the record only in peak_neutral fields (their metadata) gets a
 # prediction. Among them, #252's held tensors (the bigram table, fp32 Adam moments, bf16 blocks and
 # their low bits) are in state_bytes_per_gpu, and its fused loss is taken to keep what the record's
