@@ -919,12 +919,21 @@ class Muon(torch.optim.Optimizer):
         weight, low_bits = as_blocks(p.data), state.get("low_bits")
         g = nesterov_momentum(as_blocks(p.grad), as_blocks(state["momentum_buffer"]), scalars["momentum"],
                               scalars["one_minus_momentum"])
+        update = self.normalized_update(g, group, weight.dtype, state, "row_mean_square", normuon_reduce_dim(p, group))
+        self.apply_update(weight, low_bits, as_blocks, update, scalars)
+
+    def normalized_update(self, g, group: dict, dtype, state: dict, statistic: str, reduce_dim: int) -> torch.Tensor:
+        """The orthogonalized momentum g, NorMuon-normalized with state[statistic] along reduce_dim."""
         if self.orthogonalization == "polar_express":
             update = self.orthogonalize(g, split_last_product=group.get("split_last_product", False))
         else:
-            update = self.orthogonalize(g, weight.dtype)
+            update = self.orthogonalize(g, dtype)
         if self.row_normalization:
-            update = self.row_normalize(update, state["row_mean_square"], self.row_beta2, normuon_reduce_dim(p, group))
+            update = self.row_normalize(update, state[statistic], self.row_beta2, reduce_dim)
+        return update
+
+    def apply_update(self, weight, low_bits, as_blocks, update, scalars: dict[str, torch.Tensor]) -> None:
+        """The step (cautious or decoupled) on the weight, on its fp32 master where bf16 keeps low bits."""
         master = fp32_from_halves(weight, as_blocks(low_bits)) if low_bits is not None else weight
         if self.cautious_weight_decay:
             self.cautious_step(master, update, scalars["wd_factor"], scalars["lr_factor"])
@@ -3311,22 +3320,9 @@ def qk_grouped_update(muon: "Muon", group: dict, scalars: dict[str, torch.Tensor
                           scalars["one_minus_momentum"])  # (4, attn_dim, d)
     updates = []
     for (key, shape), piece in zip(qk_group_pieces(g.shape, group["qk_rows"]), (g[:2], g[2:])):
-        piece = piece.reshape(shape)
-        if muon.orthogonalization == "polar_express":
-            update = muon.orthogonalize(piece, split_last_product=group.get("split_last_product", False))
-        else:
-            update = muon.orthogonalize(piece, weight.dtype)
-        if muon.row_normalization:
-            update = muon.row_normalize(update, state[key], muon.row_beta2, block_reduce_dim(shape))
+        update = muon.normalized_update(piece.reshape(shape), group, weight.dtype, state, key, block_reduce_dim(shape))
         updates.append(update.reshape(2, *g.shape[1:]))
-    update = torch.cat(updates)
-    master = fp32_from_halves(weight, as_blocks(low_bits)) if low_bits is not None else weight
-    if muon.cautious_weight_decay:
-        muon.cautious_step(master, update, scalars["wd_factor"], scalars["lr_factor"])
-    else:
-        muon.decoupled_step(master, update, scalars["decay"], scalars["step_size"])
-    if low_bits is not None:
-        store_halves(master, weight, as_blocks(low_bits))
+    muon.apply_update(weight, low_bits, as_blocks, torch.cat(updates), scalars)
 
 
 def check_qk_groups(cfg: Hyperparameters) -> None:

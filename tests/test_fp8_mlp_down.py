@@ -14,7 +14,6 @@ from test_bulk_model import fill_random
 from test_checkpoint import kill_when_saved, resumed_step, run_argv, train_loader_of
 from test_distributed import assert_bit_identical, checkpoint_tensors, on_ranks
 from test_fp8_mlp import AtValue
-from test_host_syncs import recorder  # noqa: F401 (a fixture)
 from test_training import all_state, assert_same_state, random_batches
 
 E4M3 = torch.float8_e4m3fn
@@ -244,18 +243,6 @@ def test_two_processes_keep_the_scales_of_the_slices_they_run(tmp_path):
         for g, w in zip(got, want):
             assert (g[:, 1 - rank] == 1.0).all()
             assert torch.allclose(g[:, rank], w[:, rank], rtol=1e-2)
-
-
-@pytest.mark.parametrize("from_post", [False, True])
-def test_a_training_step_reads_nothing_back_from_the_device(from_post, recorder):
-    config = tiny(dtype="float32", mlp_backward_from_post=from_post, fp8_mlp_up=True)
-    runner = tg.Runner(config, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    for step in (0, 1):
-        batches = runner.random_batches(gen, tg.slice_tokens(step, config))
-        with recorder:
-            runner.train_step(step, batches)
-    assert recorder.calls == []
 
 
 def test_the_mlp_traces_as_one_graph_with_the_same_bits_and_state():

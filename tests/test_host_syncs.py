@@ -58,11 +58,17 @@ def recorder(monkeypatch):
     return rec
 
 
-@pytest.mark.parametrize("recipe", ["bulk", "fp8_yarn", "bigram", "mudd"])
-def test_a_training_step_of_each_recipe_reads_nothing_back_from_the_device(recipe, recorder):
+# each recipe, and the FP8 MLP products (§17) alone and with §15's backward from post
+STEP_CONFIGS = {**{recipe: dict(recipe=recipe) for recipe in ("bulk", "fp8_yarn", "bigram", "mudd", "transfer")},
+                "fp8_mlp_up": dict(fp8_mlp_up=True), "fp8_mlp_up+from_post": dict(fp8_mlp_up=True, mlp_backward_from_post=True),
+                "fp8_mlp_down+from_post": dict(fp8_mlp_down=True, mlp_backward_from_post=True)}
+
+
+@pytest.mark.parametrize("name", STEP_CONFIGS)
+def test_a_training_step_reads_nothing_back_from_the_device(name, recorder):
     """Steps 0 and 1 (an even step leaves Adam's gradients waiting, an odd one steps Adam), each
     over its micro-batches: forward, backward, the gradient exchange, both optimizers, the schedules."""
-    config = tg.make_config("tiny", recipe=recipe, dtype="float32")
+    config = tg.make_config("tiny", dtype="float32", **STEP_CONFIGS[name])
     runner = tg.Runner(config, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for step in (0, 1):
