@@ -342,6 +342,10 @@ class Hyperparameters:
     # §15 #322 the MLP backward from relu(pre)^2
     # §16 #337 prefix token prediction
     # §17 #306/#342 the MLP products in FP8
+    # §18 #315 the MUDD gate nets and DC
+    attn_gate_layers: Optional[tuple[int, ...]] = recipe(
+        None, "blocks whose attention keeps its output gate (none: #317's ablation); auto: all; with --mudd_gate "
+        "from the gate net", needs=("attn_output_gate",))
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -460,6 +464,15 @@ class Hyperparameters:
     @property
     def long_layers(self) -> set[int]:
         return set(self.long_window_layers)
+
+    @property
+    def gated_layers(self) -> list[int]:
+        """The blocks whose attention has an output gate (§18 --attn_gate_layers; auto: every attention
+        block where --attn_output_gate)."""
+        if not self.attn_output_gate:
+            return []
+        chosen = self.attention_layers if self.attn_gate_layers is None else self.attn_gate_layers
+        return sorted(set(chosen))
 
 
 # =============================================================================
@@ -1338,7 +1351,7 @@ class Attention(nn.Module):
         # gates: group muon_gates (§9 --gates_optimizer=adam: the Adam group gates), lr multiplier 0.1, zero init
         group = "gates" if config.gates_optimizer == "adam" else "muon_gates"
         self.output_gate = (Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group)
-                            if config.attn_output_gate else None)
+                            if layer in config.gated_layers else None)  # §18 --attn_gate_layers
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group) if gated_ve else None
         self.xsa = XSA(config) if layer in config.xsa_layers else None  # §12 --xsa_layers
@@ -3211,6 +3224,23 @@ def check_xsa(cfg: Hyperparameters) -> None:
 # §17 anchor (#306/#342 the MLP products in FP8): this chapter lands here
 
 
+# =============================================================================
+# 18. PR #315 (docs/short-track-transfer.md section 5): the MUDD gate nets and lightweight dynamically
+#     composable attention. Output gates on chosen blocks only (--attn_gate_layers)
+
+
+def check_mudd_gate(cfg: Hyperparameters) -> None:
+    """§18's config rules: the gated blocks exist and have attention."""
+    if cfg.attn_gate_layers is not None:
+        require(cfg.attn_output_gate, "attn_gate_layers", "chooses blocks of the output gates: drop it or add "
+                "--attn_output_gate")
+    for layer in cfg.attn_gate_layers or ():
+        require(0 <= layer < cfg.num_layers, "attn_gate_layers", f"block {layer} does not exist: list blocks in "
+                f"0..{cfg.num_layers - 1}")
+        require(layer in cfg.attention_layers, "attn_gate_layers", f"block {layer} has no attention "
+                "(attention_free_layers): drop it from the list")
+
+
 # #############################################################################
 # Part III. Machinery: what a record diff does not touch. The command line and config checks; run
 # setup, called once before training (device, threads, seed, input and output checks, the log, the
@@ -3365,7 +3395,9 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
             return tuple(None if s.strip() == "-" else int(s) for s in text.split(","))
         if kind == "tuple[tuple[int, int], ...]":  # 9<6,10<4
             return tuple(tuple(int(s) for s in item.split("<", 1)) for item in filter(None, text.split(",")))
-        if kind == "tuple[int, ...]":  # 0,4,11
+        if kind == "Optional[tuple[int, ...]]" and text.lower() in ("none", "auto"):
+            return None
+        if kind in ("tuple[int, ...]", "Optional[tuple[int, ...]]"):  # 0,4,11
             return tuple(int(s) for s in text.split(",") if s.strip())
         if kind == "tuple[float, ...]":  # 1,1.52,2
             values = tuple(float(s) for s in text.split(",") if s.strip())
@@ -3509,6 +3541,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     # §15
     # §16
     # §17
+    check_mudd_gate(cfg)  # §18
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len

@@ -323,6 +323,8 @@ CLAIM_FIELDS = (
     # §15
     # §16
     # §17
+    # §18
+    "attn_gate_layers",
 )
 
 
