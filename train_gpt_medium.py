@@ -354,6 +354,10 @@ class Hyperparameters:
     mudd_gate_lr: float = recipe(0.0004, "with --mudd_gate: Adam lr of its nets (betas 0.9/0.99; decay on the two "
                                  "matrices only)", at_least=0, at_most=LR_LIMIT, needs=("mudd_gate",),
                                  peak_neutral=True)
+    dc_layers: tuple[int, ...] = recipe((), "with --mudd_gate: blocks whose attention adds the head-composed "
+                                        "local-window attention (#315's DC), weights from the gate net")
+    dc_window: int = recipe(112, "with --dc_layers: DC's window in tokens (t - s < W, same document)", at_least=1,
+                            needs=("dc_layers",))
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -3252,7 +3256,7 @@ def check_xsa(cfg: Hyperparameters) -> None:
 # 18. PR #315 (docs/short-track-transfer.md section 5): the MUDD gate nets and lightweight dynamically
 #     composable attention. Output gates on chosen blocks only (--attn_gate_layers); two small nets
 #     setting per-token coefficients in place of static ones (--mudd_gate, --mudd_gate_layer,
-#     --mudd_gate_lr)
+#     --mudd_gate_lr); DC on chosen blocks (--dc_layers, --dc_window), in a torch band form
 
 GATE_NET_HIDDEN = 64  # each net's hidden width, as MUDD's
 GATE_NET_SCALE = 0.1  # s, the learned output scale, at the start
@@ -3261,6 +3265,7 @@ GATE_NET_BETAS = (0.9, 0.99)
 # sigmoid(0) = 0.5 is the neutral value), skips 0.5 (neutral 1, the plain 2 sigmoid(0)), the bigram
 # weight bigram_lambda_init, DC's w1 1; XSA alphas, x0 weights and DC's w2 0
 GATE_NET_START = dict(gate=0.25, skip=0.5, dc_w1=1.0)
+DC_W1_EPS = 1e-6  # w1n = w1 / sqrt(mean_h w1^2 + 1e-6)
 
 
 class GateSlot(NamedTuple):
@@ -3281,14 +3286,16 @@ def gate_net_layout(cfg: Hyperparameters) -> tuple[tuple[GateSlot, ...], tuple[G
     """What each net's outputs are, in order of role then block: XSA alphas of the xsa_layers blocks,
     output gates of the gated blocks (--attn_gate_layers), the input weights (x00, x01, ..., the
     bigram row) of blocks 0..L-1 (0..L-2 with --mudd: its last block has its own), the gated skips
-    (by target). A block's entries (a skip's: its target's) come from net 0 before mudd_gate_layer,
-    from net 1 from there on."""
+    (by target), DC's w1 then its w2 of the dc_layers blocks. A block's entries (a skip's: its
+    target's) come from net 0 before mudd_gate_layer, from net 1 from there on."""
     H, L, layer = cfg.num_heads, cfg.num_layers, mudd_gate_layer(cfg)
     weights = (0.0,) * (1 + cfg.num_extra_embeds) + ((cfg.bigram_lambda_init,) if cfg.bigram_embed else ())
     entries = ([("xsa", b, (0.0,) * H) for b in sorted(set(cfg.xsa_layers))]
                + [("gate", b, (GATE_NET_START["gate"],) * H) for b in cfg.gated_layers]
                + [("weights", b, weights) for b in range(L - 1 if cfg.mudd else L)]
-               + [("skip", t, (GATE_NET_START["skip"],)) for t, _ in cfg.skip_connections if cfg.gated_skips])
+               + [("skip", t, (GATE_NET_START["skip"],)) for t, _ in cfg.skip_connections if cfg.gated_skips]
+               + [("dc_w1", b, (GATE_NET_START["dc_w1"],) * H) for b in sorted(set(cfg.dc_layers))]
+               + [("dc_w2", b, (0.0,) * H) for b in sorted(set(cfg.dc_layers))])
     nets = ([], [])
     for role, block, starts in entries:
         net = nets[int(block >= layer)]
@@ -3308,9 +3315,13 @@ def gate_net_bias(shape, gen, layout) -> torch.Tensor:
 
 class GatedAttention(NamedTuple):
     """A block's attention coefficients from the gate nets (§18 --mudd_gate), each per token or None:
-    the XSA alphas (1, T, H, 1) before tanh, the output gates (1, T, H, 1) (used as they are)."""
+    the XSA alphas (1, T, H, 1) before tanh, the output gates (1, T, H, 1) (used as they are), DC's w1
+    and w2 (1, T, H) and the (T, W) window of keys each query may see (dc_window_mask)."""
     xsa_alpha: Optional[torch.Tensor]
     output_gate: Optional[torch.Tensor]
+    dc_w1: Optional[torch.Tensor] = None
+    dc_w2: Optional[torch.Tensor] = None
+    dc_valid: Optional[torch.Tensor] = None
 
 
 class GatedBlock(NamedTuple):
@@ -3338,6 +3349,7 @@ class MuddGate(nn.Module):
         self.slots = {(slot.role, slot.block): (k, slot) for k, net in enumerate(self.layout) for slot in net}
         self.attention_layers = set(config.attention_layers)
         self.skip_index = {target: j for j, (target, _) in enumerate(config.skip_connections)}
+        self.eot, self.dc_window, self.dc_layers = config.eot_token, config.dc_window, set(config.dc_layers)
         n = max(1, *(len(net) and net[-1].start + len(net[-1].starts) for net in self.layout))
         options = dict(betas=GATE_NET_BETAS, lr="mudd_gate_lr")
         self.w1 = declare(nn.Parameter(torch.empty(2, GATE_NET_HIDDEN, d, dtype=bf16)), "mudd_gate",
@@ -3359,11 +3371,12 @@ class MuddGate(nn.Module):
     def at_block(self, i: int, x: torch.Tensor, x00: torch.Tensor, ids: torch.Tensor, nets: Optional[tuple],
                  slots: dict) -> tuple[tuple, GatedBlock]:
         """At block i's input x (before its skip): runs net 0 (i = 0) and net 1 (i = mudd_gate_layer),
-        (net outputs so far, block i's GatedBlock)."""
+        (net outputs so far and DC's window mask, block i's GatedBlock)."""
         if i == 0:
-            nets = (self.net(0, x00), None)
+            valid = dc_window_mask((ids == self.eot).cumsum(0), self.dc_window) if self.dc_layers else None
+            nets = (self.net(0, x00), None, valid)
         if i == self.layer:
-            nets = (nets[0], self.net(1, x))
+            nets = (nets[0], self.net(1, x), nets[2])
         return nets, self.block(i, nets, slots)
 
     def take(self, nets: tuple, role: str, block: int) -> Optional[torch.Tensor]:
@@ -3380,15 +3393,20 @@ class MuddGate(nn.Module):
             skip = torch.sigmoid(slots["skip_gain"][self.skip_index[i]]) * skip
         w = self.take(nets, "weights", i)
         weights = () if w is None else tuple(w[..., j:j + 1] for j in range(w.shape[-1]))
-        attn = GatedAttention(heads(self.take(nets, "xsa", i)), heads(self.take(nets, "gate", i))
+        dc = i in self.dc_layers
+        attn = GatedAttention(heads(self.take(nets, "xsa", i)), heads(self.take(nets, "gate", i)),
+                              self.take(nets, "dc_w1", i), self.take(nets, "dc_w2", i), nets[2] if dc else None
                               ) if i in self.attention_layers else None
         return GatedBlock(skip, weights, attn)
 
 
 def gated_attention(y: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale,
                     gated: GatedAttention) -> torch.Tensor:
-    """A block's attention output y (B, T, H, D) after the kernel, with --mudd_gate: XSA with the
-    per-token alphas, then the output gates as they are."""
+    """A block's attention output y (B, T, H, D) after the kernel, with --mudd_gate: DC's addition
+    (--dc_layers; y + it in fp32, rounded once), XSA with the per-token alphas, then the output gates as
+    they are."""
+    if gated.dc_w1 is not None:
+        y = (y.float() + dc_addition(q, k, v, gated.dc_w1, gated.dc_w2, gated.dc_valid, scale)).to(y.dtype)
     if gated.xsa_alpha is not None:
         y = xsa(y, v, gated.xsa_alpha)
     if gated.output_gate is not None:
@@ -3396,8 +3414,88 @@ def gated_attention(y: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return y
 
 
+def dc_window_mask(docs: torch.Tensor, window: int) -> torch.Tensor:
+    """(T, W) bool: query t sees key t - j (j = 0 .. W-1) where t - j >= 0 and both are in one document
+    (docs (T,), the masks' document ids: cumsum(ids == eot))."""
+    T = docs.numel()
+    j = torch.arange(window, device=docs.device)
+    back = torch.arange(T, device=docs.device)[:, None] - j[None, :]  # (T, W)
+    return (back >= 0) & (docs[:, None] == docs[back.clamp_min(0)])
+
+
+def shift_forward(x: torch.Tensor, j: int) -> torch.Tensor:
+    """x (B, T, ...) with row t taking row t - j (zeros for t < j)."""
+    j = min(j, x.size(1))
+    return F.pad(x[:, :x.size(1) - j], (0, 0) * (x.dim() - 2) + (j, 0)) if j else x
+
+
+def shift_back(x: torch.Tensor, j: int) -> torch.Tensor:
+    """The adjoint of shift_forward: row s takes row s + j (zeros past the end)."""
+    j = min(j, x.size(1))
+    return F.pad(x[:, j:], (0, 0) * (x.dim() - 2) + (0, j)) if j else x
+
+
+class DCBand(torch.autograd.Function):
+    """--dc_layers: DC's addition (B, T, H, D) fp32 from q, k, v (B, T, H, D) as the attention used
+    them, w1n and w2 (B, T, H), valid (T, W) (dc_window_mask) and the softmax scale (a number or 0-d
+    tensor): P_h[t, j] = softmax_j(scale q_h[t] . k_h[t-j]) over the valid keys (the product of the
+    stored values, summed in fp32), A[t, j] = sum_h w1n_h[t] P_h[t, j], out_g[t] = sum_j
+    (w2_g[t] A[t, j]) v_g[t-j], the weights rounded to v's dtype before the fp32 product (#315's
+    kernel). A band form: loops over the W offsets, each on (B, T, H, D) tensors; keeps q, k, v, w1n,
+    w2 and P (B, T, H, W) fp32 for its backward, which recomputes the rest (the rounding of the
+    weights passes the gradient straight through)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w1n, w2, valid, scale):
+        W, f32 = valid.shape[1], torch.float32
+        work = torch.float64 if q.dtype == torch.float64 else f32
+        qf = q.to(work)
+        S = torch.stack([(qf * shift_forward(k, j).to(work)).sum(-1) for j in range(W)], -1) * scale
+        P = torch.softmax(S.masked_fill(~valid[None, :, None, :], float("-inf")), dim=-1)  # (B, T, H, W)
+        A = (w1n.to(work)[..., None] * P).sum(2)  # (B, T, W)
+        M = (w2.to(work)[..., None] * A[:, :, None, :]).to(v.dtype).to(work)  # (B, T, H, W)
+        out = sum(M[..., j, None] * shift_forward(v, j).to(work) for j in range(W))
+        ctx.save_for_backward(q, k, v, w1n, w2, P)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, w1n, w2, P = ctx.saved_tensors
+        scale, W, work = ctx.scale, P.shape[-1], P.dtype
+        G, qf, w1f, w2f = grad.to(work), q.to(work), w1n.to(work), w2.to(work)
+        A = (w1f[..., None] * P).sum(2)
+        M = w2f[..., None] * A[:, :, None, :]
+        dM = torch.stack([(G * shift_forward(v, j).to(work)).sum(-1) for j in range(W)], -1)  # (B, T, H, W)
+        dv = sum(shift_back(M[..., j, None] * G, j) for j in range(W))
+        dw2 = (dM * A[:, :, None, :]).sum(-1)
+        dA = (dM * w2f[..., None]).sum(2)  # (B, T, W)
+        dw1n = (dA[:, :, None, :] * P).sum(-1)
+        dP = w1f[..., None] * dA[:, :, None, :]
+        dS = P * (dP - (P * dP).sum(-1, keepdim=True)) * scale
+        dq = sum(dS[..., j, None] * shift_forward(k, j).to(work) for j in range(W))
+        dk = sum(shift_back(dS[..., j, None] * qf, j) for j in range(W))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw1n.to(w1n.dtype), dw2.to(w2.dtype), None, None)
+
+
+def dc_addition(q, k, v, w1: torch.Tensor, w2: torch.Tensor, valid: torch.Tensor, scale) -> torch.Tensor:
+    """DC's addition to a block's attention output (fp32, or float64 from float64 inputs): DCBand with
+    w1n = w1 / sqrt(mean_h w1^2 + 1e-6) per token, in fp32."""
+    w1 = w1.double() if w1.dtype == torch.float64 else w1.float()
+    w1n = w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + DC_W1_EPS)
+    return DCBand.apply(q, k, v, w1n, w2, valid, scale)
+
+
 def check_mudd_gate(cfg: Hyperparameters) -> None:
-    """§18's config rules: the gated blocks exist and have attention; the gate layer exists."""
+    """§18's config rules: the gated blocks exist and have attention; the gate layer exists; DC's
+    blocks have attention and their weights come from the gate net."""
+    require(not cfg.dc_layers or cfg.mudd_gate, "dc_layers", "its weights w1, w2 come from the gate net: add "
+            "--mudd_gate")
+    for layer in cfg.dc_layers:
+        require(0 <= layer < cfg.num_layers, "dc_layers", f"block {layer} does not exist: list blocks in "
+                f"0..{cfg.num_layers - 1}")
+        require(layer in cfg.attention_layers, "dc_layers", f"block {layer} has no attention "
+                "(attention_free_layers): drop it from the list")
     require(mudd_gate_layer(cfg) < cfg.num_layers or not cfg.mudd_gate, "mudd_gate_layer",
             f"block {mudd_gate_layer(cfg)} does not exist: choose one in 0..{cfg.num_layers - 1}")
     if cfg.attn_gate_layers is not None:

@@ -324,7 +324,7 @@ CLAIM_FIELDS = (
     # §16
     # §17
     # §18
-    "attn_gate_layers", "mudd_gate", "mudd_gate_layer", "mudd_gate_lr",
+    "attn_gate_layers", "mudd_gate", "mudd_gate_layer", "mudd_gate_lr", "dc_layers", "dc_window",
 )
 
 

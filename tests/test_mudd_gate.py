@@ -206,7 +206,7 @@ def test_in_float32_the_bf16_stored_biases_miss_the_plain_start_by_s_rounding():
 
 
 def test_the_bf16_starting_outputs_are_the_specs_exactly():
-    config = gated_config()
+    config = gated_config(dc_layers=(15,))
     model = tg.build_model(config)
     net = model.gate_net
     h = torch.randn(1, 5, config.model_dim).bfloat16()
@@ -277,26 +277,30 @@ def test_the_medium_layout_has_the_specs_roles_and_sizes():
 
 
 def test_each_output_lands_in_its_block_and_role():
-    config = gated_config("float32")
+    config = gated_config("float32", dc_layers=(3, 15))
     model = tg.build_model(config)
     fill_random(model)
     net = model.gate_net
     n = net.w2.shape[1]
     nets = tuple(torch.arange(n, dtype=torch.float32).view(1, 1, n).expand(1, 3, n) + 1000 * k for k in (0, 1))
+    nets += (tg.dc_window_mask(torch.zeros(3, dtype=torch.long), config.dc_window),)
     slots = model.scalar_slots()
     H, layer = config.num_heads, tg.mudd_gate_layer(config)
     col = lambda block, j: (0 if block < layer else 1) * 1000 + j
     seen = set()
     for i in range(config.num_layers):
         g = net.block(i, nets, slots)
-        for role, values in (("xsa", g.attn.xsa_alpha), ("gate", g.attn.output_gate)):
+        for role, values in (("xsa", g.attn.xsa_alpha), ("gate", g.attn.output_gate), ("dc_w1", g.attn.dc_w1),
+                             ("dc_w2", g.attn.dc_w2)):
             k, slot = net.slots.get((role, i), (None, None))
             if slot is None:
                 assert values is None
                 continue
-            assert values.shape == (1, 3, H, 1) and k == (0 if i < layer else 1)
-            assert values[0, 0, :, 0].tolist() == [col(i, slot.start + h) for h in range(H)]
+            assert values.shape == ((1, 3, H, 1) if role in ("xsa", "gate") else (1, 3, H))
+            assert k == (0 if i < layer else 1)
+            assert values[0, 0].flatten().tolist() == [col(i, slot.start + h) for h in range(H)]
             seen.add((role, i))
+        assert (g.attn.dc_valid is not None) == (i in (3, 15))
         if i < config.num_layers - 1:
             k, slot = net.slots["weights", i]
             assert [w[0, 0, 0].item() for w in g.input_weights] == [col(i, slot.start + j) for j in range(3)]
@@ -408,3 +412,149 @@ def test_its_settings_without_it_are_noted():
     notes = tg.inert_setting_notes(tiny(mudd_gate_lr=0.01, mudd_gate_layer=3))
     assert any("--mudd_gate_lr=0.01 has no effect without --mudd_gate" in n for n in notes)
     assert any("--mudd_gate_layer=3 has no effect without --mudd_gate" in n for n in notes)
+
+
+# ---- §18 --dc_layers: DC
+
+
+def dc_loop(q, k, v, w1, w2, docs, scale, W):
+    """DC's addition in float64, token by token, head by head, key by key in the window."""
+    q, k, v, w1, w2 = (t.double() for t in (q, k, v, w1, w2))
+    B, T, H, D = q.shape
+    out = torch.zeros(B, T, H, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            keys = [s for s in range(max(0, t - W + 1), t + 1) if docs[s] == docs[t]]
+            w1n = w1[b, t] / torch.sqrt((w1[b, t] ** 2).mean() + 1e-6)
+            A = torch.zeros(len(keys), dtype=torch.float64)
+            for h in range(H):
+                scores = torch.stack([scale * (q[b, t, h] @ k[b, s, h]) for s in keys])
+                A = A + w1n[h] * torch.softmax(scores, 0)
+            for g in range(H):
+                for a, s in zip(A, keys):
+                    out[b, t, g] += w2[b, t, g] * a * v[b, s, g]
+    return out
+
+
+def dc_inputs(dtype=torch.float64, T=13, H=3, D=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+    w1, w2 = (torch.randn(1, T, H, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    docs = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2][:T])  # documents of 6, 5 and 2 tokens
+    return q, k, v, w1, w2, docs
+
+
+@pytest.mark.parametrize("W", [1, 4, 20])
+def test_dc_band_form_against_a_float64_loop(W):
+    """The window's edge (W = 4 inside a document of 6), documents crossing it (W = 20 spans all
+    three), position 0 (a query with one key), W = 1 (each query only itself)."""
+    q, k, v, w1, w2, docs = dc_inputs()
+    valid = tg.dc_window_mask(docs, W)
+    out = tg.dc_addition(q, k, v, w1, w2, valid, 0.3)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, dc_loop(q, k, v, w1, w2, docs, 0.3, W), rtol=1e-12, atol=1e-12)
+    if W == 1:  # only itself: A = sum_h w1n_h, out = w2 (sum_h w1n_h) v
+        w1n = w1 / (w1.square().mean(-1, keepdim=True) + 1e-6).sqrt()
+        assert torch.allclose(out, (w2 * w1n.sum(-1, keepdim=True))[..., None] * v, rtol=1e-12, atol=1e-12)
+
+
+def test_dc_window_mask_is_causal_within_a_document_and_the_window():
+    docs = torch.tensor([0, 0, 1, 1, 1])
+    assert tg.dc_window_mask(docs, 3).tolist() == [
+        [True, False, False], [True, True, False], [True, False, False], [True, True, False], [True, True, True]]
+
+
+def test_dc_in_fp32_and_bf16_against_the_loop():
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        q, k, v, w1, w2, docs = dc_inputs(dtype)
+        out = tg.dc_addition(q, k, v, w1, w2, tg.dc_window_mask(docs, 5), 0.3)
+        assert out.dtype == torch.float32
+        assert torch.allclose(out.double(), dc_loop(q, k, v, w1, w2, docs, 0.3, 5), rtol=tol, atol=tol)
+
+
+def test_dc_gradients_to_q_k_v_w1_w2_in_float64():
+    q, k, v, w1, w2, docs = (t.requires_grad_() if t.is_floating_point() else t for t in dc_inputs(T=9))
+    valid = tg.dc_window_mask(docs, 4)
+    assert torch.autograd.gradcheck(lambda *a: tg.dc_addition(*a, valid, 0.7), (q, k, v, w1, w2))
+    # against autograd through the float64 loop
+    g = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    want = torch.autograd.grad((dc_loop(q, k, v, w1, w2, docs, 0.7, 4) * g).sum(), (q, k, v, w1, w2))
+    got = torch.autograd.grad((tg.dc_addition(q, k, v, w1, w2, valid, 0.7) * g).sum(), (q, k, v, w1, w2))
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-10) for a, b in zip(got, want))
+
+
+def test_dc_with_w2_zero_adds_exactly_zero_and_w1_gets_no_gradient():
+    q, k, v, w1, w2, docs = (t.requires_grad_() if t.is_floating_point() else t
+                             for t in dc_inputs(torch.bfloat16))
+    y = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    w2 = torch.zeros_like(w2, requires_grad=True)
+    gated = tg.GatedAttention(None, None, w1, w2, tg.dc_window_mask(docs, 4))
+    out = tg.gated_attention(y, q, k, v, 0.3, gated)
+    assert torch.equal(out, y)
+    out.float().square().sum().backward()
+    assert torch.equal(w1.grad, torch.zeros_like(w1)) and w2.grad.abs().sum() > 0
+
+
+def test_dc_reads_the_q_k_v_and_scale_the_attention_used(monkeypatch):
+    config = gated_config("float32", dc_layers=(15,))
+    model = tg.build_model(config)
+    fill_random(model)
+    random_net(model, scale=0.1)
+    seen, attended = [], []
+    real, real_attend = tg.dc_addition, tg.attend
+    monkeypatch.setattr(tg, "dc_addition", lambda *a: seen.append(a) or real(*a))
+    monkeypatch.setattr(tg, "attend", lambda q, k, v, mask, scale, *r: attended.append((q, k, v, scale))
+                        or real_attend(q, k, v, mask, scale, *r))
+    inputs, targets = packed(config)
+    with torch.no_grad():
+        model.eval()(inputs, targets, WINDOW)
+    assert len(seen) == 1
+    q, k, v, w1, w2, valid, scale = seen[0]
+    assert all(a is b for a, b in zip((q, k, v), attended[15][:3])) and scale == attended[15][3] == config.attn_scale
+    docs = (inputs == config.eot_token).cumsum(0)
+    assert torch.equal(valid, tg.dc_window_mask(docs, config.dc_window)) and docs.max() > 0
+    net = model.gate_net
+    for role, t in (("dc_w1", w1), ("dc_w2", w2)):
+        k_, slot = net.slots[role, 15]
+        assert k_ == 1 and slot.starts == ((1.0 if role == "dc_w1" else 0.0),) * config.num_heads
+        assert t.shape == (1, config.train_seq_len, config.num_heads)
+
+
+def test_with_neutral_biases_and_dc_the_bf16_gated_model_is_still_the_plain_models_loss():
+    plain, _, config = neutral_pair()
+    config = gated_config(dc_layers=(15,))
+    gated = tg.build_model(config)
+    fill_random(gated)
+    with torch.no_grad():
+        net = gated.gate_net
+        net.w2.zero_()
+        net.scale.fill_(tg.GATE_NET_SCALE)
+        net.bias.copy_(neutral_biases(net))
+    loss_p, _ = loss_and_grads(plain, config)
+    loss_g, grads = loss_and_grads(gated, config)
+    assert torch.equal(loss_p, loss_g)
+    k, w2 = net.slots["dc_w2", 15]
+    _, w1 = net.slots["dc_w1", 15]
+    bias_grad = grads["gate_net.bias"][k].float()
+    H = config.num_heads
+    assert (bias_grad[w2.start:w2.start + H] != 0).all() and (bias_grad[w1.start:w1.start + H] == 0).all()
+
+
+def test_the_dry_run_counts_are_the_specs(capsys):
+    plain = dry_run(capsys, "--recipe=mudd")
+    gated = dry_run(capsys, "--recipe=mudd", "--mudd_gate", "--xsa_layers=" + ",".join(map(str, ALL12)),
+                    "--attn_gate_layers=0,4,11,15", "--dc_layers=15")
+    assert gated["params_by_group"]["mudd_gate"] == 145_373
+    assert gated["total_params"] - plain["total_params"] == 145_373 - 2_144
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--dc_layers=15"], "--dc_layers: its weights w1, w2 come from the gate net"),
+    (["--mudd_gate", "--dc_layers=16"], "--dc_layers: block 16 does not exist"),
+    (["--mudd_gate", "--dc_layers=7", "--attention_free_layers=7"], "--dc_layers: block 7 has no attention"),
+    (["--mudd_gate", "--dc_layers=7", "--dc_window=0"], "--dc_window: 0 is not allowed"),
+])
+def test_dc_refusals_in_one_line(flags, words, capsys):
+    assert tg.main(["--preset=tiny", "--dry_run", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1
