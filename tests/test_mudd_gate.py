@@ -558,3 +558,70 @@ def test_dc_refusals_in_one_line(flags, words, capsys):
     assert tg.main(["--preset=tiny", "--dry_run", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1
+
+
+# ---- whole runs: a tiny run learns, resumes after SIGKILL bit for bit, two processes = accumulation
+
+
+def test_the_gated_forward_traces_into_one_graph():
+    """Static shapes and no host syncs: the gated training forward with DC and its gradients, traced
+    whole, equal the eager ones."""
+    config = gated_config("float32", dc_layers=(15,), fused_softcap_ce=False)
+    model = tg.build_model(config)
+    fill_random(model)
+    random_net(model, scale=0.1)
+    inputs, targets = packed(config)
+    traced = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
+    got = traced(inputs, targets, WINDOW)
+    got.backward()
+    grads = [p.grad.clone() for p in model.gate_net.parameters()]
+    model.zero_grad()
+    want = model(inputs, targets, WINDOW)
+    want.backward()
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.gate_net.parameters()))
+
+
+RUN_FLAGS = ("--recipe=mudd", "--mudd_gate", "--xsa_layers=" + ",".join(map(str, ALL12)),
+             "--attn_gate_layers=0,4,11,15", "--dc_layers=15", "--dc_window=20", "--seed=0",
+             "--adam_odd_steps_only=false", "--untie_embed_after_step=0")
+RUN_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def gated_run(synthetic_dir, tmp_path_factory):
+    from test_checkpoint import run_argv
+    out = tmp_path_factory.mktemp("gated_run")
+    assert tg.main(run_argv(synthetic_dir, out, *RUN_FLAGS, "--save_every=4", N=RUN_STEPS)) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_a_tiny_gated_run_learns(gated_run):
+    import re
+    from test_checkpoint import log_text
+    losses = [float(m[1]) for m in re.finditer(rf"^step:\d+/{RUN_STEPS} val_loss:(\S+)", log_text(gated_run), re.M)]
+    assert len(losses) == RUN_STEPS // 2 + 1 and losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.slow
+def test_a_gated_run_killed_with_sigkill_resumes_bit_for_bit(gated_run, synthetic_dir, tmp_path):
+    from test_checkpoint import kill_when_saved, resumed_step, run_argv
+    from test_distributed import assert_bit_identical, checkpoint_tensors
+    argv = run_argv(synthetic_dir, tmp_path, *RUN_FLAGS, "--save_every=4", N=RUN_STEPS)
+    kill_when_saved(argv, tmp_path, 4)
+    assert tg.main([*argv, "--resume=latest"]) == 0
+    assert resumed_step(tmp_path) >= 4
+    final = f"ck/tiny/step_{RUN_STEPS:06d}"
+    assert_bit_identical(checkpoint_tensors(tmp_path / final), checkpoint_tensors(gated_run / final))
+
+
+@pytest.mark.slow
+def test_two_gated_processes_equal_one_accumulating_two_micro_steps(synthetic_dir, tmp_path_factory):
+    from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args
+    one, two = one_and_two_processes(
+        lambda out: [*run_args(synthetic_dir, out, *RUN_FLAGS), f"--num_iterations={RUN_STEPS}"],
+        tmp_path_factory.mktemp("gated_one"), tmp_path_factory.mktemp("gated_two"))
+    for step in (4, RUN_STEPS):
+        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
+                             checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
