@@ -625,3 +625,10 @@ def test_two_gated_processes_equal_one_accumulating_two_micro_steps(synthetic_di
     for step in (4, RUN_STEPS):
         assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
                              checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
+
+
+def test_the_logged_lambdas_list_no_static_x0_or_bigram_weights_under_the_gate_net():
+    model = tg.build_model(gated_config())
+    lines = tg.learned_scalars_lines(model)
+    assert len(lines) >= 16 and lines[0].startswith("lambdas layer 0: x:") and "x00:" not in lines[0]
+    assert not any(line.startswith("lambdas bigram") for line in lines)
