@@ -1702,7 +1702,8 @@ class GPT(nn.Module):
             if self.gate_net is not None:  # §18 --mudd_gate: net 0 before block 0, net 1 at mudd_gate_layer's input
                 nets, gated = self.gate_net.at_block(i, x, x0s[0], input_seq, nets, slots)
             if i in self.skips:
-                skip = self.skip_weight(i, x0s[0], slots) if gated is None else gated.skip  # §18 --mudd_gate
+                skip = self.skip_weight(i, x0s[0], slots) if gated is None or gated.skip is None \
+                    else gated.skip  # §18 --mudd_gate
                 x = x + skip * outputs[self.skips[i]]
             mask = long_mask if i in self.long_layers else short_mask
             attn = AttentionArgs(ves[i], attn_lambdas[i], cos, sin, mask, scale, scale_tensor,

@@ -632,3 +632,33 @@ def test_the_logged_lambdas_list_no_static_x0_or_bigram_weights_under_the_gate_n
     lines = tg.learned_scalars_lines(model)
     assert len(lines) >= 16 and lines[0].startswith("lambdas layer 0: x:") and "x00:" not in lines[0]
     assert not any(line.startswith("lambdas bigram") for line in lines)
+
+
+@pytest.mark.parametrize("flags", [dict(gated_skips=False), dict(recipe="bulk"), dict(num_extra_embeds=0)])
+def test_other_configurations_build_and_run_with_their_layout(flags):
+    """Ungated skips keep their static weights; without --mudd or the bigram every block's input
+    weights come from the nets, as many as the block mixes."""
+    recipe = flags.pop("recipe", "mudd")
+    config = tiny(recipe, mudd_gate=True, dc_layers=(2,), **flags)
+    model = tg.build_model(config)
+    fill_random(model)
+    random_net(model, scale=0.1)
+    roles = {s.role for net in model.gate_net.layout for s in net}
+    assert ("skip" in roles) == config.gated_skips
+    widths = {len(s.starts) for net in model.gate_net.layout for s in net if s.role == "weights"}
+    assert widths == {1 + config.num_extra_embeds + config.bigram_embed}
+    loss, grads = loss_and_grads(model, config)
+    assert torch.isfinite(loss) and grads["gate_net.w1"].abs().sum() > 0
+
+
+def test_dc_traces_whole_with_the_scale_as_a_tensor():
+    """flex with YaRN passes the scale as a 0-d tensor rewritten in place: DC traces with it in one
+    graph and gives the eager values and gradients."""
+    q, k, v, w1, w2, docs = (t.float().requires_grad_() if t.is_floating_point() else t for t in dc_inputs())
+    valid, scale = tg.dc_window_mask(docs, 4), torch.tensor(0.3)
+    traced = torch.compile(tg.dc_addition, backend="eager", fullgraph=True, dynamic=False)
+    got = traced(q, k, v, w1, w2, valid, scale)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v, w1, w2))
+    want = tg.dc_addition(q, k, v, w1, w2, valid, scale)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v, w1, w2))))
