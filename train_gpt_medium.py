@@ -330,7 +330,7 @@ class Hyperparameters:
     fused_ce_variant: str = recipe("pr252", "with --fused_softcap_ce: pr252 or pr261, the numerics of PR #261's "
                                    "kernel (docs/fused-ce.md)", choices=("pr252", "pr261"),
                                    needs=("fused_softcap_ce",), peak_neutral=True)
-    # ---- the short track since MUDD (Part II, sections 12-17, docs/short-track-transfer.md): candidates for
+    # ---- the short track since MUDD (Part II, sections 12-18, docs/short-track-transfer.md): candidates for
     # the next record, each a switch, off here; --recipe transfer sets them. No claim, no GPU run yet
     # §12 #264/#317 learnable XSA
     xsa_layers: tuple[int, ...] = recipe((), "blocks whose attention output loses tanh(alpha) of its component along "
@@ -356,6 +356,22 @@ class Hyperparameters:
                               "and max|x|/448, bf16 backward (#306)", peak_neutral=True)
     fp8_mlp_down: bool = recipe(False, "training's MLP output projection from e4m3 codes, delayed scales: max post "
                                 "x1.80 (per slice), max|W| x1.12 (#342)", peak_neutral=True)
+    # §18 #315 the MUDD gate nets and DC
+    attn_gate_layers: Optional[tuple[int, ...]] = recipe(
+        None, "blocks whose attention keeps its output gate (none: #317's ablation); auto: all; with --mudd_gate "
+        "from the gate net", needs=("attn_output_gate",), peak_neutral=True)
+    mudd_gate: bool = recipe(False, "per-token XSA alphas, output gates, x0/bigram weights, skip gates and DC weights "
+                             "from two small nets (#315)", peak_neutral=True)
+    mudd_gate_layer: Optional[int] = recipe(None, "with --mudd_gate: its second net reads the stream at this block's "
+                                            "input; auto: round(4/11 x num_layers) (6 of 16)", at_least=0,
+                                            needs=("mudd_gate",), peak_neutral=True)
+    mudd_gate_lr: float = recipe(0.0004, "with --mudd_gate: Adam lr of its nets (betas 0.9/0.99; decay on the two "
+                                 "matrices only)", at_least=0, at_most=LR_LIMIT, needs=("mudd_gate",),
+                                 peak_neutral=True)
+    dc_layers: tuple[int, ...] = recipe((), "with --mudd_gate: blocks whose attention adds the head-composed "
+                                        "local-window attention (#315's DC), weights from the gate net", peak_neutral=True)
+    dc_window: int = recipe(112, "with --dc_layers: DC's window in tokens (t - s < W, same document)", at_least=1,
+                            needs=("dc_layers",), peak_neutral=True)
     # ---- seed ideas (docs/ideas.md): the defaults are the record; an idea that is off builds nothing
     num_extra_embeds: int = idea(1, "input embeddings beyond x00 (the record: x01)", at_least=0, at_most=4)
     x00_at_output: bool = idea(False, "mix x00 into the final normed x before the head (rejected upstream)")
@@ -474,6 +490,15 @@ class Hyperparameters:
     @property
     def long_layers(self) -> set[int]:
         return set(self.long_window_layers)
+
+    @property
+    def gated_layers(self) -> list[int]:
+        """The blocks whose attention has an output gate (§18 --attn_gate_layers; auto: every attention
+        block where --attn_output_gate)."""
+        if not self.attn_output_gate:
+            return []
+        chosen = self.attention_layers if self.attn_gate_layers is None else self.attn_gate_layers
+        return sorted(set(chosen))
 
 
 # =============================================================================
@@ -1341,6 +1366,7 @@ class AttentionArgs(NamedTuple):
     scale_tensor: Optional[torch.Tensor]  # a 0-d fp32 tensor rewritten in place by YaRN (flex)
     v_extra: Optional[torch.Tensor] = None  # §10 --mudd's last block: (B, T, H, D) added to v
     ve_gate: Optional[torch.Tensor] = None  # §10 --mudd's last block: (B, T, H, 1), the value-embedding gate
+    gated: Optional["GatedAttention"] = None  # §18 --mudd_gate: the block's per-token XSA, DC and output gate
 
 
 class Attention(nn.Module):
@@ -1364,10 +1390,10 @@ class Attention(nn.Module):
         # gates: group muon_gates (§9 --gates_optimizer=adam: the Adam group gates), lr multiplier 0.1, zero init
         group = "gates" if config.gates_optimizer == "adam" else "muon_gates"
         self.output_gate = (Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group)
-                            if config.attn_output_gate else None)
+                            if layer in config.gated_layers and not config.mudd_gate else None)  # §18
         gated_ve = config.value_embed_gate and config.value_embed_tables[layer] is not None
         self.value_gate = Gate(config.num_heads, dtype, lr_mul=0.1, wd_mul=1.0, group=group) if gated_ve else None
-        self.xsa = XSA(config) if layer in config.xsa_layers else None  # §12 --xsa_layers
+        self.xsa = XSA(config) if layer in config.xsa_layers and not config.mudd_gate else None  # §12, §18
 
     def forward(self, x: torch.Tensor, a: AttentionArgs) -> torch.Tensor:
         """x = norm of the residual stream (B, T, d) -> (B, T, d). The scale: a.scale, or a.scale_tensor
@@ -1391,6 +1417,8 @@ class Attention(nn.Module):
             v = v + ve
         scale = self.scale if a.scale is None and a.scale_tensor is None else a.scale
         y = attend(q, k, v, a.mask, scale, a.scale_tensor)
+        if a.gated is not None:  # §18 --mudd_gate: DC, XSA and the output gate from the gate nets
+            y = gated_attention(y, q, k, v, a.scale_tensor if scale is None else scale, a.gated)
         y = y if self.xsa is None else self.xsa(y, v)  # §12 --xsa_layers
         if self.output_gate is not None:
             y = y * torch.sigmoid(self.output_gate(x)).view(B, T, H, 1)
@@ -1636,7 +1664,8 @@ class GPT(nn.Module):
         # per layer the weights of x00, x01, ... at the block's input (L x (1 + extra)); lr multiplier
         # 5, no weight decay, zero at the start
         self.x0_lambdas = declare(nn.Parameter(torch.empty(L * (1 + config.num_extra_embeds), dtype=torch.float32)),
-                                  "x0_lambdas", zeros, lr_mul=5.0, wd_mul=0.0, lr="x0_lambdas_lr")
+                                  "x0_lambdas", zeros, lr_mul=5.0, wd_mul=0.0, lr="x0_lambdas_lr"
+                                  ) if not config.mudd_gate else None  # §18 --mudd_gate sets them per token
         # --x00_at_output: final x = w0 * norm(x) + w1 * x00 (rejected upstream), starting as the
         # record (x00 weighted 0)
         self.output_mix = (declare(nn.Parameter(torch.empty(2, dtype=torch.float32)), "scalar",
@@ -1645,10 +1674,12 @@ class GPT(nn.Module):
         self.bigram = BigramEmbedding(config, dtype) if config.bigram_embed else None  # §9 --bigram_embed
         self.mudd = Mudd(config) if config.mudd else None  # §10 --mudd
         self.prefix = PrefixTargets(config) if config.prefix_loss_weight else None  # §16 --prefix_loss_weight
+        self.gate_net = MuddGate(config) if config.mudd_gate else None  # §18 --mudd_gate
         # --smear_embed and --gated_skips: (1, 16) gates, Adam group gates, lr multiplier 0.01, no decay
         self.smear_gate = Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates") if config.smear_embed else None
         self.skip_gates = (nn.ModuleList(Gate(1, dtype, lr_mul=0.01, wd_mul=0.0, group="gates")
-                                         for _ in config.skip_connections) if config.gated_skips else None)
+                                         for _ in config.skip_connections)
+                           if config.gated_skips and not config.mudd_gate else None)  # §18 --mudd_gate sets them
         self.skip_index = {target: j for j, (target, _) in enumerate(config.skip_connections)}
         # rotary tables and the attention scale as buffers, rewritten in place by YaRN
         self.rotary = RotaryTables(config)
@@ -1671,7 +1702,8 @@ class GPT(nn.Module):
     def mixing_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per layer, the block input's weight on the residual stream (L,) and on each input
         embedding (L, 1 + extra)."""
-        return self.scalar_slots()["resid"], self.x0_lambdas.view(self.config.num_layers, -1)
+        return self.scalar_slots()["resid"], (None if self.x0_lambdas is None  # §18 --mudd_gate
+                                              else self.x0_lambdas.view(self.config.num_layers, -1))
 
     def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor, window,
                 reduction: Optional[str] = None, mtp_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -1697,12 +1729,19 @@ class GPT(nn.Module):
             block_inputs = x0s + [bigram_rows]
         attn_from = cfg.attn_input_from_layer  # §10: the blocks after it attend from its output
         x, outputs, last_mix = x0s[0], [], None
+        nets = gated = None  # §18 --mudd_gate
         for i, block in enumerate(self.blocks):
+            if self.gate_net is not None:  # §18 --mudd_gate: net 0 before block 0, net 1 at mudd_gate_layer's input
+                nets, gated = self.gate_net.at_block(i, x, x0s[0], input_seq, nets, slots)
             if i in self.skips:
-                x = x + self.skip_weight(i, x0s[0], slots) * outputs[self.skips[i]]
+                skip = self.skip_weight(i, x0s[0], slots) if gated is None or gated.skip is None \
+                    else gated.skip  # §18 --mudd_gate
+                x = x + skip * outputs[self.skips[i]]
             mask = long_mask if i in self.long_layers else short_mask
-            attn = AttentionArgs(ves[i], attn_lambdas[i], cos, sin, mask, scale, scale_tensor)
-            weights = x0_weights[i] if gammas is None else (*x0_weights[i], gammas[i])
+            attn = AttentionArgs(ves[i], attn_lambdas[i], cos, sin, mask, scale, scale_tensor,
+                                 gated=None if gated is None else gated.attn)  # §18 --mudd_gate
+            weights = (x0_weights[i] if gammas is None else (*x0_weights[i], gammas[i])) if gated is None \
+                else gated.input_weights  # §18 --mudd_gate
             args = BlockArgs(block_inputs, resid_weights[i], weights, attn, mudd=last_mix,  # §10 --mudd
                              attn_source=outputs[attn_from] if attn_from is not None and i > attn_from else None)
             x = checkpoint(block, x, args, use_reentrant=False) if recompute else block(x, args)
@@ -2804,15 +2843,16 @@ class BigramEmbedding(nn.Module):
                              lr_mul, wd_mul, betas=BIGRAM_TABLE_BETAS, lr="embed_lr")
         self.lambdas = declare(nn.Parameter(torch.empty(config.num_layers, dtype=torch.float32)), "bigram_lambdas",
                                constant_init([config.bigram_lambda_init] * config.num_layers), lr_mul=1.0, wd_mul=0.0,
-                               betas=BIGRAM_LAMBDA_BETAS, lr="embed_lr")
+                               betas=BIGRAM_LAMBDA_BETAS, lr="embed_lr"
+                               ) if not config.mudd_gate else None  # §18 --mudd_gate sets them per token
         self.signs = BigramSigns(config, dtype) if config.bigram_sign_rows else None  # §14 --bigram_sign_rows
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows (1, T, d), not normed; gammas (L,) cast to the rows' dtype)."""
+        """(rows (1, T, d), not normed; gammas (L,) cast to the rows' dtype, None with §18 --mudd_gate)."""
         rows = F.embedding(bigram_ids(ids, self.table.shape[0]), self.table)[None]
         if self.signs is not None:  # §14 --bigram_sign_rows: each row times its +-1 vector
             rows = self.signs(ids, rows)
-        return rows, self.lambdas.to(rows.dtype)
+        return rows, None if self.lambdas is None else self.lambdas.to(rows.dtype)
 
 
 def sparse_row_sum(grad: torch.Tensor, world_size: int) -> bool:
@@ -3227,11 +3267,13 @@ XSA_DENOM_FLOOR = 1e-8  # max(|v|^2, 1e-8) = max(|v|, 1e-4)^2, #264's floor of |
 
 def xsa(y: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """y - tanh(alpha) (y . v) / max(|v|^2, 1e-8) v for each token and head (#317's form): y and v
-    (B, T, H, D), alpha (H,) fp32. tanh(alpha) is cast to y's dtype and every operation runs in it, as
-    #317's code; a zero alpha gives y's values (and passes y's gradient on) exactly."""
+    (B, T, H, D), alpha (H,) fp32, or (B, T, H, 1) per token (§18 --mudd_gate). tanh(alpha) is cast to
+    y's dtype and every operation runs in it, as #317's code; a zero alpha gives y's values (and passes
+    y's gradient on) exactly."""
     dot = (y * v).sum(-1, keepdim=True)
     denom = v.square().sum(-1, keepdim=True).clamp_min(XSA_DENOM_FLOOR)
-    a = torch.tanh(alpha).type_as(y).view(1, 1, -1, 1)
+    a = torch.tanh(alpha).type_as(y)
+    a = a.view(1, 1, -1, 1) if a.dim() == 1 else a
     return y - a * (dot / denom) * v
 
 
@@ -3746,6 +3788,271 @@ def check_fp8_mlp(cfg: Hyperparameters) -> None:
             "forward would quantize with the updated one: drop one of the two")
 
 
+# =============================================================================
+# 18. PR #315 (docs/short-track-transfer.md section 5): the MUDD gate nets and lightweight dynamically
+#     composable attention. Output gates on chosen blocks only (--attn_gate_layers); two small nets
+#     setting per-token coefficients in place of static ones (--mudd_gate, --mudd_gate_layer,
+#     --mudd_gate_lr); DC on chosen blocks (--dc_layers, --dc_window), in a torch band form
+
+GATE_NET_HIDDEN = 64  # each net's hidden width, as MUDD's
+GATE_NET_SCALE = 0.1  # s, the learned output scale, at the start
+GATE_NET_BETAS = (0.9, 0.99)
+# the starting outputs of #315's biases (bias = output / s): output gates 0.25 (the plain model's
+# sigmoid(0) = 0.5 is the neutral value), skips 0.5 (neutral 1, the plain 2 sigmoid(0)), the bigram
+# weight bigram_lambda_init, DC's w1 1; XSA alphas, x0 weights and DC's w2 0
+GATE_NET_START = dict(gate=0.25, skip=0.5, dc_w1=1.0)
+DC_W1_EPS = 1e-6  # w1n = w1 / sqrt(mean_h w1^2 + 1e-6)
+
+
+class GateSlot(NamedTuple):
+    """One entry of a gate net's output row: `role` for block `block` (a skip: its target) in
+    columns start .. start + len(starts) - 1, starting at the outputs `starts`."""
+    role: str  # xsa (alphas, before tanh), gate (output gates), weights (x00, x01, ..., bigram), skip, dc_w1, dc_w2
+    block: int
+    start: int
+    starts: tuple[float, ...]
+
+
+def mudd_gate_layer(cfg: Hyperparameters) -> int:
+    """The block at whose input net 1 reads the stream: --mudd_gate_layer, auto round(4/11 x L)."""
+    return round(4 / 11 * cfg.num_layers) if cfg.mudd_gate_layer is None else cfg.mudd_gate_layer
+
+
+def gate_net_layout(cfg: Hyperparameters) -> tuple[tuple[GateSlot, ...], tuple[GateSlot, ...]]:
+    """What each net's outputs are, in order of role then block: XSA alphas of the xsa_layers blocks,
+    output gates of the gated blocks (--attn_gate_layers), the input weights (x00, x01, ..., the
+    bigram row) of blocks 0..L-1 (0..L-2 with --mudd: its last block has its own), the gated skips
+    (by target), DC's w1 then its w2 of the dc_layers blocks. A block's entries (a skip's: its
+    target's) come from net 0 before mudd_gate_layer, from net 1 from there on."""
+    H, L, layer = cfg.num_heads, cfg.num_layers, mudd_gate_layer(cfg)
+    weights = (0.0,) * (1 + cfg.num_extra_embeds) + ((cfg.bigram_lambda_init,) if cfg.bigram_embed else ())
+    entries = ([("xsa", b, (0.0,) * H) for b in sorted(set(cfg.xsa_layers))]
+               + [("gate", b, (GATE_NET_START["gate"],) * H) for b in cfg.gated_layers]
+               + [("weights", b, weights) for b in range(L - 1 if cfg.mudd else L)]
+               + [("skip", t, (GATE_NET_START["skip"],)) for t, _ in cfg.skip_connections if cfg.gated_skips]
+               + [("dc_w1", b, (GATE_NET_START["dc_w1"],) * H) for b in sorted(set(cfg.dc_layers))]
+               + [("dc_w2", b, (0.0,) * H) for b in sorted(set(cfg.dc_layers))])
+    nets = ([], [])
+    for role, block, starts in entries:
+        net = nets[int(block >= layer)]
+        start = net[-1].start + len(net[-1].starts) if net else 0
+        net.append(GateSlot(role, block, start, starts))
+    return tuple(nets[0]), tuple(nets[1])
+
+
+def gate_net_kept_bytes(cfg: Hyperparameters, T: int) -> int:
+    """The memory model's estimate of what §18 keeps for the backward over T tokens (see peak_parts)."""
+    if not cfg.mudd_gate:
+        return 0
+    outputs = sum(len(slot.starts) for net in gate_net_layout(cfg) for slot in net)
+    nets = 2 * 2 * T * GATE_NET_HIDDEN * 2 + T * outputs * 2
+    return nets + len(set(cfg.dc_layers)) * T * (cfg.num_heads + 1) * cfg.dc_window * 4
+
+
+def gate_net_bias(shape, gen, layout) -> torch.Tensor:
+    """b2g (2, n): each slot's starting outputs / s (gen unused); the padding of the shorter net 0."""
+    b = torch.zeros(shape)
+    for k, net in enumerate(layout):
+        for slot in net:
+            b[k, slot.start:slot.start + len(slot.starts)] = torch.tensor(slot.starts) / GATE_NET_SCALE
+    return b
+
+
+class GatedAttention(NamedTuple):
+    """A block's attention coefficients from the gate nets (§18 --mudd_gate), each per token or None:
+    the XSA alphas (1, T, H, 1) before tanh, the output gates (1, T, H, 1) (used as they are), DC's w1
+    and w2 (1, T, H) and the (T, W) window of keys each query may see (dc_window_mask)."""
+    xsa_alpha: Optional[torch.Tensor]
+    output_gate: Optional[torch.Tensor]
+    dc_w1: Optional[torch.Tensor] = None
+    dc_w2: Optional[torch.Tensor] = None
+    dc_valid: Optional[torch.Tensor] = None
+
+
+class GatedBlock(NamedTuple):
+    """Block i's coefficients from the gate nets: the skip weight into it ((1, T, 1) or None), its
+    input weights (a tuple of (1, T, 1): x00, x01, ..., the bigram row's), its GatedAttention (None
+    without attention)."""
+    skip: Optional[torch.Tensor]
+    input_weights: tuple
+    attn: Optional[GatedAttention]
+
+
+class MuddGate(nn.Module):
+    """--mudd_gate (#315): two nets k = 0, 1, a = GELU(W1g[k] h) (64 wide, exact GELU), out =
+    (W2g[k] a + b2g[k]) s per token, net 0 from x00 before block 0, net 1 from the raw stream at the
+    input of block mudd_gate_layer; gate_net_layout says what each output is. W1g (2, 64, d) uniform
+    +-1/sqrt(d), W2g (2, n, 64) zero (n: the longer net's outputs), b2g (2, n) the starting outputs
+    / s, all bf16 whatever the model dtype; s (1,) fp32 from 0.1, used in bf16. Adam group
+    `mudd_gate`: lr --mudd_gate_lr, betas 0.9/0.99, wd x1 on W1g and W2g, none on b2g and s. Each
+    net's output is the fp32 sum times s, rounded once to the stream's dtype."""
+
+    def __init__(self, config: Hyperparameters):
+        super().__init__()
+        d, bf16 = config.model_dim, torch.bfloat16
+        self.layout, self.layer, self.heads = gate_net_layout(config), mudd_gate_layer(config), config.num_heads
+        self.slots = {(slot.role, slot.block): (k, slot) for k, net in enumerate(self.layout) for slot in net}
+        self.attention_layers = set(config.attention_layers)
+        self.skip_index = {target: j for j, (target, _) in enumerate(config.skip_connections)}
+        self.eot, self.dc_window, self.dc_layers = config.eot_token, config.dc_window, set(config.dc_layers)
+        n = max(1, *(len(net) and net[-1].start + len(net[-1].starts) for net in self.layout))
+        options = dict(betas=GATE_NET_BETAS, lr="mudd_gate_lr")
+        self.w1 = declare(nn.Parameter(torch.empty(2, GATE_NET_HIDDEN, d, dtype=bf16)), "mudd_gate",
+                          uniform_init(d**-0.5), wd_mul=1.0, **options)
+        self.w2 = declare(nn.Parameter(torch.empty(2, n, GATE_NET_HIDDEN, dtype=bf16)), "mudd_gate", zeros,
+                          wd_mul=1.0, **options)
+        self.bias = declare(nn.Parameter(torch.empty(2, n, dtype=bf16)), "mudd_gate",
+                            functools.partial(gate_net_bias, layout=self.layout), wd_mul=0.0, **options)
+        self.scale = declare(nn.Parameter(torch.empty(1, dtype=torch.float32)), "mudd_gate",
+                             constant_init([GATE_NET_SCALE]), wd_mul=0.0, **options)
+
+    def net(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        """Net k's outputs (1, T, n) from h (1, T, d), in h's dtype."""
+        a = F.gelu(F.linear(h, self.w1[k].type_as(h)))  # (1, T, 64)
+        z = F.linear(a, self.w2[k].type_as(a))  # (1, T, n)
+        s = self.scale[0].to(torch.bfloat16).float()
+        return ((z.float() + self.bias[k].float()) * s).to(h.dtype)
+
+    def at_block(self, i: int, x: torch.Tensor, x00: torch.Tensor, ids: torch.Tensor, nets: Optional[tuple],
+                 slots: dict) -> tuple[tuple, GatedBlock]:
+        """At block i's input x (before its skip): runs net 0 (i = 0) and net 1 (i = mudd_gate_layer),
+        (net outputs so far and DC's window mask, block i's GatedBlock)."""
+        if i == 0:
+            valid = dc_window_mask((ids == self.eot).cumsum(0), self.dc_window) if self.dc_layers else None
+            nets = (self.net(0, x00), None, valid)
+        if i == self.layer:
+            nets = (nets[0], self.net(1, x), nets[2])
+        return nets, self.block(i, nets, slots)
+
+    def take(self, nets: tuple, role: str, block: int) -> Optional[torch.Tensor]:
+        """The columns of (role, block), (1, T, width), or None where the layout has none."""
+        if (role, block) not in self.slots:
+            return None
+        k, slot = self.slots[role, block]
+        return nets[k][..., slot.start:slot.start + len(slot.starts)]
+
+    def block(self, i: int, nets: tuple, slots: dict) -> GatedBlock:
+        heads = lambda t: None if t is None else t[..., None]  # (1, T, H) -> (1, T, H, 1)
+        skip = self.take(nets, "skip", i)
+        if skip is not None:
+            skip = torch.sigmoid(slots["skip_gain"][self.skip_index[i]]) * skip
+        w = self.take(nets, "weights", i)
+        weights = () if w is None else tuple(w[..., j:j + 1] for j in range(w.shape[-1]))
+        dc = i in self.dc_layers
+        attn = GatedAttention(heads(self.take(nets, "xsa", i)), heads(self.take(nets, "gate", i)),
+                              self.take(nets, "dc_w1", i), self.take(nets, "dc_w2", i), nets[2] if dc else None
+                              ) if i in self.attention_layers else None
+        return GatedBlock(skip, weights, attn)
+
+
+def gated_attention(y: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale,
+                    gated: GatedAttention) -> torch.Tensor:
+    """A block's attention output y (B, T, H, D) after the kernel, with --mudd_gate: DC's addition
+    (--dc_layers; y + it in fp32, rounded once), XSA with the per-token alphas, then the output gates as
+    they are."""
+    if gated.dc_w1 is not None:
+        y = (y.float() + dc_addition(q, k, v, gated.dc_w1, gated.dc_w2, gated.dc_valid, scale)).to(y.dtype)
+    if gated.xsa_alpha is not None:
+        y = xsa(y, v, gated.xsa_alpha)
+    if gated.output_gate is not None:
+        y = y * gated.output_gate
+    return y
+
+
+def dc_window_mask(docs: torch.Tensor, window: int) -> torch.Tensor:
+    """(T, W) bool: query t sees key t - j (j = 0 .. W-1) where t - j >= 0 and both are in one document
+    (docs (T,), the masks' document ids: cumsum(ids == eot))."""
+    T = docs.numel()
+    j = torch.arange(window, device=docs.device)
+    back = torch.arange(T, device=docs.device)[:, None] - j[None, :]  # (T, W)
+    return (back >= 0) & (docs[:, None] == docs[back.clamp_min(0)])
+
+
+def shift_forward(x: torch.Tensor, j: int) -> torch.Tensor:
+    """x (B, T, ...) with row t taking row t - j (zeros for t < j)."""
+    j = min(j, x.size(1))
+    return F.pad(x[:, :x.size(1) - j], (0, 0) * (x.dim() - 2) + (j, 0)) if j else x
+
+
+def shift_back(x: torch.Tensor, j: int) -> torch.Tensor:
+    """The adjoint of shift_forward: row s takes row s + j (zeros past the end)."""
+    j = min(j, x.size(1))
+    return F.pad(x[:, j:], (0, 0) * (x.dim() - 2) + (0, j)) if j else x
+
+
+class DCBand(torch.autograd.Function):
+    """--dc_layers: DC's addition (B, T, H, D) fp32 from q, k, v (B, T, H, D) as the attention used
+    them, w1n and w2 (B, T, H), valid (T, W) (dc_window_mask) and the softmax scale (a number or 0-d
+    tensor): P_h[t, j] = softmax_j(scale q_h[t] . k_h[t-j]) over the valid keys (the product of the
+    stored values, summed in fp32), A[t, j] = sum_h w1n_h[t] P_h[t, j], out_g[t] = sum_j
+    (w2_g[t] A[t, j]) v_g[t-j], the weights rounded to v's dtype before the fp32 product (#315's
+    kernel). A band form: loops over the W offsets, each on (B, T, H, D) tensors; keeps q, k, v, w1n,
+    w2 and P (B, T, H, W) fp32 for its backward, which recomputes the rest (the rounding of the
+    weights passes the gradient straight through)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w1n, w2, valid, scale):
+        W, f32 = valid.shape[1], torch.float32
+        work = torch.float64 if q.dtype == torch.float64 else f32
+        qf = q.to(work)
+        S = torch.stack([(qf * shift_forward(k, j).to(work)).sum(-1) for j in range(W)], -1) * scale
+        P = torch.softmax(S.masked_fill(~valid[None, :, None, :], float("-inf")), dim=-1)  # (B, T, H, W)
+        A = (w1n.to(work)[..., None] * P).sum(2)  # (B, T, W)
+        M = (w2.to(work)[..., None] * A[:, :, None, :]).to(v.dtype).to(work)  # (B, T, H, W)
+        out = sum(M[..., j, None] * shift_forward(v, j).to(work) for j in range(W))
+        ctx.save_for_backward(q, k, v, w1n, w2, P)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, w1n, w2, P = ctx.saved_tensors
+        scale, W, work = ctx.scale, P.shape[-1], P.dtype
+        G, qf, w1f, w2f = grad.to(work), q.to(work), w1n.to(work), w2.to(work)
+        A = (w1f[..., None] * P).sum(2)
+        M = w2f[..., None] * A[:, :, None, :]
+        dM = torch.stack([(G * shift_forward(v, j).to(work)).sum(-1) for j in range(W)], -1)  # (B, T, H, W)
+        dv = sum(shift_back(M[..., j, None] * G, j) for j in range(W))
+        dw2 = (dM * A[:, :, None, :]).sum(-1)
+        dA = (dM * w2f[..., None]).sum(2)  # (B, T, W)
+        dw1n = (dA[:, :, None, :] * P).sum(-1)
+        dP = w1f[..., None] * dA[:, :, None, :]
+        dS = P * (dP - (P * dP).sum(-1, keepdim=True)) * scale
+        dq = sum(dS[..., j, None] * shift_forward(k, j).to(work) for j in range(W))
+        dk = sum(shift_back(dS[..., j, None] * qf, j) for j in range(W))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw1n.to(w1n.dtype), dw2.to(w2.dtype), None, None)
+
+
+def dc_addition(q, k, v, w1: torch.Tensor, w2: torch.Tensor, valid: torch.Tensor, scale) -> torch.Tensor:
+    """DC's addition to a block's attention output (fp32, or float64 from float64 inputs): DCBand with
+    w1n = w1 / sqrt(mean_h w1^2 + 1e-6) per token, in fp32."""
+    w1 = w1.double() if w1.dtype == torch.float64 else w1.float()
+    w1n = w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + DC_W1_EPS)
+    return DCBand.apply(q, k, v, w1n, w2, valid, scale)
+
+
+def check_mudd_gate(cfg: Hyperparameters) -> None:
+    """§18's config rules: the gated blocks exist and have attention; the gate layer exists; DC's
+    blocks have attention and their weights come from the gate net."""
+    require(not cfg.dc_layers or cfg.mudd_gate, "dc_layers", "its weights w1, w2 come from the gate net: add "
+            "--mudd_gate")
+    for layer in cfg.dc_layers:
+        require(0 <= layer < cfg.num_layers, "dc_layers", f"block {layer} does not exist: list blocks in "
+                f"0..{cfg.num_layers - 1}")
+        require(layer in cfg.attention_layers, "dc_layers", f"block {layer} has no attention "
+                "(attention_free_layers): drop it from the list")
+    require(mudd_gate_layer(cfg) < cfg.num_layers or not cfg.mudd_gate, "mudd_gate_layer",
+            f"block {mudd_gate_layer(cfg)} does not exist: choose one in 0..{cfg.num_layers - 1}")
+    if cfg.attn_gate_layers is not None:
+        require(cfg.attn_output_gate, "attn_gate_layers", "chooses blocks of the output gates: drop it or add "
+                "--attn_output_gate")
+    for layer in cfg.attn_gate_layers or ():
+        require(0 <= layer < cfg.num_layers, "attn_gate_layers", f"block {layer} does not exist: list blocks in "
+                f"0..{cfg.num_layers - 1}")
+        require(layer in cfg.attention_layers, "attn_gate_layers", f"block {layer} has no attention "
+                "(attention_free_layers): drop it from the list")
+
+
 # #############################################################################
 # Part III. Machinery: what a record diff does not touch. The command line and config checks; run
 # setup, called once before training (device, threads, seed, input and output checks, the log, the
@@ -3862,7 +4169,7 @@ class Candidate:
     at_preset: dict = field(default_factory=dict)
 
 
-# `--recipe NAME` of a candidate for the next record: the ideas of Part II's sections 12-17 on mudd,
+# `--recipe NAME` of a candidate for the next record: the ideas of Part II's sections 12-18 on mudd,
 # on mudd's step grid until GPUs tune it (docs/short-track-transfer.md says how)
 TRANSFER_IDEAS: dict = dict(
     xsa_layers=tuple(range(12)),  # §12 #264/#317: the blocks up to the last one MUDD's attention reads (11)
@@ -3871,10 +4178,11 @@ TRANSFER_IDEAS: dict = dict(
     mlp_backward_from_post=True,  # §15 #322
     prefix_loss_weight=0.25,  # §16 #337
     fp8_mlp_up=True, fp8_mlp_down=True,  # §17 #306, #342
+    mudd_gate=True, attn_gate_layers=(0, 4, 11, 15), dc_layers=(15,),  # §18 #315 (the gate net at block 6, auto)
 )
 CANDIDATES: dict[str, Candidate] = {
     "transfer": Candidate({**RECIPES["mudd"].values, **TRANSFER_IDEAS}, "mudd",
-                          "mudd plus the short track's records since MUDD that carry over (Part II, sections 12-17)",
+                          "mudd plus the short track's records since MUDD that carry over (Part II, sections 12-18)",
                           "docs/short-track-transfer.md", at_preset=RECIPES["mudd"].at_preset),
 }
 CANDIDATE_NOTE = "a candidate, not a record: not run on a GPU, no claim, no published time"
@@ -3929,7 +4237,9 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
             return tuple(None if s.strip() == "-" else int(s) for s in text.split(","))
         if kind == "tuple[tuple[int, int], ...]":  # 9<6,10<4
             return tuple(tuple(int(s) for s in item.split("<", 1)) for item in filter(None, text.split(",")))
-        if kind == "tuple[int, ...]":  # 0,4,11
+        if kind == "Optional[tuple[int, ...]]" and text.lower() in ("none", "auto"):
+            return None
+        if kind in ("tuple[int, ...]", "Optional[tuple[int, ...]]"):  # 0,4,11
             return tuple(int(s) for s in text.split(",") if s.strip())
         if kind == "tuple[float, ...]":  # 1,1.52,2
             values = tuple(float(s) for s in text.split(",") if s.strip())
@@ -4072,6 +4382,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
     check_bigram_signs(cfg)  # §14
     check_prefix(cfg)  # §16
     check_fp8_mlp(cfg)  # §17
+    check_mudd_gate(cfg)  # §18
     need(cfg.extension_steps < cfg.num_iterations, "extension_steps",
          f"must be less than num_iterations={cfg.num_iterations}: the schedules need at least one step")
     unit, largest = cfg.batch_slices * cfg.attn_block_size, cfg.batch_slices * cfg.train_seq_len
@@ -5322,6 +5633,9 @@ MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # §12 --xsa_layers is taken to keep XSA_KEPT_PER_HEAD (T, H) tensors in the model dtype per listed block
 # (y.v, |v|^2 and their quotient; what torch 2.13's CPU Inductor keeps for a toy XSA: not measured on CUDA).
 XSA_KEPT_PER_HEAD = 3
+# §18 --mudd_gate is taken to keep each net's hidden layer before and after its GELU and its outputs,
+# (T, 64) and (T, n) in the model dtype; --dc_layers its band form's P and A, (T, H + 1, W) fp32 per block
+# (what DCBand saves). --attn_gate_layers' fewer gates are not counted.
 # §15 --mlp_backward_from_post is taken to keep one (T, hidden) tensor per block, as the record's compiled
 # MLP is taken to (its pre, relu(pre)^2 recomputed): no change predicted. If CUDA's Inductor keeps two, as
 # the CPU's does, the switch frees one per block, which this does not count. §17's FP8 codes are made and
@@ -5416,6 +5730,7 @@ def peak_parts(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Op
     kept += bool(config.bigram_embed and config.bigram_sign_rows)  # §14 --bigram_sign_rows: the gathered signs
     extra = kept * T * d * 2 + (config.fp8 - base.fp8) * (T + V) * d  # the fp8 codes: input and weight
     extra += len(config.xsa_layers) * XSA_KEPT_PER_HEAD * T * config.num_heads * 2  # §12 --xsa_layers
+    extra += gate_net_kept_bytes(config, T)  # §18 --mudd_gate, --dc_layers
     if config.activation_checkpointing:
         record_loss = T_record * V * LOGIT_BYTES
         one_block = (record_activations - record_loss) / config.num_layers * T / T_record
@@ -5596,7 +5911,9 @@ def learned_scalars_lines(model: GPT) -> list[str]:
     lambdas and the skip weights (--gated_skips: the gain into each target; off: per source layer)."""
     L, cfg = model.config.num_layers, model.config
     slots = {name: t.detach().float().cpu() for name, t in model.scalar_slots().items()}
-    resid, x0_weights = (t.detach().float().cpu() for t in model.mixing_weights())
+    resid, x0_weights = model.mixing_weights()
+    resid = resid.detach().float().cpu()
+    x0_weights = torch.zeros(L, 0) if x0_weights is None else x0_weights.detach().float().cpu()  # §18: per token
     attn_lambdas = slots["attn_lambdas"].view(L, 2)
     names = ["x"] + [f"x0{e}" for e in range(x0_weights.size(1))]
     attn_names = ("attn_qkv", "attn_out")
@@ -5614,7 +5931,7 @@ def learned_scalars_lines(model: GPT) -> list[str]:
         lines.append("lambdas output: x:{:.4f} x00:{:.4f}".format(*model.output_mix.detach().float().tolist()))
     if model.backout is not None:
         lines.append(f"backout from layer {model.backout.layer}: lambda:{model.backout.weight.item():.4f}")
-    if model.bigram is not None:  # --bigram_embed: gamma of layers 0, 1, ...
+    if model.bigram is not None and model.bigram.lambdas is not None:  # --bigram_embed: gamma of layers 0, 1, ...
         lines.append("lambdas bigram: " + " ".join(f"{v:.4f}" for v in model.bigram.lambdas.detach().float().tolist()))
     return lines
 

@@ -1,4 +1,4 @@
-"""--recipe transfer: the candidate for the next record (mudd plus Part II's sections 12-17). It is a
+"""--recipe transfer: the candidate for the next record (mudd plus Part II's sections 12-18). It is a
 recipe like the records' except that nothing was published for it: every place that shows a
 recipe's record says instead that it is a candidate that has not run on a GPU."""
 import pytest
@@ -55,3 +55,16 @@ def test_gpu_check_compares_a_candidate_with_no_record():
     from tools import gpu_check
     assert not gpu_check.is_record_shape(tg.make_config(recipe="transfer"))
     assert gpu_check.is_record_shape(tg.make_config(recipe="mudd"))
+
+
+def test_the_candidates_parameters_and_the_gate_nets_kept_activations():
+    """1,000,031,557 parameters: mudd's 871,110,088, the 7.5 x table's 128,778,240 more rows x 1024, the
+    gate nets' 145,373, less the 2,144 static weights and gates they replace. The memory model keeps
+    both nets' hidden layers (before and after GELU) and their 82 + 110 outputs per token, and DC's
+    (T, H + 1, W) fp32 at block 15."""
+    config = tg.make_config(recipe="transfer")
+    assert sum(p.numel() for p in tg.build_model(config, "meta").parameters()) == 1_000_031_557
+    T, H, W = 65_536, 8, 112
+    without = tg.peak_parts(tg.make_config(recipe="transfer", mudd_gate=False, dc_layers=(), attn_gate_layers=None))
+    assert tg.peak_parts(config)["training"] - without["training"] == (2 * 2 * T * 64 * 2 + T * (82 + 110) * 2
+                                                                       + T * (H + 1) * W * 4)

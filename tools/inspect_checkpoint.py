@@ -187,7 +187,8 @@ def report(model: tg.GPT, config: tg.Hyperparameters, step: int, val_tokens, pos
     import train_gpt_medium as tg
     vocab, out = Vocabulary(config.vocab_size), []
     window = at_step(model, config, step)
-    x0_weights = model.mixing_weights()[1].detach()  # (L, input embeddings)
+    x0_weights = model.mixing_weights()[1]  # (L, input embeddings); None: §18 --mudd_gate sets them per token
+    x0_weights = torch.zeros(config.num_layers, 0) if x0_weights is None else x0_weights.detach()
     inputs = None
     if val_tokens is not None:
         ids = val_tokens[:seq_len + 1].long()
