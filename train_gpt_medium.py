@@ -3747,6 +3747,25 @@ def refresh_fp8_down_weights(model: nn.Module, step: int) -> None:
         down.weight[2:3].fill_(bootstrap)
 
 
+@torch.no_grad()
+def share_fp8_down_scales(model: nn.Module, rank: int, world_size: int) -> None:
+    """Before a checkpoint: every rank takes each slice's activation scale from the rank that ran the
+    slice (rank r runs slices r*m .. r*m + m - 1, m = batch_slices / world_size), so the checkpoint,
+    written by rank 0, holds every slice's, and a resume at any world size reads the right one. One
+    all-reduce of the (blocks, batch_slices) scales, each summed with zeros only: exact."""
+    downs = fp8_down_modules(model)
+    if not downs or world_size == 1:
+        return
+    act = torch.stack([down.act for down in downs])  # (L, batch_slices)
+    m = act.shape[1] // world_size
+    mine = torch.zeros_like(act, dtype=torch.bool)
+    mine[:, rank * m:(rank + 1) * m] = True
+    shared = torch.where(mine, act, torch.zeros_like(act))
+    dist.all_reduce(shared)
+    for down, row in zip(downs, shared):
+        down.act.copy_(row)
+
+
 def fp8_down_product(post: torch.Tensor, w2: torch.Tensor, s_a: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
     """out = post W2^T (..., d) from e4m3 codes (#342): post8 = e4m3(min(post / s_a, 448)) (post >= 0),
     W8 = e4m3(clamp(W2 / s_w, -448, 448)), (post8 @ W8^T) s_a s_w with fast accumulation (the
@@ -5296,6 +5315,7 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     own_file = f"rank_{rank:03d}.pt"
     records = {own_file: save.attempt(partial / own_file, lambda: _write_durably(
         partial / own_file, dict(muon=muon, rng=rng_states(runner.device))))}
+    share_fp8_down_scales(runner.model, rank, W)  # §17 --fp8_mlp_down: its per-slice scales are not replicated
     if rank == 0:  # the model and the replicated optimizer (Adam) are the same on every rank
         saved = capture_state(runner.model, [opt for opt in runner.optimizers if opt not in sharded], "cpu")
         records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(

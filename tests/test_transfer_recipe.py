@@ -68,3 +68,47 @@ def test_the_candidates_parameters_and_the_gate_nets_kept_activations():
     without = tg.peak_parts(tg.make_config(recipe="transfer", mudd_gate=False, dc_layers=(), attn_gate_layers=None))
     assert tg.peak_parts(config)["training"] - without["training"] == (2 * 2 * T * 64 * 2 + T * (82 + 110) * 2
                                                                        + T * (H + 1) * W * 4)
+
+
+# ---- the whole candidate, every idea on at once: a short tiny run (DC's window cut to the tiny slices)
+
+RUN_STEPS = 8
+
+
+def run_flags(synthetic_dir) -> tuple[str, ...]:
+    return ("--recipe=transfer", "--dc_window=20", "--seed=0", "--adam_odd_steps_only=false",
+            "--untie_embed_after_step=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}")
+
+
+@pytest.fixture(scope="module")
+def candidate_run(synthetic_dir, tmp_path_factory):
+    from test_checkpoint import run_argv
+    out = tmp_path_factory.mktemp("candidate_run")
+    assert tg.main(run_argv(synthetic_dir, out, *run_flags(synthetic_dir), "--save_every=4", N=RUN_STEPS)) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_the_candidate_killed_with_sigkill_resumes_bit_for_bit(candidate_run, synthetic_dir, tmp_path):
+    """Every idea's state (XSA alphas, the grouped NorMuon statistics, the gate nets, the FP8 scales,
+    the prefix weight's schedule) comes back from the checkpoint: the resumed run ends as the
+    uninterrupted one, bit for bit."""
+    from test_checkpoint import kill_when_saved, resumed_step, run_argv
+    from test_distributed import assert_bit_identical, checkpoint_tensors
+    argv = run_argv(synthetic_dir, tmp_path, *run_flags(synthetic_dir), "--save_every=4", N=RUN_STEPS)
+    kill_when_saved(argv, tmp_path, 4)
+    assert tg.main([*argv, "--resume=latest"]) == 0
+    assert resumed_step(tmp_path) >= 4
+    final = f"ck/tiny/step_{RUN_STEPS:06d}"
+    assert_bit_identical(checkpoint_tensors(tmp_path / final), checkpoint_tensors(candidate_run / final))
+
+
+@pytest.mark.slow
+def test_two_candidate_processes_equal_one_accumulating_two_micro_steps(synthetic_dir, tmp_path_factory):
+    from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args
+    one, two = one_and_two_processes(
+        lambda out: [*run_args(synthetic_dir, out, *run_flags(synthetic_dir)), f"--num_iterations={RUN_STEPS}"],
+        tmp_path_factory.mktemp("candidate_one"), tmp_path_factory.mktemp("candidate_two"))
+    for step in (4, RUN_STEPS):
+        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
+                             checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
