@@ -28,6 +28,17 @@ if not os.environ.get("OMP_NUM_THREADS"):
 
 
 @pytest.fixture
+def refusal_of(capsys):
+    """refusal_of(*flags): the one line a tiny dry run with these flags is refused with (exit 2)."""
+    def refused(*flags: str) -> str:
+        assert tg.main(["--preset=tiny", "--dry_run", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        return err
+    return refused
+
+
+@pytest.fixture
 def tiny_config():
     """The tiny preset's model (fp32 on CPU), with no data files attached."""
     return tg.make_config("tiny", dtype="float32")

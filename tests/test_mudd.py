@@ -289,10 +289,8 @@ def test_the_mudd_weights_step_with_adam_at_a_quarter_lr_and_their_betas():
      "that block must have one"),
     (["--recipe=mudd", "--attn_input_from_layer=15"], "--attn_input_from_layer: must name a block before the last"),
 ])
-def test_missing_pieces_are_refused_in_one_line(flags, words, capsys):
-    assert tg.main(["--preset=tiny", "--dry_run", *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert words in err and len(err.splitlines()) == 1
+def test_missing_pieces_are_refused_in_one_line(flags, words, refusal_of):
+    assert words in refusal_of(*flags)
 
 
 # ---- the recipe
@@ -478,10 +476,8 @@ def test_the_penultimate_net_alone_is_both_without_the_final_mix_and_feeds_the_b
     (["--mudd", "--mudd_nets=penultimate", "--backout=false"], "--mudd: the last block's mix adds psi x the bigram"),
     (["--mudd", "--mudd_nets=both", "--backout=false"], "--mudd: the last block's mix adds psi x the bigram"),
 ])
-def test_each_nets_needs_are_refused_in_one_line(flags, words, capsys):
-    assert tg.main(["--preset=tiny", "--dry_run", *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert words in err and len(err.splitlines()) == 1
+def test_each_nets_needs_are_refused_in_one_line(flags, words, refusal_of):
+    assert words in refusal_of(*flags)
 
 
 def test_one_net_takes_only_its_own_needs():
