@@ -3683,6 +3683,9 @@ class FP8DownScales(nn.Module):
       weight (3,) fp32: [the delayed weight scale (1.12 x the previous step's max|W2| / 448), max|W2|
         of this step (written by each training forward), 1.0 while the current max|W2| / 448 is used
         instead (steps 0..15)], W2 as the product reads it (in the activations' dtype);
+      act_next (batch_slices,) fp32 (not saved): what each training forward records for its slice, made
+        act after the step (refresh_fp8_down_weights). A slice runs once a step, so it reads what its
+        previous forward left, and a forward recomputed by --activation_checkpointing reads the same;
       slice () int64 (not saved): the slice the next training forward belongs to (set_fp8_down_slice).
     No parameters."""
 
@@ -3690,6 +3693,7 @@ class FP8DownScales(nn.Module):
         super().__init__()
         self.register_buffer("act", torch.empty(batch_slices, dtype=torch.float32))
         self.register_buffer("weight", torch.empty(3, dtype=torch.float32))
+        self.register_buffer("act_next", torch.empty(batch_slices, dtype=torch.float32), persistent=False)
         self.register_buffer("slice", torch.empty((), dtype=torch.int64), persistent=False)
         self.reset()
 
@@ -3697,6 +3701,7 @@ class FP8DownScales(nn.Module):
     def reset(self) -> None:
         """The starting values (build_model makes the buffers on the meta device, then fills them here)."""
         self.act.fill_(1.0)
+        self.act_next.fill_(1.0)
         self.weight.copy_(torch.tensor([1.0, 0.0, 1.0]))
         self.slice.zero_()
 
@@ -3714,7 +3719,7 @@ class FP8DownScales(nn.Module):
         """After the forward: the slice's next activation scale from this forward's largest post."""
         scale = post_max.detach().float().clamp_min(1e-12) * FP8_DOWN_ACT_HEADROOM / kernels.FP8_E4M3_MAX
         with torch.no_grad():
-            self.act.index_copy_(0, self.slice.view(1), scale.view(1))
+            self.act_next.index_copy_(0, self.slice.view(1), scale.view(1))
 
 
 def fp8_down_modules(model: nn.Module) -> list[FP8DownScales]:
@@ -3739,12 +3744,14 @@ def refresh_fp8_down_weights(model: nn.Module, step: int) -> None:
     """After step `step`'s update (the record's requantization): the next step's weight scale is
     1.12 x max|W2| of step `step` (the weight before this update, as its forwards recorded it) / 448;
     while the next step is below 16 its forwards use the current max|W2| / 448 instead. The codes
-    are made in each forward from the weight (unchanged until the next step) with that scale. Device
-    ops only (no host read)."""
+    are made in each forward from the weight (unchanged until the next step) with that scale. The
+    activation scales the step's forwards recorded (act_next) become the ones the next step's use.
+    Device ops only (no host read)."""
     bootstrap = float(step + 1 < FP8_DOWN_BOOTSTRAP_STEPS)
     for down in fp8_down_modules(model):
         down.weight[0:1].copy_(down.weight[1:2] * FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX)
         down.weight[2:3].fill_(bootstrap)
+        down.act.copy_(down.act_next)  # the activation scales this step's forwards recorded
 
 
 @torch.no_grad()
@@ -3802,9 +3809,6 @@ def check_fp8_mlp(cfg: Hyperparameters) -> None:
         require(not getattr(cfg, flag) or (cfg.model_dim % 16 == 0 and hidden % 16 == 0), flag,
                 f"its FP8 product needs model_dim ({cfg.model_dim}) and mlp_ratio x model_dim ({hidden}) in "
                 f"multiples of 16 (torch._scaled_mm): change the widths or drop --{flag}")
-    require(not (cfg.fp8_mlp_down and cfg.activation_checkpointing), "fp8_mlp_down",
-            "each training forward updates its activation scales, and --activation_checkpointing's recomputed "
-            "forward would quantize with the updated one: drop one of the two")
 
 
 # =============================================================================

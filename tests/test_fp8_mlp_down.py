@@ -146,7 +146,9 @@ def test_the_backward_is_the_bf16_backward_at_the_fp8_output():
             return AtValue.apply(F.linear(hidden, w2), fp8)
 
         got = run(mlp.train())
-        assert mlp.fp8_down.act[0] != torch.tensor(0.02) and mlp.fp8_down.act[1] == torch.tensor(0.02)  # recorded
+        down = mlp.fp8_down  # slice 0's forward recorded its next scale; the one it used is kept until the step
+        assert down.act_next[0] != torch.tensor(0.02) and down.act_next[1] == torch.tensor(1.0)
+        assert torch.equal(down.act, torch.tensor([0.02, 0.02]))
         want = run(reference)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         plain = run(mlp.eval())
@@ -261,15 +263,32 @@ def test_the_mlp_traces_as_one_graph_with_the_same_bits_and_state():
             x = tg.rms_norm(torch.randn(2, 24, 64, generator=gen)).bfloat16().requires_grad_()
             out = forward(x)
             out.backward(torch.ones_like(out))
-            results.append((out.detach(), x.grad, mlp.fc_w.grad, mlp.proj_w.grad, mlp.fp8_down.act.clone()))
-        assert results[0][4][0] == 1.0 and results[0][4][1] != 1.0  # slice 1's scale was written
+            results.append((out.detach(), x.grad, mlp.fc_w.grad, mlp.proj_w.grad, mlp.fp8_down.act_next.clone()))
+        assert results[0][4][0] == 1.0 and results[0][4][1] != 1.0  # slice 1's scale was recorded
         assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_activation_checkpointing_and_odd_widths_are_refused_in_one_line():
-    with pytest.raises(tg.ConfigError) as refusal:
-        tg.parse_args(["--preset=tiny", "--fp8_mlp_down", "--activation_checkpointing"])
-    assert str(refusal.value).startswith("--fp8_mlp_down: ") and "\n" not in str(refusal.value)
+def test_activation_checkpointing_recomputes_with_the_scales_the_forward_used():
+    """The recomputed forward of a checkpointed block reads the scale its first forward read (the
+    recorded one waits in act_next until the step): two steps give the plain run's loss, weights
+    and scales, bit for bit."""
+    results = []
+    for checkpointing in (False, True):
+        config = tiny(activation_checkpointing=checkpointing, warmup_steps=0, seed=5)
+        runner = tg.Runner(config, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        losses = [runner.train_step(step, runner.random_batches(gen, tg.slice_tokens(step, config)))
+                  for step in (0, 1)]
+        scales = {k: v.clone() for k, v in runner.model.state_dict().items() if ".fp8_down." in k}
+        results.append((losses, all_state(runner), scales))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+    assert_same_state(results[1][1], results[0][1])
+    assert results[0][2].keys() == results[1][2].keys()
+    assert all(torch.equal(results[0][2][k], results[1][2][k]) for k in results[0][2])
+    assert not torch.equal(results[0][2]["blocks.3.mlp.fp8_down.act"], torch.ones(2))  # recorded and in use
+
+
+def test_odd_widths_are_refused_in_one_line():
     with pytest.raises(tg.ConfigError) as refusal:
         tg.parse_args(["--preset=tiny", "--fp8_mlp_down", "--model_dim=72", "--num_heads=1", "--head_dim=72"])
     assert str(refusal.value).startswith("--fp8_mlp_down: ") and "multiples of 16" in str(refusal.value)

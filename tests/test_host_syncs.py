@@ -65,10 +65,11 @@ STEP_CONFIGS = {**{recipe: dict(recipe=recipe) for recipe in ("bulk", "fp8_yarn"
 
 
 @pytest.mark.parametrize("name", STEP_CONFIGS)
-def test_a_training_step_reads_nothing_back_from_the_device(name, recorder):
+def test_a_training_step_reads_nothing_back_from_the_device(name, recorder, synthetic_dir):
     """Steps 0 and 1 (an even step leaves Adam's gradients waiting, an odd one steps Adam), each
     over its micro-batches: forward, backward, the gradient exchange, both optimizers, the schedules."""
-    config = tg.make_config("tiny", dtype="float32", **STEP_CONFIGS[name])
+    bytes_file = str(synthetic_dir / "synthetic_token_bytes.npy")  # the prefix table's (transfer)
+    config = tg.make_config("tiny", dtype="float32", token_bytes_file=bytes_file, **STEP_CONFIGS[name])
     runner = tg.Runner(config, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     for step in (0, 1):
