@@ -303,7 +303,7 @@ def test_gpu_check_compares_with_the_record_of_the_recipe():
     assert gpu_check.record_ms_per_step(bulk, 2000, 1) == "record (bulk): ~1,992 ms"
 
 
-@pytest.mark.parametrize("recipe", sorted(tg.RECIPES))
+@pytest.mark.parametrize("recipe", sorted([*tg.RECIPES, *tg.CANDIDATES]))
 def test_every_check_command_of_every_recipe_passes_the_config_check_at_the_medium_preset(recipe, tmp_path):
     """What gpu_check would start on a GPU machine: each command line is a valid trainer run (a value
     counting steps beyond the 20-step training check, as the record's 50-step momentum cool-down,
