@@ -368,6 +368,9 @@ class Hyperparameters:
     mudd_gate_lr: float = recipe(0.0004, "with --mudd_gate: Adam lr of its nets (betas 0.9/0.99; decay on the two "
                                  "matrices only)", at_least=0, at_most=LR_LIMIT, needs=("mudd_gate",),
                                  peak_neutral=True)
+    mudd_gate_start: str = recipe("pr315", "with --mudd_gate: starting output gates and skips, #315's (0.25, 0.5) or "
+                                  "neutral: the plain model's (0.5, 1)", choices=("neutral", "pr315"),
+                                  needs=("mudd_gate",), peak_neutral=True)
     dc_layers: tuple[int, ...] = recipe((), "with --mudd_gate: blocks whose attention adds the head-composed "
                                         "local-window attention (#315's DC), weights from the gate net", peak_neutral=True)
     dc_window: int = recipe(112, "with --dc_layers: DC's window in tokens (t - s < W, same document)", at_least=1,
@@ -3824,6 +3827,7 @@ GATE_NET_BETAS = (0.9, 0.99)
 # sigmoid(0) = 0.5 is the neutral value), skips 0.5 (neutral 1, the plain 2 sigmoid(0)), the bigram
 # weight bigram_lambda_init, DC's w1 1; XSA alphas, x0 weights and DC's w2 0
 GATE_NET_START = dict(gate=0.25, skip=0.5, dc_w1=1.0)
+GATE_NET_NEUTRAL_START = dict(GATE_NET_START, gate=0.5, skip=1.0)  # --mudd_gate_start=neutral
 DC_W1_EPS = 1e-6  # w1n = w1 / sqrt(mean_h w1^2 + 1e-6)
 
 
@@ -3848,12 +3852,13 @@ def gate_net_layout(cfg: Hyperparameters) -> tuple[tuple[GateSlot, ...], tuple[G
     (by target), DC's w1 then its w2 of the dc_layers blocks. A block's entries (a skip's: its
     target's) come from net 0 before mudd_gate_layer, from net 1 from there on."""
     H, L, layer = cfg.num_heads, cfg.num_layers, mudd_gate_layer(cfg)
+    start = GATE_NET_NEUTRAL_START if cfg.mudd_gate_start == "neutral" else GATE_NET_START
     weights = (0.0,) * (1 + cfg.num_extra_embeds) + ((cfg.bigram_lambda_init,) if cfg.bigram_embed else ())
     entries = ([("xsa", b, (0.0,) * H) for b in sorted(set(cfg.xsa_layers))]
-               + [("gate", b, (GATE_NET_START["gate"],) * H) for b in cfg.gated_layers]
+               + [("gate", b, (start["gate"],) * H) for b in cfg.gated_layers]
                + [("weights", b, weights) for b in range(L - 1 if cfg.mudd else L)]
-               + [("skip", t, (GATE_NET_START["skip"],)) for t, _ in cfg.skip_connections if cfg.gated_skips]
-               + [("dc_w1", b, (GATE_NET_START["dc_w1"],) * H) for b in sorted(set(cfg.dc_layers))]
+               + [("skip", t, (start["skip"],)) for t, _ in cfg.skip_connections if cfg.gated_skips]
+               + [("dc_w1", b, (start["dc_w1"],) * H) for b in sorted(set(cfg.dc_layers))]
                + [("dc_w2", b, (0.0,) * H) for b in sorted(set(cfg.dc_layers))])
     nets = ([], [])
     for role, block, starts in entries:
@@ -4487,7 +4492,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(metavar="|".join(f.metadata["choices"]))
         if "bool" in kind:
             kwargs.update(nargs="?", const=True, metavar="true|false")
-        elif kind.startswith("tuple"):
+        elif kind.startswith(("tuple", "Optional[tuple")):  # a list (auto where Optional)
             kwargs.update(metavar="LIST")
         section.add_argument(f"--{f.name}", **kwargs)
     return parser

@@ -329,7 +329,8 @@ CLAIM_FIELDS = (
     # §17
     "fp8_mlp_up", "fp8_mlp_down",
     # §18
-    "attn_gate_layers", "mudd_gate", "mudd_gate_layer", "mudd_gate_lr", "dc_layers", "dc_window",
+    "attn_gate_layers", "mudd_gate", "mudd_gate_layer", "mudd_gate_lr", "mudd_gate_start", "dc_layers",
+    "dc_window",
 )
 
 

@@ -353,7 +353,7 @@ def placeholder(f) -> str:
     kind = str(f.type)
     if "bool" in kind:
         return "[true|false]"  # the value is optional: a bare flag means true
-    if kind.startswith("tuple"):
+    if kind.startswith(("tuple", "Optional[tuple")):
         return "LIST"
     return {"int": "INT", "Optional[int]": "INT", "float": "FLOAT", "Optional[float]": "FLOAT", "str": "STR"}[kind]
 

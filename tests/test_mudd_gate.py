@@ -123,6 +123,18 @@ def neutral_biases(net):
     return b
 
 
+def test_the_neutral_start_is_a_switch_that_builds_the_neutral_biases():
+    """--mudd_gate_start=neutral: b2g as neutral_biases writes them by hand; #315's start differs
+    only in the gates and skips."""
+    net = tg.build_model(gated_config(mudd_gate_start="neutral")).gate_net
+    assert torch.equal(net.bias, neutral_biases(net).to(net.bias.dtype))
+    pr315 = tg.build_model(gated_config()).gate_net
+    differs = {(slot.role) for k, slots in enumerate(pr315.layout) for slot in slots
+               if not torch.equal(pr315.bias[k, slot.start:slot.start + len(slot.starts)],
+                                  net.bias[k, slot.start:slot.start + len(slot.starts)])}
+    assert differs == {"gate", "skip"}
+
+
 def neutral_pair(dtype="bfloat16", seed=0):
     """(plain --recipe mudd model, gated model) on the same random weights: the plain model's gates at
     zero, its x0 weights 0 and gammas bigram_lambda_init; the gated one's W2g 0, s 0.1, neutral biases."""
