@@ -11,8 +11,7 @@ import torch
 
 import train_gpt_medium as tg
 from test_bulk_model import fill_random, packed
-from test_checkpoint import kill_when_saved, resumed_step, run_argv
-from test_distributed import assert_bit_identical, checkpoint_tensors, on_ranks
+from test_distributed import on_ranks
 from test_training import all_state, assert_same_state, random_batches
 
 SIGN_ROWS = 64  # the tiny tests' sign table (the record's 8192 where its size matters)
@@ -329,16 +328,5 @@ def test_two_processes_with_the_sparse_exchange_train_as_one_process_with_two_mi
                 assert torch.equal(torch.as_tensor(state[k]), torch.as_tensor(v)), k
 
 
-SIGN_FLAGS = ("--bigram_embed", f"--bigram_sign_rows={SIGN_ROWS}", "--save_every=2", "--seed=0")
-
-
-@pytest.mark.slow
-def test_a_run_killed_with_sigkill_resumes_bit_for_bit(synthetic_dir, tmp_path):
-    whole = tmp_path / "whole"
-    assert tg.main(run_argv(synthetic_dir, whole, *SIGN_FLAGS, N=8)) == 0
-    first = kill_when_saved(run_argv(synthetic_dir, tmp_path, *SIGN_FLAGS, N=8), tmp_path, 2)
-    assert first.exists() and not (tmp_path / "ck" / "tiny" / "step_000008").exists()
-    assert tg.main(run_argv(synthetic_dir, tmp_path, *SIGN_FLAGS, "--resume=latest", N=8)) == 0
-    assert resumed_step(tmp_path) in (2, 4, 6)
-    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000008"),
-                         checkpoint_tensors(whole / "ck/tiny/step_000008"))
+# A run killed with SIGKILL resumes bit for bit with the sign rows on: tests/test_transfer_recipe.py's
+# whole-candidate run, which has every section 12-18 idea on at once.

@@ -610,27 +610,8 @@ def test_a_tiny_gated_run_learns(gated_run):
     assert len(losses) == RUN_STEPS // 2 + 1 and losses[-1] < losses[0] - 0.3, losses
 
 
-@pytest.mark.slow
-def test_a_gated_run_killed_with_sigkill_resumes_bit_for_bit(gated_run, synthetic_dir, tmp_path):
-    from test_checkpoint import kill_when_saved, resumed_step, run_argv
-    from test_distributed import assert_bit_identical, checkpoint_tensors
-    argv = run_argv(synthetic_dir, tmp_path, *RUN_FLAGS, "--save_every=4", N=RUN_STEPS)
-    kill_when_saved(argv, tmp_path, 4)
-    assert tg.main([*argv, "--resume=latest"]) == 0
-    assert resumed_step(tmp_path) >= 4
-    final = f"ck/tiny/step_{RUN_STEPS:06d}"
-    assert_bit_identical(checkpoint_tensors(tmp_path / final), checkpoint_tensors(gated_run / final))
-
-
-@pytest.mark.slow
-def test_two_gated_processes_equal_one_accumulating_two_micro_steps(synthetic_dir, tmp_path_factory):
-    from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args
-    one, two = one_and_two_processes(
-        lambda out: [*run_args(synthetic_dir, out, *RUN_FLAGS), f"--num_iterations={RUN_STEPS}"],
-        tmp_path_factory.mktemp("gated_one"), tmp_path_factory.mktemp("gated_two"))
-    for step in (4, RUN_STEPS):
-        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
-                             checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
+# Resume after SIGKILL and two processes against one accumulating, with the gate nets and DC on, bit
+# for bit: tests/test_transfer_recipe.py's whole-candidate runs (every section 12-18 idea at once).
 
 
 def test_the_logged_lambdas_list_no_static_x0_or_bigram_weights_under_the_gate_net():
