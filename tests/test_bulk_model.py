@@ -59,6 +59,31 @@ def loss_of(model, config, window, **kwargs):
     return model(inputs, targets, window, **kwargs)
 
 
+def train_loss_and_grads(model, config, window=torch.tensor([3, 1])):
+    """The training loss of packed(config) and every parameter's gradient that it reaches, by name."""
+    inputs, targets = packed(config)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(inputs, targets, window)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_traces_as_one_graph(model, config, params, window=torch.tensor([3, 1])):
+    """Static shapes and no host syncs: the training forward and backward traced whole (fullgraph,
+    the eager backend) give the eager loss and the same gradients of `params`, bit for bit."""
+    inputs, targets = packed(config)
+    traced = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
+    got = traced(inputs, targets, window)
+    got.backward()
+    grads = [p.grad.clone() for p in params]
+    model.zero_grad()
+    want = model(inputs, targets, window)
+    want.backward()
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, params))
+
+
 # ---- B5 token-level windows: the masks
 
 BS, EOT = 64, 99

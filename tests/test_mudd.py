@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
-from test_bulk_model import fill_random, packed
+from test_bulk_model import assert_traces_as_one_graph, fill_random, packed
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = torch.tensor([3, 1])
@@ -338,16 +338,7 @@ def test_the_mudd_forward_traces_into_one_graph():
     config = tiny(fused_softcap_ce=False)
     model = tg.build_model(config)
     fill_random(model)
-    inputs, targets = packed(config)
-    traced = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
-    got = traced(inputs, targets, WINDOW)
-    got.backward()
-    grads = [p.grad.clone() for p in model.mudd.parameters()]
-    model.zero_grad()
-    want = model(inputs, targets, WINDOW)
-    want.backward()
-    assert torch.equal(got, want)
-    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.mudd.parameters()))
+    assert_traces_as_one_graph(model, config, list(model.mudd.parameters()), WINDOW)
 
 
 FRESH_PROCESS_GRAPHS = """

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
-from test_bulk_model import fill_random, packed
+from test_bulk_model import assert_traces_as_one_graph, fill_random, packed, train_loss_and_grads
 
 WINDOW = torch.tensor([3, 1])
 
@@ -18,12 +18,7 @@ def tiny(recipe="bulk", **overrides):
 
 
 def loss_and_grads(model, config, window=WINDOW):
-    inputs, targets = packed(config)
-    model.train()
-    model.zero_grad(set_to_none=True)
-    loss = model(inputs, targets, window)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return train_loss_and_grads(model, config, window)
 
 
 def gate_weights(model):
@@ -576,16 +571,7 @@ def test_the_gated_forward_traces_into_one_graph():
     model = tg.build_model(config)
     fill_random(model)
     random_net(model, scale=0.1)
-    inputs, targets = packed(config)
-    traced = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
-    got = traced(inputs, targets, WINDOW)
-    got.backward()
-    grads = [p.grad.clone() for p in model.gate_net.parameters()]
-    model.zero_grad()
-    want = model(inputs, targets, WINDOW)
-    want.backward()
-    assert torch.equal(got, want)
-    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.gate_net.parameters()))
+    assert_traces_as_one_graph(model, config, list(model.gate_net.parameters()), WINDOW)
 
 
 RUN_FLAGS = ("--recipe=mudd", "--mudd_gate", "--xsa_layers=" + ",".join(map(str, ALL12)),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
-from test_bulk_model import fill_random, packed
+from test_bulk_model import assert_traces_as_one_graph, fill_random, packed, train_loss_and_grads
 
 WINDOW = torch.tensor([3, 1])
 ALL = tuple(range(16))
@@ -39,12 +39,7 @@ def set_alphas(model, seed=1, scale=1.0):
 
 
 def loss_and_grads(model, config):
-    inputs, targets = packed(config)
-    model.train()
-    model.zero_grad(set_to_none=True)
-    loss = model(inputs, targets, WINDOW)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return train_loss_and_grads(model, config, WINDOW)
 
 
 def xsa_loop(y, v, alpha):
@@ -289,14 +284,4 @@ def test_the_xsa_forward_traces_into_one_graph():
     config = tg.make_config("tiny", recipe="mudd", dtype="float32", fused_softcap_ce=False, xsa_layers=ALL)
     model = tg.build_model(config)
     fill_random(model)
-    inputs, targets = packed(config)
-    traced = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
-    got = traced(inputs, targets, WINDOW)
-    got.backward()
-    alphas = [block.attn.xsa.alpha for block in model.blocks]
-    grads = [a.grad.clone() for a in alphas]
-    model.zero_grad()
-    want = model(inputs, targets, WINDOW)
-    want.backward()
-    assert torch.equal(got, want)
-    assert all(torch.equal(g, a.grad) for g, a in zip(grads, alphas))
+    assert_traces_as_one_graph(model, config, [block.attn.xsa.alpha for block in model.blocks], WINDOW)
