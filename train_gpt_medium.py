@@ -2298,6 +2298,7 @@ class Runner:
         self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
         self.micro_steps = config.batch_slices // world_size
         self.model = build_model(config, device)
+        self.fp8_downs = fp8_down_modules(self.model)  # §17 --fp8_mlp_down: its scales, found once
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -2373,8 +2374,8 @@ class Runner:
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
             self.averager.armed = i == len(batches) - 1
-            if self.config.fp8_mlp_down:  # §17 --fp8_mlp_down: this micro-batch's slice
-                set_fp8_down_slice(self.model, self.rank * self.micro_steps + i)  # §17 --fp8_mlp_down
+            if self.fp8_downs:  # §17 --fp8_mlp_down: this micro-batch's slice
+                set_fp8_down_slice(self.fp8_downs, self.rank * self.micro_steps + i)  # §17 --fp8_mlp_down
             loss = self.forward(inputs, targets, window) if mtp is None else self.forward(inputs, targets, window,
                                                                                         mtp_weights=mtp)
             (loss * scale).backward()
@@ -2385,8 +2386,8 @@ class Runner:
         for opt in self.optimizers:
             if not (adam_waits and opt is self.optimizers[0]):
                 opt.step()
-        if self.config.fp8_mlp_down:  # §17 --fp8_mlp_down: the weight scales after the step
-            refresh_fp8_down_weights(self.model, step)  # §17 --fp8_mlp_down
+        if self.fp8_downs:  # §17 --fp8_mlp_down: the weight scales after the step
+            refresh_fp8_down_weights(self.fp8_downs, step)  # §17 --fp8_mlp_down
         if adam_waits:  # Adam's local gradients stay for the next (odd) step's backward to add to
             for p in self.stepped_every_step:
                 p.grad = None
@@ -3735,15 +3736,16 @@ def reset_fp8_down_scales(model: nn.Module) -> None:
         m.reset()
 
 
-def set_fp8_down_slice(model: nn.Module, index: int) -> None:
+def set_fp8_down_slice(downs: list[FP8DownScales], index: int) -> None:
     """The training forward that follows is global slice `index` (rank x micro_steps + micro-batch):
-    a fill of each block's device tensor (a kernel launch, no host-device copy)."""
-    for m in fp8_down_modules(model):
+    a fill of each block's device tensor (a kernel launch, no host-device copy). downs: the model's
+    fp8_down_modules, found once by the Runner."""
+    for m in downs:
         m.slice.fill_(index)
 
 
 @torch.no_grad()
-def refresh_fp8_down_weights(model: nn.Module, step: int) -> None:
+def refresh_fp8_down_weights(downs: list[FP8DownScales], step: int) -> None:
     """After step `step`'s update (the record's requantization): the next step's weight scale is
     1.12 x max|W2| of step `step` (the weight before this update, as its forwards recorded it) / 448;
     while the next step is below 16 its forwards use the current max|W2| / 448 instead. The codes
@@ -3751,7 +3753,7 @@ def refresh_fp8_down_weights(model: nn.Module, step: int) -> None:
     activation scales the step's forwards recorded (act_next) become the ones the next step's use.
     Device ops only (no host read)."""
     bootstrap = float(step + 1 < FP8_DOWN_BOOTSTRAP_STEPS)
-    for down in fp8_down_modules(model):
+    for down in downs:
         down.weight[0:1].copy_(down.weight[1:2] * FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX)
         down.weight[2:3].fill_(bootstrap)
         down.act.copy_(down.act_next)  # the activation scales this step's forwards recorded
