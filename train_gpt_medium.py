@@ -3294,13 +3294,18 @@ class XSA(nn.Module):
         return xsa(y, v, self.alpha)
 
 
+def require_attention_blocks(cfg: Hyperparameters, flag: str) -> None:
+    """The blocks listed in --flag (sections 12 and 18) exist and have attention; one line each if not."""
+    for layer in getattr(cfg, flag) or ():
+        require(0 <= layer < cfg.num_layers, flag, f"block {layer} does not exist: list blocks in "
+                f"0..{cfg.num_layers - 1}")
+        require(layer in cfg.attention_layers, flag, f"block {layer} has no attention "
+                "(attention_free_layers): drop it from the list")
+
+
 def check_xsa(cfg: Hyperparameters) -> None:
     """§12's config rule: each listed block exists and has attention."""
-    for layer in cfg.xsa_layers:
-        require(0 <= layer < cfg.num_layers, "xsa_layers", f"block {layer} does not exist: list blocks in "
-                f"0..{cfg.num_layers - 1}")
-        require(layer in cfg.attention_layers, "xsa_layers", f"block {layer} has no attention "
-                "(attention_free_layers): drop it from the list")
+    require_attention_blocks(cfg, "xsa_layers")
 
 
 # =============================================================================
@@ -4066,21 +4071,13 @@ def check_mudd_gate(cfg: Hyperparameters) -> None:
     blocks have attention and their weights come from the gate net."""
     require(not cfg.dc_layers or cfg.mudd_gate, "dc_layers", "its weights w1, w2 come from the gate net: add "
             "--mudd_gate")
-    for layer in cfg.dc_layers:
-        require(0 <= layer < cfg.num_layers, "dc_layers", f"block {layer} does not exist: list blocks in "
-                f"0..{cfg.num_layers - 1}")
-        require(layer in cfg.attention_layers, "dc_layers", f"block {layer} has no attention "
-                "(attention_free_layers): drop it from the list")
+    require_attention_blocks(cfg, "dc_layers")
     require(mudd_gate_layer(cfg) < cfg.num_layers or not cfg.mudd_gate, "mudd_gate_layer",
             f"block {mudd_gate_layer(cfg)} does not exist: choose one in 0..{cfg.num_layers - 1}")
     if cfg.attn_gate_layers is not None:
         require(cfg.attn_output_gate, "attn_gate_layers", "chooses blocks of the output gates: drop it or add "
                 "--attn_output_gate")
-    for layer in cfg.attn_gate_layers or ():
-        require(0 <= layer < cfg.num_layers, "attn_gate_layers", f"block {layer} does not exist: list blocks in "
-                f"0..{cfg.num_layers - 1}")
-        require(layer in cfg.attention_layers, "attn_gate_layers", f"block {layer} has no attention "
-                "(attention_free_layers): drop it from the list")
+    require_attention_blocks(cfg, "attn_gate_layers")
 
 
 # #############################################################################
