@@ -3812,8 +3812,7 @@ class FP8DownProduct(torch.autograd.Function):
 
 
 def check_fp8_mlp(cfg: Hyperparameters) -> None:
-    """§17's config rules: _scaled_mm takes an FP8 product's inner and outer widths in multiples of
-    16; --fp8_mlp_down's forward updates its scales, so a recomputed forward would read another."""
+    """§17's config rule: _scaled_mm takes an FP8 product's inner and outer widths in multiples of 16."""
     hidden = cfg.mlp_ratio * cfg.model_dim
     for flag in ("fp8_mlp_up", "fp8_mlp_down"):
         require(not getattr(cfg, flag) or (cfg.model_dim % 16 == 0 and hidden % 16 == 0), flag,
