@@ -6130,12 +6130,15 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     evaluation = dict(tokens=cfg.val_tokens, **compiled_since(before, "_added"))
     # every rank's numbers -> the slowest step times, the mean losses, the largest memory peaks
     times = torch.tensor([r["times_ms"] for r in results], dtype=torch.float64, device=device)
-    losses = torch.stack([torch.stack(r["losses"]) for r in results]).double()
+    # the losses are summed over ranks in their own dtype (fp32), as one process sums its micro-batches'
+    # halves: on 2 ranks (l0 + l1) / 2 rounds exactly as l0/2 + l1/2 does, so the report is the same
+    losses = torch.stack([torch.stack(r["losses"]) for r in results])
     memory = torch.tensor(peak_memory_mib(device), dtype=torch.float64, device=device)
     if world_size > 1:
         for tensor, op in ((times, dist.ReduceOp.MAX), (losses, dist.ReduceOp.SUM), (memory, dist.ReduceOp.MAX)):
             dist.all_reduce(tensor, op=op)
         losses /= world_size
+    losses = losses.double()
     for result, step_times, step_losses in zip(results, times.tolist(), losses.tolist()):
         result.update(times_ms=step_times, losses=step_losses)
     if rank == 0:

@@ -138,3 +138,14 @@ def reference_loss(model, ids, targets, long_w, short_w, mtp_weights=None):
     weights = [1.0] if mtp_weights is None else mtp_weights
     total = sum(w * (lse[t] - z[t, targets[t + k]]).item() for k, w in enumerate(weights) for t in range(T - k))
     return total if cfg.train_loss_reduction == "sum" else total / T
+
+
+def summation_error_bound(terms_abs_sum: torch.Tensor, count: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The most a sum of `count` terms of `dtype`, added in ANY order or blocking (a loop, a pairwise
+    tree, a vectorized kernel's lanes, threads), can differ from the exact sum: gamma_(n-1) times
+    the sum of the terms' magnitudes, gamma_k = k u / (1 - k u), u the unit roundoff (Higham,
+    Accuracy and Stability of Numerical Algorithms, eq. 4.4). It holds on every CPU kind: it bounds
+    each rounding, not one machine's order. A sum of one term is exact."""
+    u = torch.finfo(dtype).eps / 2
+    k = (count.double() - 1).clamp(min=0)
+    return k * u / (1 - k * u) * terms_abs_sum.double()
