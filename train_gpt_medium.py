@@ -3634,28 +3634,30 @@ def check_prefix(cfg: Hyperparameters) -> None:
 #     e4m3, the input projection (--fp8_mlp_up) and the output projection with delayed scales
 #     (--fp8_mlp_down). The FP8 codes and products: triton_kernels.py
 
-def fp8_up_codes(x: torch.Tensor, w1: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """--fp8_mlp_up's codes and scales (#306), per tensor: (x8, W8, a / 448, s_W) with
-        s_W = max|W1| / 448, W8 = e4m3(W1 / s_W);  a = max|x| (at least 1e-12), x8 = e4m3(x (448 / a)).
-    Both maxima map to 448, e4m3's largest: no code saturates. The scales are 0-d fp32 tensors made
-    on the device (no host sync); 448 / a is fp32 from the input's maximum in its dtype, and the
-    codes are rounded once from fp32. s_W is the record's "per optimizer step" scale computed here
-    from the current weight: the weight changes only at the step, so every forward between two
-    steps gets the same value (one small max per block and forward; also clamped at 1e-12, which
-    only a zero W1 reaches)."""
+def fp8_up_codes(x: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """--fp8_mlp_up's codes and dequantization factor, per tensor, rounded where #306 rounds:
+        s_W = max|W1| / 448           in W1's dtype (#306 quantizes the bf16 bank eagerly: a bf16 scale),
+        W8 = e4m3(W1 / s_W)           the quotient in W1's dtype (bf16), then to e4m3: two roundings,
+        a = max|x| (at least 1e-12),  x8 = e4m3(x (448 / a))   in fp32 (inside #306's compiled forward),
+        dequant = (s_W a) / 448       fp32, each operation rounded (#306's in-place fp32 buffer),
+    returned as (x8, W8, dequant), dequant a 0-d fp32 device tensor (no host sync). Both maxima map
+    to 448, e4m3's largest: no code saturates. s_W is #306's "per optimizer step" scale computed here
+    from the current weight: the weight changes only at the step, so every forward between two steps
+    gets the same value (one small max per block and forward)."""
     top = kernels.FP8_E4M3_MAX
     a = x.abs().amax().float().clamp_min(1e-12)
-    s_w = w1.abs().amax().float().clamp_min(1e-12) / top
-    return kernels.to_fp8(x.float() * (top / a), 1.0), kernels.to_fp8(w1, s_w), a / top, s_w
+    s_w = w1.abs().amax().clamp_min(1e-12) / top  # in W1's dtype, as #306's bf16 bank
+    dequant = s_w.float() * a / top
+    return kernels.to_fp8(x.float() * (top / a), 1.0), kernels.to_fp8(w1 / s_w, 1.0), dequant
 
 
 def fp8_up_product(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
-    """--fp8_mlp_up's forward: pre = x W1^T (..., hidden) = (x8 @ W8^T) (a / 448) s_W from fp8_up_codes,
-    accumulated in fp32 (no fast accumulation: the short track's kernel accumulates in fp32) and
-    rounded once to x's dtype (bf16 in the model). The codes are freed after the product."""
-    x8, w8, s_x, s_w = fp8_up_codes(x, w1)
-    pre = kernels.fp8_matmul(x8.reshape(-1, x.shape[-1]), w8.t(), s_x, s_w, x.dtype)
+    """--fp8_mlp_up's forward: pre = x W1^T (..., hidden) = (x8 @ W8^T) dequant from fp8_up_codes, the
+    accumulator times the one factor as #306's kernel does, accumulated in fp32 (no fast
+    accumulation: #306's kernel accumulates in fp32) and rounded once to x's dtype (bf16 in the
+    model). The codes are freed after the product."""
+    x8, w8, dequant = fp8_up_codes(x, w1)
+    pre = kernels.fp8_matmul(x8.reshape(-1, x.shape[-1]), w8.t(), dequant, 1.0, x.dtype)
     return pre.view(*x.shape[:-1], w1.shape[0])
 
 
@@ -3679,7 +3681,9 @@ class FP8UpProduct(torch.autograd.Function):
 # ---- --fp8_mlp_down (#342): the output projection from e4m3 codes with delayed scales
 
 FP8_DOWN_ACT_HEADROOM, FP8_DOWN_WEIGHT_HEADROOM = 1.80, 1.12  # the short track's, kept (a choice)
-FP8_DOWN_BOOTSTRAP_STEPS = 16  # steps 0..15 quantize the weight with its current max (W2 starts at 0)
+# #342 requantizes W2 before step 0 and after each step s with bootstrap_down=(s < 16): the forwards of
+# steps 0..16 quantize it with its current max (W2 starts at 0 and grows fast), step 17 on with the delay
+FP8_DOWN_BOOTSTRAP_STEPS = 16
 
 
 class FP8DownScales(nn.Module):
@@ -3691,7 +3695,7 @@ class FP8DownScales(nn.Module):
         world size and accumulation;
       weight (3,) fp32: [the delayed weight scale (1.12 x the previous step's max|W2| / 448), max|W2|
         of this step (written by each training forward), 1.0 while the current max|W2| / 448 is used
-        instead (steps 0..15)], W2 as the product reads it (in the activations' dtype);
+        instead (steps 0..16)], W2 as the product reads it (in the activations' dtype);
       act_next (batch_slices,) fp32 (not saved): what each training forward records for its slice, made
         act after the step (refresh_fp8_down_weights). A slice runs once a step, so it reads what its
         previous forward left, and a forward recomputed by --activation_checkpointing reads the same;
@@ -3716,17 +3720,20 @@ class FP8DownScales(nn.Module):
 
     def scales(self, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(s_a, s_w), 0-d fp32 device tensors, for this forward's slice and the weight w2 as the
-        product reads it (any layout: a max); records max|w2| for the step's refresh."""
+        product reads it (any layout: a max); records max|w2| for the step's refresh. The bootstrap
+        scale max|W2| / 448 is formed in w2's dtype, as #342 forms it eagerly on its bf16 bank (a bf16
+        scale: 0.0022277832 for a maximum of 1, not fp32's 0.0022321430)."""
         s_a = self.act.index_select(0, self.slice.view(1)).view(())
-        w_max = w2.detach().abs().amax().float()
+        w_max = w2.detach().abs().amax()  # exact in w2's dtype: a max
         with torch.no_grad():
-            self.weight[1:2].copy_(w_max.view(1))
-        current = w_max.clamp_min(1e-12) / kernels.FP8_E4M3_MAX
+            self.weight[1:2].copy_(w_max.float().view(1))
+        current = (w_max.clamp_min(1e-12) / kernels.FP8_E4M3_MAX).float()
         return s_a, torch.where(self.weight[2] > 0, current, self.weight[0])
 
     def record(self, post_max: torch.Tensor) -> None:
-        """After the forward: the slice's next activation scale from this forward's largest post."""
-        scale = post_max.detach().float().clamp_min(1e-12) * FP8_DOWN_ACT_HEADROOM / kernels.FP8_E4M3_MAX
+        """After the forward: the slice's next activation scale from this forward's largest post,
+        max(amax, 1e-12) x (1.80 / 448), one fp32 product with the constant as #342's kernel forms it."""
+        scale = post_max.detach().float().clamp_min(1e-12) * (FP8_DOWN_ACT_HEADROOM / kernels.FP8_E4M3_MAX)
         with torch.no_grad():
             self.act_next.index_copy_(0, self.slice.view(1), scale.view(1))
 
@@ -3751,15 +3758,16 @@ def set_fp8_down_slice(downs: list[FP8DownScales], index: int) -> None:
 
 @torch.no_grad()
 def refresh_fp8_down_weights(downs: list[FP8DownScales], step: int) -> None:
-    """After step `step`'s update (the record's requantization): the next step's weight scale is
-    1.12 x max|W2| of step `step` (the weight before this update, as its forwards recorded it) / 448;
-    while the next step is below 16 its forwards use the current max|W2| / 448 instead. The codes
-    are made in each forward from the weight (unchanged until the next step) with that scale. The
-    activation scales the step's forwards recorded (act_next) become the ones the next step's use.
-    Device ops only (no host read)."""
-    bootstrap = float(step + 1 < FP8_DOWN_BOOTSTRAP_STEPS)
+    """After step `step`'s update (#342's requantization, bootstrap_down=(step < 16)): the next step's
+    weight scale is max(max|W2| of step `step`, 1e-12) x (1.12 / 448), one fp32 product as #342's
+    kernel forms it (max|W2| of the weight before this update, as its forwards recorded it); after
+    steps 0..15 the next step's forwards use the current max|W2| / 448 instead (so steps 0..16 do).
+    The codes are made in each forward from the weight (unchanged until the next step) with that
+    scale. The activation scales the step's forwards recorded (act_next) become the ones the next
+    step's use. Device ops only (no host read)."""
+    bootstrap = float(step < FP8_DOWN_BOOTSTRAP_STEPS)
     for down in downs:
-        down.weight[0:1].copy_(down.weight[1:2] * FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX)
+        down.weight[0:1].copy_(down.weight[1:2].clamp_min(1e-12) * (FP8_DOWN_WEIGHT_HEADROOM / kernels.FP8_E4M3_MAX))
         down.weight[2:3].fill_(bootstrap)
         down.act.copy_(down.act_next)  # the activation scales this step's forwards recorded
 
@@ -3784,12 +3792,13 @@ def share_fp8_down_scales(model: nn.Module, rank: int, world_size: int) -> None:
 
 
 def fp8_down_product(post: torch.Tensor, w2: torch.Tensor, s_a: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
-    """out = post W2^T (..., d) from e4m3 codes (#342): post8 = e4m3(min(post / s_a, 448)) (post >= 0),
+    """out = post W2^T (..., d) from e4m3 codes (#342): post8 = e4m3(min(post (1 / s_a), 448)) (post >= 0;
+    times the fp32 reciprocal, as #342's kernel writes the codes),
     W8 = e4m3(clamp(W2 / s_w, -448, 448)), (post8 @ W8^T) s_a s_w with fast accumulation (the
     record's), rounded once to post's dtype. w2 (d, hidden) as the MLP uses it (a view of the
     (hidden, d) storage with --mlp_proj_transposed). Saturates where post passes 1.80 x the last
     maximum or the weight has grown 12 % past the last step's."""
-    post8 = kernels.to_fp8(post.reshape(-1, post.shape[-1]), s_a)
+    post8 = kernels.to_fp8(post.reshape(-1, post.shape[-1]).float() * (1 / s_a), 1.0)
     w8 = kernels.to_fp8(w2, s_w)
     out = kernels.fp8_matmul(post8, w8.t(), s_a, s_w, post.dtype, fast_accum=True)
     return out.view(*post.shape[:-1], w2.shape[0])
@@ -4059,10 +4068,11 @@ class DCBand(torch.autograd.Function):
 
 def dc_addition(q, k, v, w1: torch.Tensor, w2: torch.Tensor, valid: torch.Tensor, scale) -> torch.Tensor:
     """DC's addition to a block's attention output (fp32, or float64 from float64 inputs): DCBand with
-    w1n = w1 / sqrt(mean_h w1^2 + 1e-6) per token, in fp32."""
+    w1n = w1 / sqrt(mean_h w1^2 + 1e-6) per token, formed in fp32 and rounded to the attention's
+    dtype (bf16 in the model) as #315's gate hands it to its kernel."""
     w1 = w1.double() if w1.dtype == torch.float64 else w1.float()
-    w1n = w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + DC_W1_EPS)
-    return DCBand.apply(q, k, v, w1n, w2, valid, scale)
+    w1n = F.rms_norm(w1, (w1.shape[-1],), eps=DC_W1_EPS)  # (B, T, H)
+    return DCBand.apply(q, k, v, kernels.cast(w1n, q.dtype), w2, valid, scale)
 
 
 def check_mudd_gate(cfg: Hyperparameters) -> None:

@@ -1,8 +1,9 @@
 """--fp8_mlp_up (PR #306, docs/short-track-transfer.md section 4): the MLP input projection from e4m3
-codes with per-tensor scales, against an emulation written from the formula (exactly) and the bf16
-product (within FP8's error); the scales map each maximum to 448 and nothing saturates; the backward
+codes with per-tensor scales, against #306's rule written from its code's operations (exactly) and the
+bf16 product (within FP8's error); the scales map each maximum to 448; the backward
 is the bf16 backward at the FP8 pre (alone and with §15's --mlp_backward_from_post); training only,
 validation the plain product, off builds nothing; one traced graph (no host sync); the width rule."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,27 +28,49 @@ def operands(seed=0, T=48, d=64, hidden=256, integer_codes=False):
     return x, w
 
 
-def emulation(x, w):
-    """The formula, written out: s_W = max|W1| / 448 and a = max|x| in fp32, the codes by one cast from
-    fp32, their product in float64, then times the fp32 product (a / 448) s_W and rounded once."""
-    a = torch.tensor(x.abs().max().item(), dtype=torch.float32)
-    s_w = torch.tensor(w.abs().max().item(), dtype=torch.float32) / 448
-    x8 = (x.float() * (torch.tensor(448.0) / a)).to(E4M3)
-    w8 = (w.float() / s_w).to(E4M3)
+def bf16(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.bfloat16)
+
+
+def pr306(x, w):
+    """#306's rule, written from its code's operations with numpy's fp32 arithmetic: its eager
+    quantization of the bf16 bank after each optimizer step, s_W = bf16(fp32(max|W1|) / 448) and W8 =
+    e4m3(bf16(fp32(W1) / fp32(s_W))); its compiled forward, a = max|x| and x8 = e4m3(fp32(x fp32(448
+    / a))); its kernel's accumulator (here the codes' products in float64, exact for integer codes)
+    times dequant = fp32(fp32(s_W a) / 448), its in-place fp32 buffer, then rounded to bf16."""
+    f32 = np.float32
+    a = f32(x.abs().max().item())
+    s_w = bf16(float(f32(w.abs().max().item()) / f32(448)))
+    w8 = torch.from_numpy(w.float().numpy() / f32(s_w.item())).bfloat16().to(E4M3)
+    x8 = torch.from_numpy(x.float().numpy() * (f32(448) / a)).to(E4M3)
+    dequant = torch.tensor(f32(f32(s_w.item()) * a) / f32(448))
     product = (x8.double().reshape(-1, x.shape[-1]) @ w8.double().t()).float()
-    return (product * ((a / 448) * s_w)).bfloat16().view(*x.shape[:-1], w.shape[0]), x8, w8
+    return (product * dequant).bfloat16().view(*x.shape[:-1], w.shape[0]), x8, w8, dequant
 
 
-def test_the_product_is_the_formulas_emulation_exactly():
+def test_the_product_is_pr306s_rule_exactly():
     x, w = operands(integer_codes=True)
-    pre, x8, w8 = emulation(x, w)
-    got_x8, got_w8, s_x, s_w = tg.fp8_up_codes(x, w)
+    pre, x8, w8, dequant = pr306(x, w)
+    got_x8, got_w8, got_dequant = tg.fp8_up_codes(x, w)
     assert torch.equal(got_x8.view(torch.uint8), x8.view(torch.uint8))
     assert torch.equal(got_w8.view(torch.uint8), w8.view(torch.uint8))
     assert (x8.float().abs() >= 8).logical_or(x8.float() == 0).all()  # integer codes: an exact sum
-    assert s_x.shape == s_w.shape == () and s_x.dtype == s_w.dtype == torch.float32
+    assert got_dequant.shape == () and got_dequant.dtype == torch.float32 and torch.equal(got_dequant, dequant)
     assert torch.equal(tg.fp8_up_product(x, w), pre)
     assert tg.fp8_up_product(x, w).dtype == torch.bfloat16
+
+
+def test_the_weight_codes_round_to_bf16_first_as_pr306s_eager_quantization():
+    """max|W1| = 1: s_W = bf16(1/448) = 146 x 2^-16 = 0.0022277832 (fp32's 1/448 is 0.0022321430).
+    w = 0.41015625: w / s_W = 184.1 rounds to bf16 184, halfway between e4m3's 176 and 192, and ties
+    to the even code 192 (from fp32's scale 183.75 would round to 176)."""
+    x = torch.ones(1, 16).bfloat16()
+    w = torch.zeros(16, 16).bfloat16()
+    w[0, 0], w[0, 1] = 1.0, 0.41015625
+    _, w8, dequant = tg.fp8_up_codes(x, w)
+    assert bf16(1 / 448).item() == 146 * 2 ** -16
+    assert w8[0, 0].float() == 448 and w8[0, 1].float() == 192
+    assert dequant.item() == np.float32(np.float32(146 * 2 ** -16) * np.float32(1.0)) / np.float32(448)
 
 
 def test_the_product_is_the_bf16_product_within_fp8s_error():
@@ -61,17 +84,20 @@ def test_the_product_is_the_bf16_product_within_fp8s_error():
     assert error(bf16) < 0.01 and error(fp8) > 4 * error(bf16)
 
 
-def test_each_scale_maps_its_maximum_to_448_and_no_code_saturates():
+def test_each_maximum_maps_to_448():
+    """The input's maximum maps to 448 from fp32 (to 448 (1 + 2^-23) at most: the rounding of 448 / a);
+    the weight's through its bf16 scale and quotient, each within 2^-9 relative, so to at most
+    448 (1 + 2^-8) before e4m3, which rounds that to 448 (480 is past e4m3's largest)."""
     for seed in range(4):
         x, w = operands(seed=seed)
-        x8, w8, s_x, s_w = tg.fp8_up_codes(x, w)
-        assert torch.equal(s_x, x.abs().max().float() / 448) and torch.equal(s_w, w.abs().max().float() / 448)
-        for t, codes, scaled in ((x, x8, x.float() * (448 / x.abs().max().float())), (w, w8, w.float() / s_w)):
+        x8, w8, _ = tg.fp8_up_codes(x, w)
+        s_w = (w.abs().max() / 448).float()
+        for t, codes, scaled, bound in ((x, x8, x.float() * (448 / x.abs().max().float()), 448 * (1 + 2 ** -23)),
+                                        (w, w8, (w / s_w.bfloat16()).float(), 448 * (1 + 2 ** -8))):
             top = t.abs().flatten().argmax()
             assert codes.float().abs().flatten()[top] == 448
-            # nothing beyond 448 but a rounding of the maximum itself: the clamp changes no code
-            assert scaled.abs().max() <= 448 * (1 + 2 ** -23)
-            assert torch.equal(codes.view(torch.uint8), scaled.to(E4M3).view(torch.uint8))
+            assert scaled.abs().max() <= bound
+            assert torch.equal(codes.view(torch.uint8), scaled.to(E4M3).view(torch.uint8))  # the clamp changes none
 
 
 def test_a_zero_input_gives_zero_not_nan():

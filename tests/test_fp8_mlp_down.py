@@ -5,6 +5,7 @@ the weight's from the previous step, the current weight for the first 16 steps);
 bf16 backward at the FP8 output (alone and with §15); training only; the scales are model state
 (warm-up restore, checkpoint round trip, resume after SIGKILL) and per slice (two processes equal
 one accumulating); one traced graph; the config rules."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ def test_the_product_is_the_formulas_emulation_exactly():
     w2 = lifted(torch.randn(32, 64, generator=gen) * 0.05, 1 / 45).bfloat16()
     s_a = torch.tensor(post.float().max().item() * 1.80 / 448, dtype=torch.float32)
     s_w = torch.tensor(w2.float().abs().max().item() * 1.12 / 448, dtype=torch.float32)
-    post8 = (post.float() / s_a).to(E4M3)
+    post8 = (post.float() * (1 / s_a)).to(E4M3)  # #342's kernel: post times the fp32 reciprocal
     w8 = (w2.float() / s_w).to(E4M3)
     assert (post8.float().eq(0) | post8.float().ge(8)).all() and (w8.float().eq(0) | w8.float().abs().ge(8)).all()
     assert 240 <= post8.float().max() <= 256 and 384 <= w8.float().abs().max() <= 416  # the headrooms
@@ -89,8 +90,9 @@ def recorded_calls(monkeypatch):
 @pytest.mark.parametrize("from_post", [False, True])
 def test_each_slices_scale_is_its_previous_forwards_and_the_weights_the_previous_steps(from_post, monkeypatch):
     """The tiny model, 2 slices as 2 micro-steps, 19 steps: the activation scale block b slice j
-    uses at step k is 1.80 x its largest post at step k-1 / 448 (1.0 at step 0); the weight scale is
-    max|W2| now / 448 for steps 0-15, then 1.12 x max|W2| of the previous step / 448."""
+    uses at step k is max(its largest post at step k-1, 1e-12) x fp32(1.80 / 448) (1.0 at step 0);
+    the weight scale is #342's: the current bf16 max|W2| / 448 in bf16 where pr342_bootstrap(k),
+    else max(max|W2| of the previous step, 1e-12) x fp32(1.12 / 448)."""
     calls = recorded_calls(monkeypatch)
     config = tiny(mlp_backward_from_post=from_post)
     runner = tg.Runner(config, torch.device("cpu"))
@@ -106,14 +108,43 @@ def test_each_slices_scale_is_its_previous_forwards_and_the_weights_the_previous
         for j in range(slices):
             for b in (0, 7, L - 1):
                 s_a, s_w, _, w_max = by(k, j, b)
-                want_a = torch.tensor(1.0) if k == 0 else by(k - 1, j, b)[2] * 1.80 / 448
+                want_a = torch.tensor(1.0) if k == 0 else fp32_product(by(k - 1, j, b)[2], 1.80 / 448)
                 assert torch.equal(s_a, want_a), (k, j, b)
-                if k < 16:
-                    assert torch.equal(s_w, w_max.clamp_min(1e-12) / 448), (k, j, b)
+                if pr342_bootstrap(k):
+                    assert torch.equal(s_w, bf16_quotient(w_max, 448)), (k, j, b)
                 else:
-                    assert torch.equal(s_w, by(k - 1, j, b)[3] * 1.12 / 448), (k, j, b)
+                    assert torch.equal(s_w, fp32_product(by(k - 1, j, b)[3], 1.12 / 448)), (k, j, b)
     assert sum(not torch.equal(by(k, 0, b)[0], by(k, 1, b)[0]) for k in range(1, steps) for b in range(L)) > L
-    assert not torch.equal(by(17, 0, 3)[1], by(17, 0, 3)[3] / 448)  # delayed: not the current weight's
+    assert not torch.equal(by(17, 0, 3)[1], bf16_quotient(by(17, 0, 3)[3], 448))  # delayed: not the current weight's
+    assert [k for k in range(steps) if pr342_bootstrap(k)] == list(range(17))
+
+
+def pr342_bootstrap(k: int) -> bool:
+    """Whether step k's forwards quantize W2 with its current maximum, by #342's calls: it
+    requantizes once before training with bootstrap_down=True and after each optimizer step s with
+    bootstrap_down=(s < 16), and step k's forward reads the codes of the last requantization before it."""
+    last_call = None if k == 0 else k - 1  # the step the requantization before step k followed (None: the first)
+    return True if last_call is None else last_call < 16
+
+
+def fp32_product(a: torch.Tensor, constant: float) -> torch.Tensor:
+    """max(a, 1e-12) x fp32(constant), one fp32 product (#342's kernels, numpy's arithmetic)."""
+    return torch.tensor(np.float32(max(a.item(), 1e-12)) * np.float32(constant))
+
+
+def bf16_quotient(w_max: torch.Tensor, top: float) -> torch.Tensor:
+    """#342's bootstrap scale, eager on the bf16 bank: bf16(fp32(max) / fp32(448)), as fp32, the max
+    clamped at 1e-12 in bf16 first (W2 starts at zero)."""
+    floor = torch.tensor(1e-12).bfloat16().item()
+    return torch.tensor(float(np.float32(max(w_max.item(), floor)) / np.float32(top))).bfloat16().float()
+
+
+def test_the_bootstrap_weight_scale_is_bf16_as_pr342_forms_it():
+    """For a maximum of 1: bf16(1/448) = 0.0022277832 (fp32's is 0.0022321430), then used in fp32."""
+    down = tg.FP8DownScales(2)
+    _, s_w = down.scales(torch.tensor([[1.0, -0.5]]).bfloat16())
+    assert s_w.dtype == torch.float32 and s_w.item() == 146 * 2 ** -16 == 0.002227783203125
+    assert down.weight[1].item() == 1.0  # the recorded maximum, exact
 
 
 def test_the_backward_is_the_bf16_backward_at_the_fp8_output():

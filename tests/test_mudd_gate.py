@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train_gpt_medium as tg
 from test_bulk_model import assert_traces_as_one_graph, fill_random, packed, train_loss_and_grads
@@ -473,6 +474,20 @@ def test_dc_in_fp32_and_bf16_against_the_loop():
         out = tg.dc_addition(q, k, v, w1, w2, tg.dc_window_mask(docs, 5), 0.3)
         assert out.dtype == torch.float32
         assert torch.allclose(out.double(), dc_loop(q, k, v, w1, w2, docs, 0.3, 5), rtol=tol, atol=tol)
+
+
+def test_dc_hands_its_kernel_w1_normalized_in_fp32_and_rounded_to_bf16_as_pr315(monkeypatch):
+    """#315's gate: w1n = rms_norm(w1 in fp32 over the heads, eps 1e-6), then .type_as the attention's
+    input (bf16 in the model); w2 as it is. The band form receives exactly that."""
+    q, k, v, w1, w2, docs = dc_inputs(torch.bfloat16)
+    seen = []
+    real = tg.DCBand.apply
+    monkeypatch.setattr(tg.DCBand, "apply", lambda *a: seen.append(a) or real(*a))
+    tg.dc_addition(q, k, v, w1, w2, tg.dc_window_mask(docs, 5), 0.3)
+    w1n = F.rms_norm(w1.float(), (w1.shape[-1],), eps=1e-6).type_as(q)
+    got = seen[0][3]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, w1n) and seen[0][4] is w2
+    assert not torch.equal(got.float(), F.rms_norm(w1.float(), (w1.shape[-1],), eps=1e-6))  # it was rounded
 
 
 def test_dc_gradients_to_q_k_v_w1_w2_in_float64():
