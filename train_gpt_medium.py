@@ -865,7 +865,7 @@ class Muon(torch.optim.Optimizer):
 
     Matrices are sorted by size and dealt round-robin to ranks within groups of one shape and one
     pair of multipliers; each rank updates its own (holding their state) and all-gathers the rest.
-    Gradients must already be averaged over ranks. Dtypes: a group with "gate": True keeps its
+    The owner's p.grad must hold the sum over ranks (GradientExchange reduce-scatters it there). Dtypes: a group with "gate": True keeps its
     momentum and row statistic in the gates' dtype and updates them in place in it (bf16 on a GPU,
     as the record: no fp32 master). Other matrices have fp32 state; a bf16 matrix keeps the 16 low
     bits of its fp32 master (the record stores its matrices in fp32, so it has none).
@@ -880,6 +880,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, param_groups: list[dict], lr: float, momentum: float, weight_decay: float,
                  rank: int = 0, world_size: int = 1, compile_update: bool = False, *,
+                 collectives: Optional["Collectives"] = None,
                  orthogonalization: str = "polar_express", row_normalization: bool = True, row_beta2: float = 0.95,
                  cautious_weight_decay: bool = True, lr_shape: str = "stored", scalar_rounding: str = "bulk"):
         groups = []
@@ -890,6 +891,7 @@ class Muon(torch.optim.Optimizer):
                                "lr_mul": lr_mul, "wd_mul": group.get("wd_mul", 1.0) * wd_mul})
         super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mul=1.0))
         self.rank, self.world_size = rank, world_size
+        self.collectives = collectives or (Collectives(world_size, rank) if world_size > 1 else None)
         self.orthogonalization, self.lr_shape = orthogonalization, lr_shape
         self.row_normalization, self.row_beta2 = row_normalization, row_beta2
         self.cautious_weight_decay, self.scalar_rounding = cautious_weight_decay, scalar_rounding
@@ -935,7 +937,7 @@ class Muon(torch.optim.Optimizer):
                     send = mine.detach().clone() if mine is not None else torch.zeros_like(chunk[0])
                     outputs = [chunk[r] if r < len(chunk) and r != self.rank else torch.empty_like(send)
                                for r in range(W)]
-                    pending.append(dist.all_gather(outputs, send, async_op=True))
+                    pending.append(self.collectives.all_gather_list(outputs, send, group.get("name", "muon")))
         for work in pending:
             work.wait()
 
@@ -1013,35 +1015,94 @@ def cautious_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: flo
 
 
 class CautiousAdam(torch.optim.Optimizer):
-    """The bulk record's Adam (cautious_adam_step for each parameter with a gradient), replicated
-    on every rank. A parameter's `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's
-    lr and weight decay; its `betas` attribute (absent: the group's) replaces the group's betas.
-    State per parameter as PyTorch's Adam names it: step (a Python int,
-    counting this parameter's steps), exp_avg and exp_avg_sq, created at construction in the
-    weight's dtype. That is the dtype the record's timed run steps with: its optimizer creates bf16
-    moments for every weight, but after its compile warm-up it restores the initial optimizer state
-    with load_state_dict, which casts each state tensor to its weight's dtype, so its fp32 scalars
-    and x0 weights train with fp32 moments and its bf16 tables, head and gates with bf16 ones.
-    With fp32_moments (#252) every weight has fp32 moments and steps by fp32_adam_step."""
+    """The bulk record's Adam (cautious_adam_step for each parameter with a gradient). A parameter's
+    `lr_mul` and `wd_mul` attributes (absent: 1) multiply its group's lr and weight decay; its `betas`
+    attribute (absent: the group's) replaces the group's betas. State per parameter as PyTorch's Adam
+    names it: step (a Python int, counting this parameter's steps), exp_avg and exp_avg_sq, created at
+    construction in the weight's dtype. That is the dtype the record's timed run steps with: its
+    optimizer creates bf16 moments for every weight, but after its compile warm-up it restores the
+    initial optimizer state with load_state_dict, which casts each state tensor to its weight's dtype,
+    so its fp32 scalars and x0 weights train with fp32 moments and its bf16 tables, head and gates with
+    bf16 ones. With fp32_moments (#252) every weight has fp32 moments and steps by fp32_adam_step.
+
+    On W ranks, as the records' sharded Adam: a tensor adam_rows shards has moments for this rank's
+    rows only; the rank steps those rows with their summed gradient (GradientExchange.reduced), then
+    every rank's rows are all-gathered into the weight. Any other tensor is stepped whole, on every rank
+    alike, with its all-reduced gradient. With compile_update (CUDA) #252's fp32 step runs compiled,
+    fullgraph, as #252 compiles it (its per-step factors 0-d device tensors refilled in place, so a new
+    step never recompiles); the bulk record's bf16 step runs uncompiled, as the record's does."""
 
     def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, fp32_moments: bool = False):
+                 weight_decay: float, fp32_moments: bool = False, rank: int = 0, world_size: int = 1,
+                 compile_update: bool = False, collectives: Optional["Collectives"] = None):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.adam_step = fp32_adam_step if fp32_moments else cautious_adam_step  # §9 --adam_fp32_moments
+        self.fp32_moments, self.rank, self.world_size = fp32_moments, rank, world_size
+        self.collectives = collectives or (Collectives(world_size, rank) if world_size > 1 else None)
+        self.exchange: Optional["GradientExchange"] = None  # the Runner's, on more than one rank
+        self.update = compiled(fp32_adam_update, fullgraph=True) if fp32_moments and compile_update else fp32_adam_update
+        self.rows = {p: adam_rows(p, rank, world_size) for group in self.param_groups for p in group["params"]}
         for group in self.param_groups:
             for p in group["params"]:
-                moment = torch.zeros_like(p, dtype=torch.float32 if fp32_moments else p.dtype)
+                moment = torch.zeros_like(self.shard(p), dtype=torch.float32 if fp32_moments else p.dtype)
                 self.state[p] = dict(step=0, exp_avg=moment, exp_avg_sq=torch.zeros_like(moment))
+        # §9 #252's per-step factors (step size, decay) as 0-d device tensors, one pair per parameter
+        self.factors = {p: torch.zeros(2, device=p.device) for p in self.rows} if fp32_moments else {}
+
+    def shard(self, p: nn.Parameter, t: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What this rank steps of p (or of t, a tensor of p's shape): its rows (a view), or all of it."""
+        rows, t = self.rows[p], p if t is None else t
+        return t if rows is None else t[rows[0]:rows[1]]
+
+    def gradient(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """The summed gradient of shard(p), None where p has none this step (the untied embedding
+        before the split). Without an exchange the gradient is already summed (one rank, or a test)."""
+        if self.exchange is not None:
+            return self.exchange.reduced.get(p)
+        return None if p.grad is None else self.shard(p, p.grad)
 
     @torch.no_grad()
     def step(self):
+        gathers = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is not None:  # no gradient, no step (the untied embedding before the split)
-                    b1, b2 = getattr(p, "betas", (beta1, beta2))  # a parameter's own betas (declare) win
-                    self.adam_step(p, p.grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), b1, b2,
-                                   group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
+                grad = self.gradient(p)
+                if grad is None:  # no gradient, no step
+                    continue
+                b1, b2 = getattr(p, "betas", (beta1, beta2))  # a parameter's own betas (declare) win
+                args = (self.shard(p), grad, self.state[p], group["lr"] * getattr(p, "lr_mul", 1.0), b1, b2,
+                        group["eps"], group["weight_decay"], getattr(p, "wd_mul", 1.0))
+                if self.fp32_moments:  # §9 --adam_fp32_moments
+                    fp32_adam_step(*args, factors=self.factors[p], update=self.update)
+                else:
+                    cautious_adam_step(*args)
+                if self.rows[p] is not None:  # every rank's rows into the weight
+                    mine = self.shard(p) if self.collectives.in_place_gather else self.shard(p).clone()
+                    gathers.append(self.collectives.all_gather(p.data, mine, group["name"]))
+        for work in gathers:
+            work.wait()
+
+    def copy_state(self, source: nn.Parameter, target: nn.Parameter, transposed: bool = False) -> None:
+        """target's state becomes a copy of source's (the split of --untie_embed_after_step), its moments
+        transposed where the two are stored transposed to each other. Where the two hold the same rows
+        here, a copy on the rank; else (transposed and sharded) the source's moments are all-gathered
+        first, once, and this rank keeps its rows of target."""
+        copied = {}
+        for k, v in self.state[source].items():
+            if not torch.is_tensor(v):
+                copied[k] = copy.deepcopy(v)
+            elif not transposed and self.rows[source] == self.rows[target]:
+                copied[k] = v.clone()
+            else:
+                whole = v
+                if self.rows[source] is not None:
+                    whole = v.new_empty(source.shape)
+                    mine = v if self.collectives.in_place_gather else v.clone()
+                    self.collectives.all_gather(whole, mine, "split").wait()
+                whole = whole.t() if transposed else whole
+                rows = self.rows[target]
+                copied[k] = (whole if rows is None else whole[rows[0]:rows[1]]).contiguous().clone()
+        self.state[target] = copied
 
 
 # =============================================================================
@@ -1805,12 +1866,15 @@ class GPT(nn.Module):
         moments are transposed into the table's layout."""
         head, table = self.head.weight, self.embeds[0].weight
         table.copy_(self.head.table())
-        as_table = (lambda t: t.t().contiguous()) if self.head.transposed else (lambda t: t.clone())  # §8
         for opt in optimizers:
-            if head in opt.state:
-                opt.state[table] = {k: as_table(v) if torch.is_tensor(v) and v.shape == head.shape
-                                    else v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
-                                    for k, v in opt.state[head].items()}
+            if head in opt.state:  # Adam's (CautiousAdam.copy_state: its sharded rows included)
+                if isinstance(opt, CautiousAdam):
+                    opt.copy_state(head, table, transposed=self.head.transposed)  # §8 --head_transposed
+                else:  # any other torch optimizer (the tests'): every tensor of the head's shape, as a table
+                    as_table = (lambda t: t.t().contiguous()) if self.head.transposed else (lambda t: t.clone())
+                    opt.state[table] = {k: as_table(v) if torch.is_tensor(v) and v.shape == head.shape
+                                        else v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                        for k, v in opt.state[head].items()}
         self.embed_tied = False
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int, reduction: str = "mean",
@@ -2194,16 +2258,19 @@ MUON_GROUP_OPTIONS = dict(muon_attn=dict(blocks=4), muon_mlp=dict(split_last_pro
 
 
 def build_optimizers(model: GPT, config: Hyperparameters, rank: int, world_size: int,
-                     compile_muon: bool = False) -> list[torch.optim.Optimizer]:
+                     compile_updates: bool = False, collectives: Optional["Collectives"] = None
+                     ) -> list[torch.optim.Optimizer]:
     """Adam for the head, the embeddings, the scalars and the small gates; Muon for the matrices
-    inside the blocks and the heads' gates (its per-matrix update compiled with `compile_muon`). A
-    parameter's `lr_mul` / `wd_mul` attributes multiply its group's lr / decay in both."""
+    inside the blocks and the heads' gates (the updates the records compile compiled with
+    `compile_updates`: Muon's, and #252's fp32 Adam step). A parameter's `lr_mul` / `wd_mul` attributes
+    multiply its group's lr / decay in both. `collectives`: the run's, on more than one rank."""
     cfg = config
     adam_groups, muon_groups = optimizer_groups(model, config)
     adam = CautiousAdam(adam_groups, lr=cfg.head_lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                        weight_decay=cfg.adam_weight_decay, fp32_moments=cfg.adam_fp32_moments)  # §9
+                        weight_decay=cfg.adam_weight_decay, fp32_moments=cfg.adam_fp32_moments,  # §9
+                        rank=rank, world_size=world_size, compile_update=compile_updates, collectives=collectives)
     muon_args = dict(lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
-                     rank=rank, world_size=world_size, compile_update=compile_muon)
+                     rank=rank, world_size=world_size, compile_update=compile_updates, collectives=collectives)
     muon = Muon(muon_groups, **muon_args, orthogonalization=cfg.orthogonalization,
                 row_normalization=cfg.muon_row_normalization, row_beta2=cfg.muon_row_beta2,
                 cautious_weight_decay=cfg.muon_cautious_weight_decay, lr_shape=cfg.muon_lr_shape,
@@ -2254,33 +2321,199 @@ def set_schedules(optimizers, step: int, config: Hyperparameters) -> None:
                 group["momentum"] = momentum
 
 
-class GradientAverager:
-    """Sums gradients over ranks as soon as each is final (overlapping the backward pass);
-    the loss is pre-divided by world size x micro-steps, so the sum is the global mean. The
-    parameters in `sparse` (--bigram_embed's table) are summed by rows (sparse_row_sum) in `wait`,
-    after the backward pass, on the steps their gradient is not held."""
+# ---- the exchange: who sends which gradient and which weights to whom, and who holds what (the
+#      records' machine plan: docs/bulk-optimizers.md, "The exchange")
 
-    def __init__(self, model: nn.Module, world_size: int, sparse=()):
-        self.world_size, self.armed, self.pending = world_size, False, []
-        self.held: frozenset = frozenset()  # parameters whose local gradients wait for a later step
-        # in a list: every rank must run their exchanges in the same order (a set's follows ids)
-        self.sparse = list(sparse) if world_size > 1 else []
-        self.sparse_set = frozenset(self.sparse)
-        if world_size > 1:
-            for p in model.parameters():
-                p.register_post_accumulate_grad_hook(self._hook)
+ADAM_SHARD_MIN_ELEMENTS = 1024  # smaller Adam tensors are all-reduced and stepped whole on every rank, as the records'
 
-    def _hook(self, p):
-        if self.armed and p not in self.held and p not in self.sparse_set:
-            self.pending.append(dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True))
+
+def adam_rows(p: torch.Tensor, rank: int, world_size: int) -> Optional[tuple[int, int]]:
+    """The rows [start, stop) of an Adam tensor whose moments this rank holds and steps: its 1/W share
+    of the first dimension, for tensors of at least 1024 elements whose rows split W ways (the records'
+    sharded Adam); None for any other (and at world size 1): all-reduced, stepped whole on every rank."""
+    if world_size == 1 or p.numel() < ADAM_SHARD_MIN_ELEMENTS or p.shape[0] % world_size:
+        return None
+    rows = p.shape[0] // world_size
+    return rank * rows, (rank + 1) * rows
+
+
+class Collective(NamedTuple):
+    """One collective call as a rank sees it: its kind, the parameter group it moves, the bytes of the
+    whole tensor it is about (the payload) and the bytes this rank sends for it."""
+    kind: str
+    group: str
+    payload: int
+    sent: int
+
+
+class _Done:
+    """What a counted collective returns in place of torch.distributed's work handle."""
 
     def wait(self):
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Collectives:
+    """The optimizers' collectives, every one through here, so that one code path both runs them and
+    counts them: on a process group, torch.distributed's asynchronous calls; with `counting`, no process
+    group and nothing moves (the dry run's one rank of many, on meta tensors). While `ledger` is a list,
+    each call is appended to it (Collective). Bytes sent per rank are the ring algorithm's: an
+    all-reduce of N bytes sends 2 (W-1)/W N, a reduce-scatter or an all-gather (W-1)/W N, an all-to-all
+    what it sends to the other ranks."""
+
+    def __init__(self, world_size: int, rank: int = 0, counting: bool = False):
+        self.world_size, self.rank, self.counting, self.ledger = world_size, rank, counting, None
+        self.in_place_gather = False  # set by the Runner on NCCL: an all-gather may read its input from its output
+
+    def _call(self, kind: str, group: str, payload: int, sent: float, run):
+        if self.ledger is not None:
+            self.ledger.append(Collective(kind, group, payload, round(sent)))
+        return _Done() if self.counting else run()
+
+    def all_reduce(self, t: torch.Tensor, group: str):
+        W = self.world_size
+        return self._call("all_reduce", group, _nbytes(t), 2 * (W - 1) / W * _nbytes(t),
+                          lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str):
+        """out (n, ...) <- the sum over ranks of this rank's n rows of inp (W n, ...)."""
+        W = self.world_size
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13 / 2.11
+        return self._call("reduce_scatter", group, _nbytes(inp), (W - 1) / W * _nbytes(inp),
+                          lambda: scatter(out, inp, op=dist.ReduceOp.SUM, async_op=True))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str):
+        """out (W n, ...) <- every rank's inp (n, ...), in rank order."""
+        W = self.world_size
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 / 2.11
+        return self._call("all_gather", group, _nbytes(out), (W - 1) / W * _nbytes(out),
+                          lambda: gather(out, inp, async_op=True))
+
+    def all_gather_list(self, outs: list[torch.Tensor], inp: torch.Tensor, group: str):
+        """outs[r] <- rank r's inp (every one of inp's shape)."""
+        W = self.world_size
+        return self._call("all_gather", group, W * _nbytes(inp), (W - 1) * _nbytes(inp),
+                          lambda: dist.all_gather(outs, inp, async_op=True))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group: str):
+        """Rank r's in_splits[s] rows of inp go to rank s; out holds what each rank sent here, in rank order."""
+        row = _nbytes(inp[0]) if inp.numel() else inp.element_size() * math.prod(inp.shape[1:])
+        sent = row * (sum(in_splits) - in_splits[self.rank])
+        return self._call("all_to_all", group, row * sum(in_splits), sent,
+                          lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True))
+
+
+class _MuonBucket:
+    """W matrices of one Muon shape group (the last bucket of a group may hold fewer): rank r owns the
+    r-th. Their gradients are stacked as they arrive, and reduce-scattered once all have."""
+
+    def __init__(self, params: list[nn.Parameter], group: str):
+        self.params, self.group, self.stack, self.arrived, self.out = params, group, None, 0, None
+
+
+class GradientExchange:
+    """Where each gradient goes once it is final (a hook in the last micro-batch's backward, so the
+    exchange overlaps the rest of the backward), as the records send it:
+      Muon matrices   stacked W at a time within their shape group (zero-padded, as the records pad),
+                      reduce-scattered: each rank receives the sum of the one matrix of the W it owns
+                      (Muon.owned; the others' gradients are freed once stacked);
+      sharded Adam    (adam_rows) reduce-scattered by rows: each rank receives the sum of its rows;
+      whole Adam      all-reduced in place;
+      the bigram table, with bigram_exchange_is_sparse: after the backward, each rank sends the rows its
+                      own tokens touched to the ranks owning them (counts, indices, rows), and adds what
+                      it receives to its own rows, rank by rank.
+    The loss is pre-divided by world size x micro-steps, so every sum is the global mean. Adam's tensors
+    in `held` (on an even step of --adam_odd_steps_only) keep their local gradient on their rank for the
+    next backward to add to. After wait(), the owner of a Muon matrix finds its sum in p.grad (its other
+    ranks None), and reduced[p] is the summed gradient of what this rank steps of an Adam tensor."""
+
+    def __init__(self, adam_groups: list[dict], muon_groups: list[dict], rank: int, world_size: int,
+                 collectives: "Collectives", sparse_table: Optional[nn.Parameter] = None, hooks: bool = True):
+        """The groups as the optimizers hold them (dicts with params and a name); hooks: on every
+        parameter of the groups (off: the dry run hands each gradient over itself)."""
+        self.rank, self.world_size, self.collectives = rank, world_size, collectives
+        self.armed, self.held, self.pending, self.reduced = False, frozenset(), [], {}
+        self.sparse_table = sparse_table
+        self.touched = None if sparse_table is None else np.zeros(sparse_table.shape[0], dtype=bool)
+        self.plan: dict[nn.Parameter, tuple] = {}  # p -> (kind, its Muon bucket or its Adam group's name)
+        self.slot: dict[nn.Parameter, int] = {}  # a Muon matrix's place in its bucket (= its owner's rank)
+        for group in muon_groups:
+            params = group["params"]
+            for base in range(0, len(params), world_size):
+                bucket = _MuonBucket(params[base:base + world_size], group["name"])
+                for slot, p in enumerate(bucket.params):
+                    self.plan[p] = ("muon", bucket)
+                    self.slot[p] = slot
+        for group in adam_groups:
+            for p in group["params"]:
+                rows = adam_rows(p, rank, world_size)
+                kind = "sparse" if p is sparse_table else "whole" if rows is None else "rows"
+                self.plan[p] = (kind, group.get("name", "adam"))
+        self.buckets = list({id(b): b for kind, b in self.plan.values() if kind == "muon"}.values())
+        if world_size > 1 and hooks:
+            for p in self.plan:
+                p.register_post_accumulate_grad_hook(self.arrive)
+
+    def arrive(self, p: nn.Parameter) -> None:
+        """p's gradient is final for this step (the hook): start its exchange."""
+        if not self.armed or p in self.held:
+            return
+        kind, where = self.plan[p]
+        coll, W = self.collectives, self.world_size
+        if kind == "muon":
+            bucket = where
+            if bucket.stack is None:
+                bucket.stack = p.grad.new_empty(W, *p.shape)
+                bucket.stack[len(bucket.params):].zero_()  # the padding of a group's last bucket
+            bucket.stack[self.slot[p]].copy_(p.grad)
+            p.grad = None  # the stack holds it now
+            bucket.arrived += 1
+            if bucket.arrived == len(bucket.params):
+                bucket.out = bucket.stack.new_empty(1, *p.shape)
+                self.pending.append(coll.reduce_scatter(bucket.out, bucket.stack, bucket.group))
+        elif kind == "rows":
+            out = p.grad.new_empty(p.shape[0] // W, *p.shape[1:])
+            self.pending.append(coll.reduce_scatter(out, p.grad, where))
+            self.reduced[p] = out
+        elif kind == "whole":
+            self.pending.append(coll.all_reduce(p.grad, where))
+            self.reduced[p] = p.grad
+
+    def reset(self) -> None:
+        """Nothing touched, nothing half-exchanged (after the warm-up's restore)."""
+        if self.touched is not None:
+            self.touched[:] = False
+        self.reduced.clear()
+
+    def touch(self, host_inputs: torch.Tensor) -> None:
+        """A micro-batch's inputs (T,) on the host: the bigram rows its tokens read (the sparse exchange's
+        rows to send), a mask over the table's rows until the next exchange (#261's)."""
+        if self.touched is not None:
+            self.touched[bigram_ids(host_inputs.cpu(), self.touched.size).numpy()] = True
+
+    def wait(self) -> None:
+        """After the backward: the sparse rows, then every exchange complete."""
+        table = self.sparse_table
+        if table is not None and table not in self.held and table.grad is not None:
+            self.reduced[table] = send_touched_rows(self, table)  # §9 the bigram table's rows to their owners
+            table.grad = None
         for work in self.pending:
             work.wait()
         self.pending.clear()
-        for p in self.sparse:
-            if p not in self.held and p.grad is not None:
-                sparse_row_sum(p.grad, self.world_size)
+        for bucket in self.buckets:
+            if bucket.out is None:
+                continue
+            for r, p in enumerate(bucket.params):
+                p.grad = bucket.out[0] if r == self.rank else None
+            bucket.stack, bucket.arrived, bucket.out = None, 0, None
+        for p in self.reduced:
+            if self.plan[p][0] == "rows":
+                p.grad = None  # its rows' sum is in reduced[p]
 
 
 NO_STEP = 2**62  # "no non-finite loss yet"; a step number larger than any run
@@ -2306,7 +2539,12 @@ class Runner:
         self.backend = attention_backend(config, device.type)
         if self.backend == "fa3":
             kernels.flash_attention_3()  # fetched before anything is compiled
-        self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_muon=use_compile)
+        # more than one rank: every collective of the optimizers through one Collectives (the bench's ledger)
+        self.collectives = Collectives(world_size, rank) if world_size > 1 else None
+        if self.collectives is not None:
+            self.collectives.in_place_gather = device.type == "cuda"  # NCCL gathers from inside its output
+        self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_updates=use_compile,
+                                           collectives=self.collectives)
         if use_compile:
             fail_instead_of_eager_fallback()
         # --adam_odd_steps_only: on even steps Adam's gradients stay on each rank, unreduced, and the
@@ -2315,8 +2553,14 @@ class Runner:
         self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
         self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        self.averager = GradientAverager(self.model, world_size, sparse=[self.model.bigram.table]  # §9 its rows
-                                         if bigram_exchange_is_sparse(config, world_size) else [])
+        self.exchange, self.step_ledgers = None, {}  # step_ledgers: the bench's collectives, by parity
+        if world_size > 1:
+            sparse = self.model.bigram.table if bigram_exchange_is_sparse(config, world_size) else None  # §9 its rows
+            adam, muon = self.optimizers
+            self.exchange = GradientExchange(adam.param_groups, muon.param_groups, rank, world_size, self.collectives,
+                                             sparse)
+            for opt in self.optimizers:
+                opt.exchange = self.exchange
         # the [long, short] windows in blocks, one device tensor refilled in place
         self.window_blocks = torch.ones(2, dtype=torch.int32, device=device)
         self.yarn_steps = yarn_changes(config)  # --yarn_window_limit: where the rotary tables are rescaled
@@ -2358,10 +2602,12 @@ class Runner:
             view[k].fill_(w)
         return view
 
-    def train_step(self, step: int, batches, mtp_weights=None) -> torch.Tensor:
+    def train_step(self, step: int, batches, mtp_weights=None, host_inputs=None) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the (unsynced) mean loss.
         mtp_weights: this step's multi-token prediction weights (a list of floats); None: the
-        schedule's with --multi_token_prediction, else the next-token loss."""
+        schedule's with --multi_token_prediction, else the next-token loss. host_inputs: the
+        micro-batches' inputs on the host, for the bigram table's sparse exchange (None: the inputs
+        themselves, copied to the host where they are on a GPU: a sync the loaders' copies avoid)."""
         window, scale = self.window(step), train_loss_scale(self.config)  # = 1 / (micro-steps x ranks)
         self.set_embedding_tie(step)
         if self.model.prefix is not None:  # §16 --prefix_loss_weight: this step's weight of the prefix term
@@ -2370,10 +2616,14 @@ class Runner:
             mtp_weights = multi_token_weights(step, self.config)
         mtp = self.mtp_input(mtp_weights)
         adam_waits = self.config.adam_odd_steps_only and step % 2 == 0
-        self.averager.held = self.adam_params if adam_waits else frozenset()
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.held = self.adam_params if adam_waits else frozenset()
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
-            self.averager.armed = i == len(batches) - 1
+            if exchange is not None:
+                exchange.armed = i == len(batches) - 1
+                exchange.touch(inputs if host_inputs is None else host_inputs[i])  # §9 the sparse rows
             if self.fp8_downs:  # §17 --fp8_mlp_down: this micro-batch's slice
                 set_fp8_down_slice(self.fp8_downs, self.rank * self.micro_steps + i)  # §17 --fp8_mlp_down
             loss = self.forward(inputs, targets, window) if mtp is None else self.forward(inputs, targets, window,
@@ -2381,11 +2631,14 @@ class Runner:
             (loss * scale).backward()
             total += loss.detach() / len(batches)
         self.first_nonfinite.masked_fill_(~torch.isfinite(total) & (self.first_nonfinite > step), step)
-        self.averager.wait()
+        if exchange is not None:
+            exchange.wait()
         set_schedules(self.optimizers, step, self.config)
         for opt in self.optimizers:
             if not (adam_waits and opt is self.optimizers[0]):
                 opt.step()
+        if exchange is not None:
+            exchange.reduced.clear()
         if self.fp8_downs:  # §17 --fp8_mlp_down: the weight scales after the step
             refresh_fp8_down_weights(self.fp8_downs, step)  # §17 --fp8_mlp_down
         if adam_waits:  # Adam's local gradients stay for the next (odd) step's backward to add to
@@ -2458,6 +2711,8 @@ class Runner:
         for step in steps:
             self.train_step(step, self.random_batches(gen, slice_tokens(step, cfg)))
         restore_state(self.model, self.optimizers, saved)
+        if self.exchange is not None:
+            self.exchange.reset()  # rows an even warm-up step touched
         self.set_embedding_tie(0)  # the warm-up may have passed the split
         self.model.zero_grad(set_to_none=True)  # gradients an odd-step Adam was still holding
         self.first_nonfinite.fill_(NO_STEP)
@@ -2693,7 +2948,8 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         notes.append(set_cpu_threads(config))
     distributed = "RANK" in os.environ
     if distributed:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+        # on GPUs NCCL, and gloo for host tensors (the bigram exchange's row counts: no device sync)
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     try:
         if config.bench_steps:
@@ -2859,50 +3115,48 @@ class BigramEmbedding(nn.Module):
         return rows, None if self.lambdas is None else self.lambdas.to(rows.dtype)
 
 
-def sparse_row_sum(grad: torch.Tensor, world_size: int) -> bool:
-    """In place, grad (rows, d) <- its sum over the ranks, as dist.all_reduce(SUM) gives it, moving only
-    the rows that are nonzero on some rank (--bigram_embed's table: a step reads few of its rows).
-    Each rank all-gathers every rank's nonzero rows (a row that is zero on a rank adds nothing to the
-    sum, so it need not be sent, whichever tokens touched it), then sets grad to zero and index-adds
-    the ranks' rows in rank order: the same additions in the same order on every rank, so the
-    replicated Adam steps stay identical. With two ranks that is a + b, as the dense all-reduce (bit
-    for bit, up to the sign of a zero, which no Adam value depends on); with more the order of the
-    additions may differ from the all-reduce's (rounding only). When the all-gather would move more
-    than a ring all-reduce (world_size x the largest row count >= 2 x rows), it does the dense
-    all-reduce instead. Returns whether it went sparse. Syncs with the host (the row counts)."""
-    own = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # nan/inf rows are nonzero, so they are sent
-    counts = [torch.zeros(1, dtype=torch.int64, device=grad.device) for _ in range(world_size)]
-    dist.all_gather(counts, torch.full((1,), own.numel(), dtype=torch.int64, device=grad.device))
-    counts = [int(c) for c in counts]
-    most = max(counts)
-    if world_size * most >= 2 * grad.shape[0]:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return False
-    # all_gather needs equal shapes: every rank pads its rows to the largest count
-    index = torch.zeros(most, dtype=torch.int64, device=grad.device)
-    index[:own.numel()] = own
-    rows = grad.new_zeros(most, grad.shape[1])
-    rows[:own.numel()] = grad[own]
-    indices, values = [torch.empty_like(index) for _ in counts], [torch.empty_like(rows) for _ in counts]
-    dist.all_gather(indices, index)
-    dist.all_gather(values, rows)
-    grad.zero_()
-    for n, i, v in zip(counts, indices, values):
-        grad.index_add_(0, i[:n], v[:n])
-    return True
+def send_touched_rows(exchange: "GradientExchange", table: nn.Parameter) -> torch.Tensor:
+    """The table's sparse exchange (#252/#261's): the rows this rank's tokens touched since the last
+    exchange (exchange.touched, from the host's tokens), sorted and split by owner (rows [r n, (r+1) n)
+    on rank r, as adam_rows shards them); the counts by an all-to-all of host tensors (no device sync),
+    then the indices and the rows. Each rank adds what the others sent to its own rows, one sending rank
+    at a time in rank order (no row twice in one index_add: the same order on every device), and
+    returns them: the sum of every rank's gradient on its n rows. A row no rank touched has a zero
+    gradient everywhere, and one a rank did not touch is zero on that rank: nothing it leaves out adds."""
+    coll, W, rank = exchange.collectives, exchange.world_size, exchange.rank
+    group, n, grad = exchange.plan[table][1], table.shape[0] // W, table.grad
+    rows = np.flatnonzero(exchange.touched)
+    exchange.touched[:] = False
+    cuts = np.searchsorted(rows, np.arange(0, (W + 1) * n, n))
+    send = torch.from_numpy(np.diff(cuts))
+    send[rank] = 0  # its own rows stay
+    recv = send.clone() if coll.counting else torch.empty_like(send)  # counting: as many come back as go
+    coll.all_to_all(recv, send, [1] * W, [1] * W, group).wait()
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()  # host tensors: no device sync
+    index = torch.from_numpy(np.concatenate([rows[:cuts[rank]], rows[cuts[rank + 1]:]])).to(grad.device)
+    got_index = index.new_empty(sum(recv_sizes))
+    coll.all_to_all(got_index, index, recv_sizes, send_sizes, group).wait()
+    got = grad.new_empty(sum(recv_sizes), grad.shape[1])
+    coll.all_to_all(got, grad.index_select(0, index), recv_sizes, send_sizes, group).wait()
+    mine, start = grad[rank * n:(rank + 1) * n], 0
+    for size in recv_sizes:
+        mine.index_add_(0, got_index[start:start + size] - rank * n, got[start:start + size])
+        start += size
+    return mine
 
 
 def bigram_exchange_is_sparse(config: Hyperparameters, world_size: int) -> bool:
-    """Whether --bigram_embed's table gradient goes by sparse_row_sum: only where that surely moves
-    less than the dense all-reduce, whatever the tokens: world_size x the positions a rank reads per
-    Adam step (a bound on its nonzero rows) < 2 x the table's rows. Otherwise the table is all-reduced
-    as every other parameter is, overlapping the backward pass, with no host sync and no scan of the
-    table (the record on 8 GPUs: 8 x 131,072 >= 2 x 251,520; its replicated Adam needs every row on
-    every rank, where #252's sharded Adam needed each row on one)."""
-    if not config.bigram_embed or world_size == 1:
+    """Whether --bigram_embed's table gradient goes by send_touched_rows: where its rows are sharded
+    (adam_rows: they split world_size ways) and surely fewer rows are sent than the reduce-scatter
+    moves, whatever the tokens: the positions a rank reads per Adam step (a bound on the rows it
+    touches) < the table's rows. Otherwise it is reduce-scattered by rows, overlapping the backward,
+    as every other sharded tensor (the record on 8 GPUs: 131,072 positions < 251,520 rows: sparse, as
+    #261's 8 GPUs with one micro-step)."""
+    rows = bigram_table_rows(config)  # §14 --bigram_table_multiple: a float
+    if not config.bigram_embed or world_size == 1 or adam_rows(torch.empty(rows, config.model_dim, device="meta"), 0, world_size) is None:
         return False
     positions = (2 if config.adam_odd_steps_only else 1) * (config.batch_slices // world_size) * config.train_seq_len
-    return world_size * positions < 2 * bigram_table_rows(config)  # §14 --bigram_table_multiple: a float
+    return positions < rows
 
 
 class FusedSoftcapCE(torch.autograd.Function):
@@ -3003,24 +3257,33 @@ def pr252_muon_factors(group: dict, shape_factor: float, cautious: bool) -> dict
 
 
 def fp32_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float, beta2: float,
-                   eps: float, weight_decay: float, wd_mul: float) -> None:
+                   eps: float, weight_decay: float, wd_mul: float, factors: Optional[torch.Tensor] = None,
+                   update=None) -> None:
     """The same Adam as #252 computes it (--adam_fp32_moments): fp32 moments, every operation in
     fp32 in its compiled step's order, the weight rounded to its dtype once at the end. With
     c = lr * sqrt(1 - beta2^t) / (1 - beta1^t) and d = lr^2 * wd * wd_mul, each a Python float
-    rounded once to fp32: m = m*b1 + g*(1-b1); v = v*b2 + (1-b2)*(g*g); u = m / (sqrt(v) + eps) * c;
-    u += d * p where u*p > 0; p = p - u. Each multiply and add is rounded separately (the GPU's
-    compiled kernel may fuse some into FMAs, one rounding fewer: not reproduced here)."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
+    rounded once to fp32 (filled into `factors`, a (2,) fp32 device tensor, in place: a compiled
+    `update` then never recompiles; a new one if None): fp32_adam_update. Each multiply and add is
+    rounded separately uncompiled (the GPU's compiled kernel may fuse some into FMAs, one rounding
+    fewer: not reproduced on the CPU)."""
     state["step"] += 1
     t = state["step"]
+    factors = torch.zeros(2, device=p.device) if factors is None else factors
+    factors[0].fill_(float(np.float32(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))))
+    factors[1].fill_(float(np.float32(lr * lr * weight_decay * wd_mul)))  # #252's order of the product
+    (update or fp32_adam_update)(p, grad, state["exp_avg"], state["exp_avg_sq"], beta1, beta2, eps, factors)
+
+
+def fp32_adam_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, beta1: float,
+                     beta2: float, eps: float, factors: torch.Tensor) -> None:
+    """In place, #252's step in fp32 with (c, d) = factors: m = m*b1 + g*(1-b1); v = v*b2 + (1-b2)*(g*g);
+    u = m / (sqrt(v) + eps) * c; u += d * p where u*p > 0; p = p - u (rounded to p's dtype)."""
     g, w = grad.float(), p.float()
-    step_size = np.float32(lr * ((1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)))
-    decay = np.float32(lr * lr * weight_decay * wd_mul)  # #252's order of the product
     m.mul_(beta1).add_(g * (1 - beta1))
     v.mul_(beta2).add_(g.square().mul_(1 - beta2))
-    update = m.div(v.sqrt().add_(eps)).mul_(float(step_size))
-    update.add_((w * ((update * w) > 0)).mul_(float(decay)))
-    p.copy_(w.sub_(update))
+    u = m.div(v.sqrt().add_(eps)).mul_(factors[0])
+    u.add_((w * ((u * w) > 0)).mul_(factors[1]))
+    p.copy_(w.sub_(u))
 
 
 # =============================================================================
@@ -3417,7 +3680,7 @@ class BigramSigns(nn.Module):
     fixed (bigram_sign_rows, model_dim) table of +-1 in the model dtype. S is a buffer: no gradient,
     no optimizer state, not counted as a parameter, not saved (init_parameters draws it from the
     seed). The product is exact, and so is its backward: the table's gradient is the signless one
-    times s_t, position by position, so its rows stay as sparse as before (sparse_row_sum)."""
+    times s_t, position by position, so its rows stay as sparse as before (send_touched_rows)."""
 
     def __init__(self, config: Hyperparameters, dtype: torch.dtype):
         super().__init__()
@@ -3889,7 +4152,10 @@ def gate_net_kept_bytes(cfg: Hyperparameters, T: int) -> int:
         return 0
     outputs = sum(len(slot.starts) for net in gate_net_layout(cfg) for slot in net)
     nets = 2 * 2 * T * GATE_NET_HIDDEN * 2 + T * outputs * 2
-    return nets + len(set(cfg.dc_layers)) * T * (cfg.num_heads + 1) * cfg.dc_window * 4
+    # DCBand keeps P (T, H, W) fp32 and the padded k and v (T + W - 1, attn_dim) bf16 (q, w1n, w2: the
+    # attention's and the nets' own); tests/test_mudd_gate.py counts what a compiled DC keeps
+    dc = T * cfg.num_heads * cfg.dc_window * 4 + 2 * (T + cfg.dc_window - 1) * cfg.attn_dim * 2
+    return nets + len(set(cfg.dc_layers)) * dc
 
 
 def gate_net_bias(shape, gen, layout) -> torch.Tensor:
@@ -4011,16 +4277,25 @@ def dc_window_mask(docs: torch.Tensor, window: int) -> torch.Tensor:
     return (back >= 0) & (docs[:, None] == docs[back.clamp_min(0)])
 
 
-def shift_forward(x: torch.Tensor, j: int) -> torch.Tensor:
-    """x (B, T, ...) with row t taking row t - j (zeros for t < j)."""
-    j = min(j, x.size(1))
-    return F.pad(x[:, :x.size(1) - j], (0, 0) * (x.dim() - 2) + (j, 0)) if j else x
+def delayed(x: torch.Tensor, window: int):
+    """x (B, T, ...) padded in front with window - 1 zero rows, once: delayed(x, W)(j) is x delayed by j
+    rows (row t holds row t - j, zeros for t < j), a view of that one padded tensor. DC's band form
+    reads its W offsets through such views, so what a compiled forward keeps for the backward is the
+    one padded tensor, not W shifted copies (the partitioner kept 2 W copies of k and v: ~28 GiB at
+    the medium size)."""
+    T = x.size(1)
+    padded = F.pad(x, (0, 0) * (x.dim() - 2) + (window - 1, 0))
+    return lambda j: padded[:, window - 1 - j:window - 1 - j + T]
 
 
-def shift_back(x: torch.Tensor, j: int) -> torch.Tensor:
-    """The adjoint of shift_forward: row s takes row s + j (zeros past the end)."""
-    j = min(j, x.size(1))
-    return F.pad(x[:, j:], (0, 0) * (x.dim() - 2) + (0, j)) if j else x
+def advanced_sum(terms, like: torch.Tensor, window: int) -> torch.Tensor:
+    """sum_j of terms[j] (B, T, ...) advanced by j rows (row s takes row s + j, zeros past the end):
+    the adjoint of delayed, accumulated in j order into one padded buffer."""
+    T = like.size(1)
+    total = like.new_zeros(like.size(0), T + window - 1, *like.shape[2:])
+    for j, term in enumerate(terms):
+        total[:, window - 1 - j:window - 1 - j + T] += term
+    return total[:, window - 1:]
 
 
 class DCBand(torch.autograd.Function):
@@ -4029,20 +4304,20 @@ class DCBand(torch.autograd.Function):
     tensor): P_h[t, j] = softmax_j(scale q_h[t] . k_h[t-j]) over the valid keys (the product of the
     stored values, summed in fp32), A[t, j] = sum_h w1n_h[t] P_h[t, j], out_g[t] = sum_j
     (w2_g[t] A[t, j]) v_g[t-j], the weights rounded to v's dtype before the fp32 product (#315's
-    kernel). A band form: loops over the W offsets, each on (B, T, H, D) tensors; keeps q, k, v, w1n,
-    w2 and P (B, T, H, W) fp32 for its backward, which recomputes the rest (the rounding of the
-    weights passes the gradient straight through)."""
+    kernel). A band form: loops over the W offsets, each on (B, T, H, D) tensors read as views of one
+    padded k and v in their dtype (delayed; each product promotes them to fp32 exactly); keeps q, k, v, w1n, w2 and P (B, T, H, W) fp32 for its backward, which
+    recomputes the rest (the rounding of the weights passes the gradient straight through)."""
 
     @staticmethod
     def forward(ctx, q, k, v, w1n, w2, valid, scale):
         W, f32 = valid.shape[1], torch.float32
         work = torch.float64 if q.dtype == torch.float64 else f32
-        qf = q.to(work)
-        S = torch.stack([(qf * shift_forward(k, j).to(work)).sum(-1) for j in range(W)], -1) * scale
+        qf, kj, vj = q.to(work), delayed(k, W), delayed(v, W)  # k, v in their dtype: each product promotes
+        S = torch.stack([(qf * kj(j)).sum(-1) for j in range(W)], -1) * scale
         P = torch.softmax(S.masked_fill(~valid[None, :, None, :], float("-inf")), dim=-1)  # (B, T, H, W)
         A = (w1n.to(work)[..., None] * P).sum(2)  # (B, T, W)
         M = (w2.to(work)[..., None] * A[:, :, None, :]).to(v.dtype).to(work)  # (B, T, H, W)
-        out = sum(M[..., j, None] * shift_forward(v, j).to(work) for j in range(W))
+        out = sum(M[..., j, None] * vj(j) for j in range(W))
         ctx.save_for_backward(q, k, v, w1n, w2, P)
         ctx.scale = scale
         return out
@@ -4052,17 +4327,18 @@ class DCBand(torch.autograd.Function):
         q, k, v, w1n, w2, P = ctx.saved_tensors
         scale, W, work = ctx.scale, P.shape[-1], P.dtype
         G, qf, w1f, w2f = grad.to(work), q.to(work), w1n.to(work), w2.to(work)
+        kj, vj = delayed(k, W), delayed(v, W)
         A = (w1f[..., None] * P).sum(2)
         M = w2f[..., None] * A[:, :, None, :]
-        dM = torch.stack([(G * shift_forward(v, j).to(work)).sum(-1) for j in range(W)], -1)  # (B, T, H, W)
-        dv = sum(shift_back(M[..., j, None] * G, j) for j in range(W))
+        dM = torch.stack([(G * vj(j)).sum(-1) for j in range(W)], -1)  # (B, T, H, W)
+        dv = advanced_sum((M[..., j, None] * G for j in range(W)), G, W)
         dw2 = (dM * A[:, :, None, :]).sum(-1)
         dA = (dM * w2f[..., None]).sum(2)  # (B, T, W)
         dw1n = (dA[:, :, None, :] * P).sum(-1)
         dP = w1f[..., None] * dA[:, :, None, :]
         dS = P * (dP - (P * dP).sum(-1, keepdim=True)) * scale
-        dq = sum(dS[..., j, None] * shift_forward(k, j).to(work) for j in range(W))
-        dk = sum(shift_back(dS[..., j, None] * qf, j) for j in range(W))
+        dq = sum(dS[..., j, None] * kj(j) for j in range(W))
+        dk = advanced_sum((dS[..., j, None] * qf for j in range(W)), qf, W)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw1n.to(w1n.dtype), dw2.to(w2.dtype), None, None)
 
 
@@ -5207,7 +5483,10 @@ class CheckpointError(InputError, RuntimeError):
     """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
 
 
-CHECKPOINT_FORMAT = 1
+# 2: Adam's sharded moments in the rank files, by rows (meta.json's adam_shards); 1 held Adam whole in
+# main.pt, which format 2's loader still reads
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 
 
 def checkpoint_run_dir(config: Hyperparameters) -> Path:
@@ -5312,11 +5591,26 @@ class _CheckpointWrite:
                          f"the checkpoints already in {self.partial.parent} are untouched")
 
 
+def adam_checkpoint_state(adam: CautiousAdam, names: dict) -> tuple[dict, dict]:
+    """Adam's state as a checkpoint splits it: (the tensors stepped whole, the same on every rank:
+    rank 0 saves them in main.pt; this rank's rows of the sharded ones, {name: dict(rows=(start, stop),
+    state=...)}: in its own file), on the CPU."""
+    whole, rows = {}, {}
+    for p, state in adam.state.items():
+        copied = {k: _copy(v, "cpu") for k, v in state.items()}
+        if adam.rows[p] is None:
+            whole[names[p]] = copied
+        else:
+            rows[names[p]] = dict(rows=adam.rows[p], state=copied)
+    return whole, rows
+
+
 def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float) -> Path:
     """<checkpoint_dir>/<run>/step_<N>/: rank r writes rank_<r>.pt (the Muon momentum and low bits
-    of the matrices it owns, its RNG states), rank 0 also main.pt (model, Adam, step, train time,
-    data position, config) and, once every file is complete, meta.json (sizes and hashes of the
-    files, which file holds which matrix). All of it is written under step_<N>.partial and renamed
+    of the matrices it owns, its rows of Adam's sharded moments, its RNG states), rank 0 also main.pt
+    (model, the Adam state stepped whole, step, train time, data position, config) and, once every
+    file is complete, meta.json (sizes and hashes of the files, which file holds which matrix and
+    which rows). All of it is written under step_<N>.partial and renamed
     at the end, so an interrupted save is never taken for a checkpoint. A write that fails on any
     rank stops every rank with WriteError and leaves no partial folder behind."""
     cfg, rank, W = runner.config, runner.rank, runner.world_size
@@ -5327,30 +5621,35 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
         save.attempt(partial, lambda: _empty_folder(partial))
     save.all_ranks_ok()
     names = {p: n for n, p in runner.model.named_parameters()}
-    sharded = [opt for opt in runner.optimizers if isinstance(opt, Muon)]
-    muon = {k: v for opt in sharded for k, v in optimizer_state(opt, names, "cpu")["state"].items()}
+    adam, muon_opt = runner.optimizers
+    muon = optimizer_state(muon_opt, names, "cpu")["state"]
+    adam_whole, adam_rows_here = adam_checkpoint_state(adam, names)
     own_file = f"rank_{rank:03d}.pt"
     records = {own_file: save.attempt(partial / own_file, lambda: _write_durably(
-        partial / own_file, dict(muon=muon, rng=rng_states(runner.device))))}
+        partial / own_file, dict(muon=muon, adam=adam_rows_here, rng=rng_states(runner.device))))}
     share_fp8_down_scales(runner.model, rank, W)  # §17 --fp8_mlp_down: its per-slice scales are not replicated
-    if rank == 0:  # the model and the replicated optimizer (Adam) are the same on every rank
-        saved = capture_state(runner.model, [opt for opt in runner.optimizers if opt not in sharded], "cpu")
+    if rank == 0:  # the model and the Adam state stepped whole are the same on every rank
+        model_state = {k: _copy(v, "cpu") for k, v in runner.model.state_dict().items()}
         records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(
             format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
-            model=saved["model"], optimizers=[o["state"] for o in saved["optimizers"]],
-            config=config_record(cfg, runner.model.dtype))))
+            model=model_state, optimizers=[adam_whole], config=config_record(cfg, runner.model.dtype))))
     save.all_ranks_ok()
-    mine = (records, {name: own_file for name in muon})
+    shards = {name: [own_file, *piece["rows"]] for name, piece in adam_rows_here.items()}
+    mine = (records, {name: own_file for name in muon}, shards)
     gathered = [mine]
     if W > 1:
         gathered = [None] * W
         dist.all_gather_object(gathered, mine)
     if rank == 0:
+        adam_shards: dict[str, list] = {}
+        for _, _, pieces in gathered:
+            for name, piece in pieces.items():
+                adam_shards.setdefault(name, []).append(piece)
         meta = dict(format=CHECKPOINT_FORMAT, step=step, num_iterations=cfg.num_iterations, world_size=W,
                     train_time_ms=train_time_ms, config=config_record(cfg, runner.model.dtype),
-                    files={k: v for recs, _ in gathered for k, v in recs.items()},
-                    muon_state={k: v for _, owners in gathered for k, v in owners.items()},
-                    torch_version=torch.__version__)
+                    files={k: v for recs, _, _ in gathered for k, v in recs.items()},
+                    muon_state={k: v for _, owners, _ in gathered for k, v in owners.items()},
+                    adam_shards=adam_shards, torch_version=torch.__version__)
         # written last: its presence marks the files complete
         save.attempt(partial / "meta.json", lambda: _write_durably(partial / "meta.json", meta))
         save.attempt(final, lambda: _publish(partial, final))
@@ -5402,8 +5701,9 @@ def validate_checkpoint(path: Path) -> dict:
         saved_format = meta.get("format")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{meta_path}: not a checkpoint's meta.json ({type(e).__name__}: {e})")
-    if saved_format != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{meta_path}: checkpoint format {saved_format}, this script reads {CHECKPOINT_FORMAT}")
+    if saved_format not in READABLE_FORMATS:
+        raise CheckpointError(f"{meta_path}: checkpoint format {saved_format}, this script reads formats "
+                              f"{', '.join(map(str, READABLE_FORMATS))}")
     for name, (nbytes, sha256) in records.items():
         f = path / name
         if not f.exists():
@@ -5498,14 +5798,52 @@ def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) 
     for file_name, wanted in by_file.items():
         saved = _load(path / file_name)["muon"]
         muon_state.update({name: saved[name] for name in wanted})
-    replicated = iter(main_file["optimizers"])
-    states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=next(replicated))
+    adam = runner.optimizers[0]
+    adam_state = adam_state_from_checkpoint(path, meta, main_file["optimizers"][0],
+                                            {names[p]: adam.rows[p] for p in adam.state})
+    states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=adam_state)
               for opt in runner.optimizers]
     restore_state(runner.model, runner.optimizers, dict(model=main_file["model"], optimizers=states))
     loader.load_state(main_file["loader"])
     rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
     set_rng_states(_load(path / rng_file)["rng"], runner.device)
     return main_file["step"], main_file["train_time_ms"]
+
+
+def adam_state_from_checkpoint(path: Path, meta: dict, whole: dict, wanted: dict[str, Optional[tuple[int, int]]]
+                               ) -> dict[str, dict]:
+    """This rank's Adam state from a checkpoint of any world size (resharded on load): for each name,
+    the rows `wanted` gives (None: all of it), cut from the whole state main.pt holds, or put together
+    from the rank files' rows (meta.json's adam_shards: [file, start, stop] pieces)."""
+    pieces_of = meta.get("adam_shards", {})
+    files: dict[str, dict] = {}
+    out = {}
+    for name, rows in wanted.items():
+        if name in whole:
+            state = whole[name]
+            out[name] = {k: v if not torch.is_tensor(v) or rows is None else v[rows[0]:rows[1]]
+                         for k, v in state.items()}
+            continue
+        if name not in pieces_of:
+            raise CheckpointError(f"{path / 'meta.json'}: no Adam state recorded for {name}")
+        start, stop = rows if rows is not None else (0, max(p[2] for p in pieces_of[name]))
+        parts, step = {}, None
+        for file_name, a, b in sorted(pieces_of[name], key=lambda piece: piece[1]):
+            if b <= start or a >= stop:
+                continue
+            if file_name not in files:
+                files[file_name] = _load(path / file_name)["adam"]
+            piece = files[file_name][name]["state"]
+            for k, v in piece.items():
+                if torch.is_tensor(v):
+                    parts.setdefault(k, []).append(v[max(start, a) - a:min(stop, b) - a])
+                else:
+                    step = v
+        out[name] = {k: torch.cat(v) for k, v in parts.items()} | {"step": step}
+        if any(t.shape[0] != stop - start for t in out[name].values() if torch.is_tensor(t)):
+            raise CheckpointError(f"{path / 'meta.json'}: the saved rows of {name}'s Adam state do not cover "
+                                  f"rows {start}..{stop - 1}")
+    return out
 
 
 def resume_from(resume: Optional[tuple], runner: Runner, loader: DataLoader, log: RunLog
@@ -5640,12 +5978,20 @@ def muon_owned_bytes(model: GPT, config: Hyperparameters, world_size: int) -> li
     return per_rank
 
 
+def adam_bytes_per_rank(model: GPT, config: Hyperparameters, world_size: int) -> int:
+    """Adam's moments one rank holds on world_size ranks: its 1/W of each tensor adam_rows shards (the
+    rows it steps), the rest whole."""
+    return sum(optimizer_state_bytes(n, p, config) // (1 if adam_rows(p, 0, world_size) is None else world_size)
+               for n, ps in parameter_groups(model).items() if not n.startswith("muon") for p in ps)
+
+
 def state_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> dict[str, int]:
-    """What one process holds besides activations: parameters, their gradients, Adam's moments
-    (replicated), the Muon state of the busiest rank (and §14's sign table, where built)."""
+    """What one process holds besides activations: parameters, their gradients, its share of Adam's
+    moments (adam_bytes_per_rank), the Muon state of the busiest rank (and §14's sign table, where
+    built)."""
     groups = parameter_groups(model)
     params = sum(p.numel() * p.element_size() for ps in groups.values() for p in ps)
-    adam = sum(optimizer_state_bytes(n, p, config) for n, ps in groups.items() if not n.startswith("muon") for p in ps)
+    adam = adam_bytes_per_rank(model, config, world_size)
     held = dict(parameters=params, gradients=params, adam=adam, muon=max(muon_owned_bytes(model, config, world_size)))
     if model.bigram is not None and model.bigram.signs is not None:  # §14 --bigram_sign_rows: a buffer
         held["sign table"] = model.bigram.signs.table.numel() * model.bigram.signs.table.element_size()
@@ -5671,8 +6017,8 @@ MUDD_KEPT_ACTIVATIONS = {"both": 3, "penultimate": 2, "final": 1}
 # (y.v, |v|^2 and their quotient; what torch 2.13's CPU Inductor keeps for a toy XSA: not measured on CUDA).
 XSA_KEPT_PER_HEAD = 3
 # §18 --mudd_gate is taken to keep each net's hidden layer before and after its GELU and its outputs,
-# (T, 64) and (T, n) in the model dtype; --dc_layers its band form's P and A, (T, H + 1, W) fp32 per block
-# (what DCBand saves). --attn_gate_layers' fewer gates are not counted.
+# (T, 64) and (T, n) in the model dtype; --dc_layers its band form's P, (T, H, W) fp32, and padded k and v
+# per block (what DCBand saves, compiled or not: tests/test_mudd_gate.py). --attn_gate_layers' fewer gates are not counted.
 # §15 --mlp_backward_from_post is taken to keep one (T, hidden) tensor per block, as the record's compiled
 # MLP is taken to (its pre, relu(pre)^2 recomputed): no change predicted. If CUDA's Inductor keeps two, as
 # the CPU's does, the switch frees one per block, which this does not count. §17's FP8 codes are made and
@@ -5687,7 +6033,7 @@ PEAK_WORLD_SIZE = 8
 # What fits where (docs/scale.md). A rank runs batch_slices / W micro-steps of one slice each (train_seq_len
 # tokens at the full batch, fewer along the batch ramp): the slice is the micro-batch, so a rank's
 # activations are one slice's at any world size W, and W moves only the state a rank holds (Muon's share
-# of the matrices; Adam's is whole on every rank). The prediction at other W and slices is derived from
+# of the matrices, 1/W of Adam's sharded moments). The prediction at other W and slices is derived from
 # the same anchor: the record's activations, its logged peak less the state it held, scale with the
 # slice's tokens (every tensor kept for backward is per token; the windowed attention's too). Estimates,
 # none measured on a GPU here:
@@ -5703,13 +6049,6 @@ PEAK_SCALED_FIELDS = ("batch_slices", "train_seq_len", "val_seq_len", "batch_sch
 LOGIT_BYTES = 2
 EVAL_LOSS_CHUNKS = 4  # GPT.forward evaluates its loss in 4 chunks
 SLICE_SPLITS = (1, 2, 4, 8)  # micro_batch_settings: the step's slices split into k times as many
-
-
-def record_adam_bytes_per_gpu(model: GPT, config: Hyperparameters, world_size: int) -> int:
-    """Adam's state per GPU as the record held it: sharded over the GPUs for tensors of 1024
-    elements or more, whole below (here every process holds all of it)."""
-    return sum(optimizer_state_bytes(n, p, config) // (world_size if p.numel() >= 1024 else 1)
-               for n, ps in parameter_groups(model).items() if not n.startswith("muon") for p in ps)
 
 
 def largest_slice(config: Hyperparameters) -> int:
@@ -5737,12 +6076,9 @@ def _state_per_gpu(config: Hyperparameters, model: GPT, world_size: int) -> int:
 @functools.lru_cache(maxsize=1)
 def record_anchor() -> tuple[int, int]:
     """(what the record held per GPU on its 8 GPUs, its activations: the logged peak less that), bytes.
-    The record sharded its Adam state over the GPUs, which this trainer replicates."""
+    This trainer holds what the record held (Adam's moments sharded over the GPUs, Muon's by matrix)."""
     base = make_config(recipe="bulk")
-    model = _meta_model(base)
-    held = state_bytes_per_gpu(model, base, PEAK_WORLD_SIZE)
-    held["adam"] = record_adam_bytes_per_gpu(model, base, PEAK_WORLD_SIZE)
-    state = sum(held.values())
+    state = _state_per_gpu(base, _meta_model(base), PEAK_WORLD_SIZE)
     return state, RECIPES["bulk"].peak_mib * 2**20 - state
 
 
@@ -5785,9 +6121,8 @@ def peak_parts(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Op
 def predicted_peak_mib(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Optional[int]:
     """Peak allocated MiB per GPU of a run of this trainer on `world_size` GPUs, from the record's logged
     8-GPU peak (peak_parts), or None where peak_parts gives none. At the record's micro-batch on 8 GPUs
-    it moves the logged peak by what this configuration holds more per GPU (state_bytes_per_gpu; the
-    record sharded its Adam state over the GPUs, which this trainer replicates), by the activations the
-    backout and MUDD keep and by --fp8's codes."""
+    it moves the logged peak by what this configuration holds more per GPU (state_bytes_per_gpu, Adam's
+    moments sharded as the record's), by the activations the backout and MUDD keep and by --fp8's codes."""
     parts = peak_parts(config, world_size)
     if parts is None:
         return None
@@ -5822,6 +6157,74 @@ RECORD_GPU_MEMORY_GIB = 80  # the dry run's default: the record's H100 80 GB
 def dry_run_world_size(config: Hyperparameters, environ=os.environ) -> int:
     """The dry run's GPU count: --gpu_count, else WORLD_SIZE where torchrun started it, else the record's 8."""
     return config.gpu_count or int(environ.get("WORLD_SIZE", PEAK_WORLD_SIZE))
+
+
+def step_collectives(config: Hyperparameters, world_size: int, odd: bool, rank: int = 0,
+                     dtype: torch.dtype = torch.bfloat16) -> list[Collective]:
+    """One rank's collectives of one training step of `config` on world_size ranks (after the split,
+    at the full batch), run by the trainer's own exchange and optimizer code on meta tensors with a
+    counting Collectives (nothing moves, no process group): every parameter's gradient handed to the
+    exchange as the backward would hand it (the last parameters first), the bigram rows of uniformly
+    random tokens (real text touches fewer rows), then the optimizers' steps. odd: an odd step (with
+    --adam_odd_steps_only the one where Adam steps). dtype: the weights' (the run's device's)."""
+    with torch.device("meta"):
+        model = GPT(config, dtype)
+        counted = Collectives(world_size, rank, counting=True)
+        adam, muon = build_optimizers(model, config, rank, world_size, collectives=counted)
+        sparse = model.bigram.table if bigram_exchange_is_sparse(config, world_size) else None
+        exchange = GradientExchange(adam.param_groups, muon.param_groups, rank, world_size, counted, sparse, hooks=False)
+        adam.exchange = muon.exchange = exchange
+        adam_steps = odd or not config.adam_odd_steps_only
+        if not adam_steps:
+            exchange.held = frozenset(p for g in adam.param_groups for p in g["params"])
+        gen = torch.Generator().manual_seed(0)
+        for _ in range((1 if adam_steps and not config.adam_odd_steps_only else 2) * (config.batch_slices // world_size)):
+            exchange.touch(torch.randint(0, config.vocab_size, (config.train_seq_len,), generator=gen, device="cpu"))
+        counted.ledger, exchange.armed = [], True
+        for p in reversed(list(model.parameters())):
+            p.grad = torch.empty_like(p)
+            exchange.arrive(p)
+        exchange.wait()
+        muon.step()
+        if adam_steps:
+            adam.step()
+    return counted.ledger
+
+
+def ledger_summary(ledger: list[Collective]) -> dict:
+    """A step's collectives in numbers (the bench's JSON): calls, payload and bytes sent per rank, in
+    all and per parameter group (with its calls by kind)."""
+    def totals(calls):
+        return dict(calls=len(calls), payload_bytes=sum(c.payload for c in calls), sent_bytes=sum(c.sent for c in calls))
+    groups = {g: dict(kinds=dict(collections.Counter(c.kind for c in ledger if c.group == g)),
+                      **totals([c for c in ledger if c.group == g])) for g in dict.fromkeys(c.group for c in ledger)}
+    return dict(**totals(ledger), groups=groups)
+
+
+def collective_lines(summary: dict, what: str) -> list[str]:
+    """ledger_summary as lines: the totals, then per parameter group its calls by kind, payload and
+    bytes sent (the ring algorithm's)."""
+    size = lambda b: f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB" if b >= 2**10 else f"{b} B"
+    lines = [f"{what}: {summary['calls']} calls, payload {size(summary['payload_bytes'])}, sent "
+             f"{size(summary['sent_bytes'])} per rank"]
+    for group, g in summary["groups"].items():
+        lines.append(f"  {group}: " + ", ".join(f"{k} x{n}" for k, n in g["kinds"].items())
+                     + f"; payload {size(g['payload_bytes'])}, sent {size(g['sent_bytes'])}")
+    return lines
+
+
+def dry_run_collective_lines(config: Hyperparameters, world_size: int, dtype: torch.dtype) -> list[str]:
+    """The collectives of an even and an odd step on world_size ranks (step_collectives), or why none."""
+    if world_size == 1:
+        return ["collectives: none on one process (--gpu_count=1)"]
+    if config.batch_slices % world_size:
+        return [f"collectives: none ({world_size} ranks do not divide the {config.batch_slices} slices)"]
+    head = f"collectives per rank on {world_size} ranks (from the exchange's own code on meta tensors), "
+    sparse = " (the bigram rows: uniformly random tokens)" if bigram_exchange_is_sparse(config, world_size) else ""
+    even = "even step" + (" (Adam holds its gradients)" if config.adam_odd_steps_only else "")
+    count = lambda odd: ledger_summary(step_collectives(config, world_size, odd, dtype=dtype))
+    return (collective_lines(count(False), head + even + sparse)
+            + collective_lines(count(True), head + "odd step (Adam steps)" + sparse))
 
 
 def fit_lines(config: Hyperparameters, world_size: int, memory_gib: float) -> list[str]:
@@ -5883,7 +6286,7 @@ def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
         start = "" if config.recipe == "bulk" else f"; the prediction starts from bulk's {RECIPES['bulk'].peak_mib:,} MiB"
         lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
                      f"record logged {logged:,} MiB{start} (plus the state and kept activations this configuration adds: "
-                     "this trainer holds Adam's state whole on every GPU, the record sharded it)")
+                     "Adam's moments sharded over the GPUs as the record's)")
     return lines
 
 
@@ -6011,6 +6414,7 @@ def dry_run(config: Hyperparameters) -> int:
     print("\n".join(optimizer_table_lines(model, config)))
     print("\n".join(memory_lines(model, config)))
     print("\n".join(fit_lines(config, dry_run_world_size(config), config.gpu_memory_gib or RECORD_GPU_MEMORY_GIB)))
+    print("\n".join(dry_run_collective_lines(config, dry_run_world_size(config), model.dtype)))
     if weight_dtype(config, other) != model.dtype:
         other_model = meta_model(other)
         total = next(line for line in accounting_lines(other_model, config) if line.startswith("params total:"))
@@ -6092,12 +6496,16 @@ def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch
     timed, times, losses = [], [], []
     for i, s in enumerate(sequence):
         batches = runner.random_batches(gen, slice_tokens(s, runner.config))
+        if runner.collectives is not None:  # this step's collectives, kept by parity (runner.step_ledgers)
+            runner.collectives.ledger = runner.step_ledgers["odd" if s % 2 else "even"] = []
         clock.start()
-        losses.append(runner.train_step(s, batches))
+        losses.append(runner.train_step(s, batches, host_inputs=[inputs for inputs, _ in batches]))
         elapsed = clock.stop()
         if i >= len(steps):
             timed.append(s)
             times.append(elapsed)
+    if runner.collectives is not None:
+        runner.collectives.ledger = None
     return timed, times, losses
 
 
@@ -6184,6 +6592,7 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
                       tokens_per_s=per_process * world_size, tflops_per_process=tflops, tflops=tflops * world_size,
                       mfu=tflops / peak if peak else None)
     return dict(
+        collectives={parity: ledger_summary(ledger) for parity, ledger in sorted(runner.step_ledgers.items())},
         bench_steps=cfg.bench_steps, world_size=world_size, device=device.type, device_name=name,
         compile=compile_enabled(cfg, device), attention=attention_backend(cfg, device.type),
         dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,
@@ -6219,6 +6628,10 @@ def bench_lines(report: dict) -> list[str]:
     w = r["warmup"]
     lines.append(f"compiled graphs: {r['graphs']} in all ({w['graphs']} after the {w['steps']} warm-up steps), "
                  f"recompiles {r['recompiles']} ({w['recompiles']} in the warm-up)")
+    if not r["collectives"]:
+        lines.append("collectives: none (one process)")
+    for parity, summary in r["collectives"].items():
+        lines += collective_lines(summary, f"collectives of rank 0, the last timed {parity} step")
     return lines
 
 # ---- writing shards (the data tools and the tests)

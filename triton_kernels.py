@@ -403,7 +403,48 @@ def _fused_ce_kernels():
             d = d.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(out_ptr + t * out_stride + c, d, mask=c < V)
 
-    _FUSED_CE_KERNELS = (rows_kernel, dlogits_kernel)
+    @triton.jit
+    def rows_dlogits_kernel(logits_ptr, cols_ptr, wts_ptr, lse_ptr, loss_ptr, g_ptr, out_ptr, sw_ptr, V, row_stride,
+                            out_stride, inv_c, shift, cap, slope, inv_scale, top, sw_stride, K: tl.constexpr,
+                            BLOCK: tl.constexpr, ROUND: tl.constexpr):
+        # pr261 in one program per row, as #261's one kernel: rows_kernel's LSE and loss, then the row's
+        # gradient block by block with dlogits_kernel's formula while the row is still in the cache, so
+        # the (T, V) logits leave memory once, not once per kernel
+        t = tl.program_id(0).to(tl.int64)
+        row = logits_ptr + t * row_stride
+        offsets = tl.arange(0, BLOCK)
+        running = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
+        for start in range(0, V, BLOCK):
+            c = start + offsets
+            s = bf16_rounded(tl.sigmoid(tl.load(row + c, mask=c < V, other=0.0).to(tl.float32) * inv_c + shift))
+            z = tl.where(c < V, cap * s, float("-inf"))
+            new_top = tl.maximum(running, tl.max(z, 0))
+            total = total * tl.exp(running - new_top) + tl.sum(tl.exp(z - new_top), 0)
+            running = new_top
+        lse = running + tl.log(total)
+        tl.store(lse_ptr + t, lse)
+        loss = tl.zeros((), tl.float32)
+        for k in tl.static_range(K):
+            col = tl.load(cols_ptr + t * K + k)
+            s_col = bf16_rounded(tl.sigmoid(tl.load(row + tl.maximum(col, 0)).to(tl.float32) * inv_c + shift))
+            loss += tl.load(wts_ptr + t * K + k) * (lse - cap * s_col)
+        tl.store(loss_ptr + t, loss)
+        g, s_w = tl.load(g_ptr), tl.load(sw_ptr + t * sw_stride)
+        for start in range(0, V, BLOCK):
+            c = start + offsets
+            s = bf16_rounded(tl.sigmoid(tl.load(row + c, mask=c < V, other=0.0).to(tl.float32) * inv_c + shift))
+            p = tl.exp(cap * s - lse)
+            hit = tl.zeros((BLOCK,), tl.float32)
+            for k in tl.static_range(K):
+                hit += tl.where(c == tl.load(cols_ptr + t * K + k), tl.load(wts_ptr + t * K + k), 0.0)
+            d = g * slope * inv_scale * (s_w * p - hit) * s * (1.0 - s)
+            d = tl.where(d > top, top, tl.where(d < -top, -top, d))
+            if ROUND:
+                d = d.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(out_ptr + t * out_stride + c, d, mask=c < V)
+
+    _FUSED_CE_KERNELS = (rows_kernel, dlogits_kernel, rows_dlogits_kernel)
     return _FUSED_CE_KERNELS
 
 
@@ -414,7 +455,7 @@ _CAP_ARGS = dict(inv_c=1 / SIGMOID_TEMPERATURE, shift=SIGMOID_SHIFT / SIGMOID_TE
 
 def _fused_ce_rows_triton(logits, cols, wts, block: int = 1024, variant: str = "pr252"):
     """_fused_ce_rows_torch's result from the Triton kernel (one program per row)."""
-    rows_kernel, _ = _fused_ce_kernels()
+    rows_kernel = _fused_ce_kernels()[0]
     T, V = logits.shape
     lse, loss = (torch.empty(T, dtype=torch.float32, device=logits.device) for _ in range(2))
     extra = dict(PR261=True) if variant == "pr261" else {}
@@ -426,7 +467,7 @@ def _fused_ce_rows_triton(logits, cols, wts, block: int = 1024, variant: str = "
 def _fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, out_dtype, block: int = 1024,
                              variant: str = "pr252", s_w_all: Optional[torch.Tensor] = None):
     """_fused_ce_dlogits_torch's result from the Triton kernel (one program per row and column block)."""
-    _, dlogits_kernel = _fused_ce_kernels()
+    dlogits_kernel = _fused_ce_kernels()[1]
     T, V = logits.shape
     out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
     slope, extra = SIGMOID_CAP / SIGMOID_TEMPERATURE, {}
@@ -440,6 +481,22 @@ def _fused_ce_dlogits_triton(logits, lse, cols, wts, g, scale, out_dtype, block:
         out.stride(0), slope=slope, scale=float(scale), K=cols.shape[1], BLOCK=block,
         ROUND=out_dtype != torch.float32, num_warps=4, **_CAP_ARGS, **extra)
     return out
+
+
+def _fused_ce261_rows_dlogits_triton(logits, cols, wts, g, scale, out_dtype, s_w_all, block: int = 1024):
+    """(loss, LSE, dL/dl): _fused_ce_rows_triton's and _fused_ce_dlogits_triton's pr261 results from the
+    one-pass kernel (one program per row, the logits read while in the cache: #261's one kernel)."""
+    kernel = _fused_ce_kernels()[2]
+    T, V = logits.shape
+    lse, loss = (torch.empty(T, dtype=torch.float32, device=logits.device) for _ in range(2))
+    out = torch.empty(T, V, dtype=out_dtype, device=logits.device)
+    slope, inv_scale = _fused_ce_pr261_factors(scale)
+    s_w = s_w_all.float().reshape(-1).contiguous()
+    kernel[(T,)](logits, cols.contiguous(), wts.contiguous(), lse, loss, g.float().contiguous(), out, s_w, V,
+                 logits.stride(0), out.stride(0), slope=slope, inv_scale=inv_scale, top=torch.finfo(out_dtype).max,
+                 sw_stride=0 if s_w.numel() == 1 else 1, K=cols.shape[1], BLOCK=block,
+                 ROUND=out_dtype != torch.float32, num_warps=4, **_CAP_ARGS)
+    return loss, lse, out
 
 
 def _fused_ce_logits(h: torch.Tensor, H: torch.Tensor, transposed: bool, fp8: bool, s_x: float,
@@ -464,15 +521,17 @@ def _fused_ce261_forward(h: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, w
                          s_w_all: torch.Tensor, transposed: bool, fp8: bool, s_x: float, s_w: float, s_g: float,
                          grad_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The pr261 variant: (loss: the fp32 token sum, dL/dl for the upstream gradient grad_scale): with
-    fp8 its e5m2 codes / s_g (s_g already times grad_scale), else in h's dtype. CUDA: the two Triton
-    kernels one after the other (#261 makes both in one pass)."""
+    fp8 its e5m2 codes / s_g (s_g already times grad_scale), else in h's dtype. The logits are formed
+    once per micro-batch. CUDA: one Triton program per row makes the loss and the gradient in one pass
+    (#261's one kernel); the CPU path runs the two torch halves one after the other (the same values)."""
     logits = _fused_ce_logits(h, H, transposed, fp8, s_x, s_w)
-    rows, dlogits = ((_fused_ce_rows_triton, _fused_ce_dlogits_triton) if logits.is_cuda
-                     else (_fused_ce_rows_torch, _fused_ce_dlogits_torch))
-    loss, lse = rows(logits, cols, wts, variant="pr261")
     g = torch.full((), grad_scale, dtype=torch.float32, device=logits.device)
-    dl = dlogits(logits, lse, cols, wts, g, s_g if fp8 else 1.0, torch.float8_e5m2 if fp8 else h.dtype,
-                 variant="pr261", s_w_all=s_w_all)
+    scale, out_dtype = (s_g if fp8 else 1.0), (torch.float8_e5m2 if fp8 else h.dtype)
+    if logits.is_cuda:
+        loss, _, dl = _fused_ce261_rows_dlogits_triton(logits, cols, wts, g, scale, out_dtype, s_w_all)
+        return loss.sum(), dl
+    loss, lse = _fused_ce_rows_torch(logits, cols, wts, variant="pr261")
+    dl = _fused_ce_dlogits_torch(logits, lse, cols, wts, g, scale, out_dtype, variant="pr261", s_w_all=s_w_all)
     return loss.sum(), dl
 
 

@@ -145,7 +145,7 @@ def test_bench_at_step_warms_up_that_points_phase_only(tmp_path, monkeypatch):
     """With --bench_at_step the warm-up runs the point's two steps, not the first warmup_steps and
     the steps around every change of the grid (which compile the other phases' graphs)."""
     ran = []
-    monkeypatch.setattr(tg.Runner, "train_step", lambda self, step, batches, mtp_weights=None: ran.append(step)
+    monkeypatch.setattr(tg.Runner, "train_step", lambda self, step, batches, mtp_weights=None, host_inputs=None: ran.append(step)
                         or torch.zeros(()))
     monkeypatch.chdir(tmp_path)
     config = tg.make_config("tiny", bench_steps=2, bench_at_step=47, warmup_steps=2, compile=False)
@@ -201,6 +201,12 @@ def test_bench_on_two_processes_prints_once_and_sees_the_same_losses(tmp_path):
     for two, single in points:
         assert two["step"] == single["step"] and two["losses"] == single["losses"], two["step"]
         assert two["tokens_per_s"] == pytest.approx(2 * two["tokens_per_s_per_process"])
+    # the collectives rank 0 ran in its last timed steps (189 and 188: after the split, the full
+    # batch) are those the dry run counts on meta tensors for two ranks, call for call
+    config = tg.make_config("tiny", adam_odd_steps_only=False)
+    counted = lambda odd: tg.ledger_summary(tg.step_collectives(config, 2, odd, dtype=torch.float32))  # CPU weights
+    assert reports[0]["collectives"] == {"even": counted(False), "odd": counted(True)}
+    assert one["collectives"] == {}
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),

@@ -8,7 +8,7 @@ import torch
 
 import train_gpt_medium as tg
 from test_bulk_model import fill_random, packed
-from test_distributed import on_ranks
+from test_distributed import on_ranks, whole_adam_state
 from test_training import all_state, random_batches
 
 RECORD_ROWS = 5 * 50304  # 251,520
@@ -90,11 +90,12 @@ def test_the_record_size_adds_the_table_and_one_weight_per_layer():
     assert tg.parameter_counts(bulk)["total"] == 613_420_440
     assert counts["bigram"] == 257_556_480 == 251_520 * 1024 and counts["bigram_lambdas"] == 16
     assert counts["total"] == 613_420_440 + 257_556_480 + 16
-    # the memory lines count the table's and the weights' Adam moments (in their own dtypes)
+    # the memory lines count the table's and the weights' Adam moments (in their own dtypes): on each
+    # of 8 GPUs its 1/8 of the table's rows, the 16 weights whole
     held, bulk_held = (tg.state_bytes_per_gpu(m, c, 8) for m, c in
                        ((bigram, tg.make_config(bigram_embed=True)), (bulk, tg.make_config())))
     assert held["parameters"] - bulk_held["parameters"] == 257_556_480 * 2 + 16 * 4
-    assert held["adam"] - bulk_held["adam"] == 2 * (257_556_480 * 2 + 16 * 4)
+    assert held["adam"] - bulk_held["adam"] == 2 * (257_556_480 * 2 // 8 + 16 * 4)
     assert any(line.startswith("params bigram: 257,556,480 (bfloat16)")
                for line in tg.accounting_lines(bigram, tg.make_config(bigram_embed=True)))
 
@@ -259,49 +260,60 @@ def test_a_tiny_run_learns_and_adam_moves_rows_it_touched_before_even_when_unuse
     assert losses[-1] < 0.9 * losses[2]
 
 
-# ---- the row-sparse gradient exchange
+# ---- the row-sparse gradient exchange: each rank's touched rows to the rank owning them
 
 
 def exchange_cases(rank: int, world_size: int):
-    """On each rank: (went sparse, sparse_row_sum's result, dense all_reduce's result) for gradients
-    nonzero on some rows only (bf16 normals; small integers, exact in any order of addition) and
-    on all rows (the dense fallback)."""
+    """On each rank, for gradients nonzero on some rows only (bf16 normals; small integers, exact in any
+    order of addition): (the rows this rank steps after the sparse exchange, the same rows of the dense
+    all-reduce, this rank's own gradient, the bytes its all-to-alls sent, a reduce-scatter's)."""
     out = []
     gen = torch.Generator().manual_seed(10 + rank)
-    for kind in ("normal", "integer", "all_rows"):
+    for kind in ("normal", "integer"):
         grad = torch.randn(96, 16, generator=gen)
         if kind == "integer":
             grad = torch.randint(-8, 9, (96, 16), generator=gen).float()
-        if kind != "all_rows":  # rows 0..9 on every rank, the others on some ranks only, some on none
-            keep = torch.rand(96, generator=gen) < 0.2
-            keep[:10] = True
-            keep[90:] = False
-            grad[~keep] = 0
-        grad = grad.to(torch.bfloat16)
-        dense = grad.clone()
+        keep = torch.rand(96, generator=gen) < 0.2  # rows 0..9 on every rank, the others on some, 90.. on none
+        keep[:10] = True
+        keep[90:] = False
+        grad[~keep] = 0
+        table = torch.nn.Parameter(torch.zeros(96, 16, dtype=torch.bfloat16))
+        table.grad = grad.to(torch.bfloat16)
+        dense = table.grad.clone()
         torch.distributed.all_reduce(dense)
-        mine = grad.clone()
-        went_sparse = tg.sparse_row_sum(grad, world_size)
-        out.append((went_sparse, grad, dense, mine))
+        mine = table.grad.clone()
+        collectives = tg.Collectives(world_size, rank)
+        exchange = tg.GradientExchange([dict(params=[table], name="bigram")], [], rank, world_size, collectives,
+                                       sparse_table=table, hooks=False)
+        exchange.touched[:] = keep.numpy()  # the rows this rank's tokens read
+        collectives.ledger = []
+        exchange.wait()
+        n = 96 // world_size
+        sent = sum(c.sent for c in collectives.ledger)
+        out.append((exchange.reduced[table], dense[rank * n:(rank + 1) * n], mine, sent, (world_size - 1) * n * 16 * 2))
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_sparse_exchange_equals_the_dense_all_reduce(world_size, tmp_path):
+def test_the_sparse_exchange_gives_each_owner_the_dense_sum_of_its_rows(world_size, tmp_path):
+    """Rank r receives every other rank's touched rows among r's (rows [r n, (r+1) n)) and adds them
+    to its own: the dense all-reduce's rows, bit for bit on two ranks (a + b either way) and for
+    integers (exact in any order), within 2 bf16 roundings per row on three; sending fewer bytes than
+    a reduce-scatter where few rows are touched; rows nobody touched stay zero."""
     results = on_ranks(exchange_cases, world_size, tmp_path)
-    inputs = torch.stack([cases[0][3].double() for cases in results])
+    n = 96 // world_size
+    inputs = torch.stack([cases[0][2].double() for cases in results])
     exact, size = inputs.sum(0), inputs.abs().sum(0)
-    for rank, cases in enumerate(results):
-        (s_normal, normal, dense_normal, _), (s_int, integer, dense_int, _), (s_all, all_rows, dense_all, _) = cases
-        assert s_normal and s_int and not s_all
-        assert torch.equal(integer, dense_int) and torch.equal(all_rows, dense_all)
+    for rank, ((normal, dense_normal, _, sent, scatter), (integer, dense_int, _, _, _)) in enumerate(results):
+        assert normal.shape == (n, 16) and torch.equal(integer, dense_int)
         if world_size == 2:  # a + b either way: bit for bit
             assert torch.equal(normal.view(torch.int16), dense_normal.view(torch.int16))
         else:  # the order of the additions may differ from the all-reduce's: each within 2 bf16 roundings
-            assert ((normal.double() - exact).abs() <= 2 * 2**-8 * size).all()
-        assert torch.equal(normal, results[0][0][1])  # every rank holds the same sum
-        assert not normal[90:].any() and normal[:10].all()
+            here = slice(rank * n, (rank + 1) * n)
+            assert ((normal.double() - exact[here]).abs() <= 2 * 2**-8 * size[here]).all()
+        assert 0 < sent < scatter
+    assert not results[-1][0][0][90 - (world_size - 1) * n:].any()  # rows 90..95: touched by no rank
 
 
 def run_bigram_steps(rank: int, world_size: int):
@@ -309,8 +321,8 @@ def run_bigram_steps(rank: int, world_size: int):
     batches): 4 steps with Adam every step, then 2 with Adam on odd steps; also counts the sparse
     exchanges."""
     calls = []
-    real = tg.sparse_row_sum
-    tg.sparse_row_sum = lambda grad, n: calls.append(real(grad, n)) or calls[-1]
+    real = tg.send_touched_rows
+    tg.send_touched_rows = lambda exchange, table: calls.append(True) or real(exchange, table)
     states = []
     for odd_only, steps in ((False, 4), (True, 2)):
         config = tiny(bigram_embed=True, adam_odd_steps_only=odd_only)
@@ -325,18 +337,20 @@ def run_bigram_steps(rank: int, world_size: int):
 @pytest.mark.slow
 def test_two_processes_with_the_sparse_exchange_train_as_one_process_with_two_micro_steps(tmp_path):
     """Adam every step: each step's table gradient is g0 + g1 either way, bit for bit (parameters and
-    Adam's state). Adam on odd steps: the held step-0 gradient is exchanged once, with step 1's (a
-    second exchange would count it twice): the first moment equals up to the order of four additions."""
+    Adam's state, each rank's rows put together). Adam on odd steps: the held step-0 gradient is
+    exchanged once, with step 1's (a second exchange would count it twice): the first moment equals
+    up to the order of four additions."""
     results = on_ranks(run_bigram_steps, 2, tmp_path)
     want, _ = run_bigram_steps(0, 1)
     for states, calls in results:
         assert calls == [True] * 5  # 4 steps with Adam every step, then the odd step
-        for k, v in want[0].items():
-            if k.startswith("opt1/"):  # Muon's state: each rank holds its own matrices' (tested elsewhere)
-                continue
-            assert torch.equal(torch.as_tensor(states[0][k]), torch.as_tensor(v)), k
-        got, m = states[1]["opt0/bigram.table/exp_avg"], want[1]["opt0/bigram.table/exp_avg"]
-        assert m.any() and torch.allclose(got, m, rtol=0, atol=1e-5 * m.abs().max().item())
+    got = [whole_adam_state([states[i] for states, _ in results], want[i]) for i in range(2)]
+    for k, v in want[0].items():
+        if k.startswith("opt1/"):  # Muon's state: each rank holds its own matrices' (tested elsewhere)
+            continue
+        assert torch.equal(torch.as_tensor(got[0][k]), torch.as_tensor(v)), k
+    m1, m = got[1]["opt0/bigram.table/exp_avg"], want[1]["opt0/bigram.table/exp_avg"]
+    assert m.any() and torch.allclose(m1, m, rtol=0, atol=1e-5 * m.abs().max().item())
 
 
 def test_the_log_ends_with_every_layers_gamma():
@@ -349,12 +363,13 @@ def test_the_log_ends_with_every_layers_gamma():
 
 
 def test_the_sparse_exchange_is_used_only_where_it_surely_moves_less():
-    """world_size x the positions a rank reads per Adam step < 2 x the table's rows: the tiny preset
-    on 2 processes (2 x 1,024 < 5,120) goes sparse; the record on 8 GPUs (8 x 131,072 >= 503,040)
-    and on 2 (2 x 524,288) takes the dense all-reduce, which needs no host sync."""
+    """The positions a rank reads per Adam step (a bound on the rows it touches) < the table's rows,
+    and the rows shard W ways: the tiny preset on 2 processes (1,024 < 2,560) goes sparse; the record
+    on 8 GPUs (2 x 65,536 < 251,520, as #261's) too, on 2 (2 x 4 x 65,536) it reduce-scatters."""
     tiny_config = tiny(bigram_embed=True)
     record = tg.make_config(recipe="bigram")
     assert tg.bigram_exchange_is_sparse(tiny_config, 2)
     assert not tg.bigram_exchange_is_sparse(tiny_config, 1)
     assert not tg.bigram_exchange_is_sparse(tiny(), 2)  # no table
-    assert not tg.bigram_exchange_is_sparse(record, 8) and not tg.bigram_exchange_is_sparse(record, 2)
+    assert tg.bigram_exchange_is_sparse(record, 8) and not tg.bigram_exchange_is_sparse(record, 2)
+    assert not tg.bigram_exchange_is_sparse(tiny(bigram_embed=True), 3)  # 2,560 rows do not split 3 ways

@@ -737,14 +737,15 @@ def run_held_gradients(rank: int, world_size: int):
     reduces everything; returns both gradients after each step, as train_step leaves them."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    averager = tg.GradientAverager(model, world_size)
+    exchange = tg.GradientExchange([dict(params=list(model.parameters()), name="linear")], [], rank, world_size,
+                                   tg.Collectives(world_size, rank))
     data = torch.randn(world_size, 2, 5, 4, generator=torch.Generator().manual_seed(1))
     seen = []
     for step in (0, 1):
-        averager.held = frozenset([model.weight]) if step == 0 else frozenset()
-        averager.armed = True
+        exchange.held = frozenset([model.weight]) if step == 0 else frozenset()
+        exchange.armed = True
         model(data[rank, step]).square().sum().backward()
-        averager.wait()
+        exchange.wait()
         seen.append((model.weight.grad.clone(), model.bias.grad.clone()))
         model.bias.grad = None
     return seen

@@ -92,10 +92,29 @@ def checkpoint_tensors(folder: Path) -> dict:
     out = {f"model/{k}": v for k, v in main["model"].items()}
     for i, opt in enumerate(main["optimizers"]):  # the replicated ones (Adam)
         out.update({f"opt{i}/{n}/{k}": v for n, s in opt.items() for k, v in s.items()})
+    adam_rows: dict[str, list] = {}
     for rank_file in sorted(folder.glob("rank_*.pt")):
-        for name, s in torch.load(rank_file, weights_only=True)["muon"].items():
+        saved = torch.load(rank_file, weights_only=True)
+        for name, s in saved["muon"].items():
             out.update({f"muon/{name}/{k}": v for k, v in s.items()})
+        for name, piece in saved.get("adam", {}).items():  # Adam's sharded rows: put together by row
+            adam_rows.setdefault(name, []).append(piece)
+    for name, pieces in adam_rows.items():
+        pieces.sort(key=lambda piece: piece["rows"][0])
+        for k, v in pieces[0]["state"].items():
+            out[f"opt0/{name}/{k}"] = torch.cat([p["state"][k] for p in pieces]) if torch.is_tensor(v) else v
     out["loader"], out["step"] = main["loader"], main["step"]
+    return out
+
+
+def whole_adam_state(rank_states: list[dict], like: dict) -> dict:
+    """all_state of W ranks (tests/test_training.py) as one process holds it: where a rank's Adam
+    tensor (opt0/...) has fewer rows than the one-process state `like` has, the ranks' rows put
+    together in rank order (the sharded moments); everything else as rank 0 holds it."""
+    out = dict(rank_states[0])
+    for k, v in like.items():
+        if k.startswith("opt0/") and torch.is_tensor(v) and out[k].shape != v.shape:
+            out[k] = torch.cat([states[k] for states in rank_states])
     return out
 
 

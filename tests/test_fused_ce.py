@@ -578,6 +578,10 @@ for name, scale, dtype in (("261", s_g, torch.float32), ("261_rounded", s_g, tor
                            ("261_saturated", 1e-7, torch.float8_e5m2)):
     out[name] = kernels._fused_ce_dlogits_triton(logits, lse261, cols, wts, g, scale, dtype, block=128,
                                             variant="pr261", s_w_all=s_w_all)
+for name, dtype in (("261_one_pass", torch.float32), ("261_one_pass_rounded", torch.float8_e5m2)):
+    out[name] = kernels._fused_ce261_rows_dlogits_triton(logits, cols, wts, g, s_g, dtype, s_w_all, block=128)
+    out[name + "_two_kernels"] = kernels._fused_ce_dlogits_triton(logits, out["rows261"][1], cols, wts, g, s_g,
+                                                                  dtype, block=128, variant="pr261", s_w_all=s_w_all)
 torch.save(out, sys.argv[3])
 """
 
@@ -661,6 +665,16 @@ def test_the_kernels_pr261_gradient_equals_the_emulation(kernel_run):
         interpreter_errs = rounds_up & ((torch.frexp(codes)[0].abs() == 0.5) | (codes.abs() <= 2**-14))
         assert not (wrong & ~interpreter_errs).any() and wrong.float().mean() < 0.1
     assert (out["261_saturated"].float().abs() == E5M2_MAX).any()
+
+
+def test_the_one_pass_pr261_kernel_is_the_two_kernels_bit_for_bit(kernel_run):
+    """CUDA's pr261 forward is one program per row (#261's one kernel: the logits leave memory once):
+    its loss, LSE and gradient (unrounded and as e5m2 codes) are the two kernels' one after the other."""
+    _, out = kernel_run
+    for name in ("261_one_pass", "261_one_pass_rounded"):
+        (loss, lse, dl), two_kernels = out[name], out[name + "_two_kernels"]  # the latter from rows261's LSE
+        assert torch.equal(loss, out["rows261"][0]) and torch.equal(lse, out["rows261"][1])
+        assert dl.dtype == two_kernels.dtype and torch.equal(dl.view(torch.uint8), two_kernels.view(torch.uint8))
 
 
 INTERPRETER_CASTS = """

@@ -490,6 +490,26 @@ def test_dc_hands_its_kernel_w1_normalized_in_fp32_and_rounded_to_bf16_as_pr315(
     assert not torch.equal(got.float(), F.rms_norm(w1.float(), (w1.shape[-1],), eps=1e-6))  # it was rounded
 
 
+def test_compiled_dc_keeps_one_padded_k_and_v_not_a_copy_per_offset():
+    """What a compiled forward keeps for its backward is the partitioner's choice (the min-cut one,
+    as on the GPU): DC keeps q, k and v padded by W - 1 rows (one copy each, in their dtype), w1n, w2,
+    P (B, T, H, W) fp32 and w1's norm statistic (B, T, 1) fp32, whatever W. When the band form made a shifted copy of k and v per offset
+    the partitioner kept all 2 W of them (~28 GiB at the medium size)."""
+    W = 4
+    q, k, v, w1, w2, docs = (t.requires_grad_() if t.is_floating_point() else t for t in dc_inputs(torch.bfloat16))
+    valid = tg.dc_window_mask(docs, W)
+    B, T, H, D = q.shape
+    allowed = (B * T * H * D * 2 + 2 * B * (T + W - 1) * H * D * 2  # q; k and v padded
+               + 2 * B * T * H * 2 + B * T * H * W * 4 + B * T * 4)  # w1n and w2 (bf16); P; w1's rms_norm statistic
+    compiled = torch.compile(lambda *a: tg.dc_addition(*a, valid, 0.3), backend="aot_eager_decomp_partition",
+                             fullgraph=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = compiled(q, k, v, w1, w2)
+    assert 0 < sum(t.numel() * t.element_size() for t in saved) <= allowed
+    assert torch.equal(out, tg.dc_addition(q, k, v, w1, w2, valid, 0.3))
+
+
 def test_dc_gradients_to_q_k_v_w1_w2_in_float64():
     q, k, v, w1, w2, docs = (t.requires_grad_() if t.is_floating_point() else t for t in dc_inputs(T=9))
     valid = tg.dc_window_mask(docs, 4)

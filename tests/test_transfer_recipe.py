@@ -61,13 +61,13 @@ def test_the_candidates_parameters_and_the_gate_nets_kept_activations():
     """1,000,031,557 parameters: mudd's 871,110,088, the 7.5 x table's 128,778,240 more rows x 1024, the
     gate nets' 145,373, less the 2,144 static weights and gates they replace. The memory model keeps
     both nets' hidden layers (before and after GELU) and their 82 + 110 outputs per token, and DC's
-    (T, H + 1, W) fp32 at block 15."""
+    P (T, H, W) fp32 and k and v padded by W - 1 rows (bf16) at block 15 (what DCBand keeps)."""
     config = tg.make_config(recipe="transfer")
     assert sum(p.numel() for p in tg.build_model(config, "meta").parameters()) == 1_000_031_557
     T, H, W = 65_536, 8, 112
     without = tg.peak_parts(tg.make_config(recipe="transfer", mudd_gate=False, dc_layers=(), attn_gate_layers=None))
     assert tg.peak_parts(config)["training"] - without["training"] == (2 * 2 * T * 64 * 2 + T * (82 + 110) * 2
-                                                                       + T * (H + 1) * W * 4)
+                                                                       + T * H * W * 4 + 2 * (T + W - 1) * 1024 * 2)
 
 
 # ---- the whole candidate, every idea on at once: a short tiny run (DC's window cut to the tiny slices)
