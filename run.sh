@@ -10,7 +10,7 @@
 #                                 # failing run (with its exit status) or at Ctrl-C; ends with a summary, the
 #                                 # next command and, if runs are missing, the command that continues the batch
 #   RUNS=3 ./run.sh --log_dir=logs/<batch> ...   # 3 more runs of that batch; its summary counts all of them
-#   RUNS=10 ./run.sh --save_every=500            # each run saves under checkpoints/<batch>/run_<k>/
+#   RUNS=10 ./run.sh --save_every=500            # each run saves under checkpoints/<batch>/run_<k>/<preset>/step_<N>/
 # Multi-node: run the same command on every node with NNODES, NODE_RANK (0 .. NNODES-1) and
 # MASTER_ADDR (node 0's address; MASTER_PORT defaults to 29500). World size = NNODES x processes per
 # node, and it must divide the step's slices (8 for the record: 1, 2, 4 or 8 GPUs in all).
@@ -148,7 +148,8 @@ if [ -z "$log_dir" ]; then
   extra+=("--log_dir=$log_dir")
   again+=("--log_dir=$log_dir")
 fi
-# Checkpoints of a batch: one folder per run, <checkpoint_dir>/<batch folder's name>/run_<k>/ (k counts
+# Checkpoints of a batch: one folder per run, <checkpoint_dir>/<batch folder's name>/run_<k>/ (its checkpoints
+# in <run_id or preset>/step_<N>/ there, as every run's; k counts
 # the batch's logs), so no run refuses to save next to another's. A --resume is the user's to place.
 per_run=""
 if [[ -n "$save_every" && ! "$save_every" =~ ^0+$ && -z "$resume" ]]; then

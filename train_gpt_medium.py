@@ -128,6 +128,9 @@ EXPERIMENT_GROUPS = ("recipe", "seed ideas", "execution")  # runs that agree on 
 
 
 LR_LIMIT = 1.0  # no learning rate of this model trains above it: every record's is 0.5 or less
+# --prefix_loss_weight: #337's is 0.25; past a few the prefix term swamps the next-token loss (1e30 trains to
+# nothing, 1e39 overflows fp32)
+PREFIX_WEIGHT_LIMIT = 10.0
 
 
 @dataclass
@@ -350,7 +353,7 @@ class Hyperparameters:
     # §16 #337 prefix token prediction
     prefix_loss_weight: float = recipe(0.0, "training loss adds w x the cross-entropy of the next token's longest "
                                        "byte-prefix token, w from the multi-token phases (#337: 0.25)", at_least=0,
-                                       peak_neutral=True)
+                                       at_most=PREFIX_WEIGHT_LIMIT, peak_neutral=True)
     # §17 #306/#342 the MLP products in FP8
     fp8_mlp_up: bool = recipe(False, "training's MLP input projection from e4m3 codes, per-tensor scales max|W|/448 "
                               "and max|x|/448, bf16 backward (#306)", peak_neutral=True)
@@ -421,6 +424,8 @@ class Hyperparameters:
                                         "a path you give must be such a table)")
     save_every: int = bookkeeping(0, "checkpoint every N steps and at the end; 0: never", at_least=0)
     checkpoint_dir: str = bookkeeping("checkpoints", "checkpoints go to <checkpoint_dir>/<run_id or preset>/step_<N>/")
+    keep_checkpoints: int = bookkeeping(0, "with --save_every: keep the newest N checkpoints of the run, deleting older "
+                                        "ones after each save; 0: keep all", at_least=0, needs=("save_every",))
     resume: str = bookkeeping("", "a checkpoint folder, or 'latest' (the newest valid one of this run name)")
     force_resume: bool = bookkeeping(False, "resume even if the config differs in fields that change training")
     dry_run: bool = bookkeeping(False, "build on the meta device, print counts and FLOPs, exit")
@@ -2055,6 +2060,7 @@ class DataLoader:
 
     def __init__(self, files: list[str], seq_len: int, batch_slices: int, rank: int, world_size: int, device):
         self.files, self.seq_len, self.batch_slices, self.device = files, seq_len, batch_slices, torch.device(device)
+        self.host_inputs: list[torch.Tensor] = []  # the last batch's inputs on the host (train_step's host_inputs)
         k = batch_slices // world_size
         self.slices = range(rank * k, (rank + 1) * k)
         self.file_index, self.position, self.tokens = 0, 0, None
@@ -2075,11 +2081,13 @@ class DataLoader:
             if self.file_index >= len(self.files):
                 raise RuntimeError(f"ran out of data: {len(self.files)} shard(s) hold fewer steps than requested")
             self._load()
-        batches = []
+        batches, self.host_inputs = [], []
         for s in self.slices:
             start = self.position + s * seq_len
-            buf = self.tokens[start:start + seq_len + 1].to(device=self.device, dtype=torch.int32, non_blocking=True)
+            host = self.tokens[start:start + seq_len + 1]
+            buf = host.to(device=self.device, dtype=torch.int32, non_blocking=True)
             batches.append((buf[:-1], buf[1:].to(torch.int64)))
+            self.host_inputs.append(host[:-1])  # the §9 bigram exchange's rows, read on the host
         self.position += step_tokens
         return batches
 
@@ -2124,6 +2132,7 @@ class DocumentAlignedLoader:
                  world_size: int, device):
         self.files, self.num_slices, self.cut_tokens, self.eot = files, num_slices, cut_tokens, eot_token
         self.device = torch.device(device)
+        self.host_inputs: list[torch.Tensor] = []  # the last batch's inputs on the host (train_step's host_inputs)
         k = num_slices // world_size
         self.slices = range(rank * k, (rank + 1) * k)
         self.file_index, self.position, self.tokens = 0, 0, None
@@ -2164,16 +2173,17 @@ class DocumentAlignedLoader:
                                  "the run's last step; add shards or lower --num_iterations")
             self._load()
         self.position = int(self.starts[self.next_doc]) if self.next_doc < self.starts.size else int(self.tokens.size)
-        batches = []
+        batches, self.host_inputs = [], []
         for s in self.slices:
             starts, lengths = plan[s]
             offsets = np.cumsum(lengths) - lengths  # where each piece begins in the slice
             index = np.repeat(starts - offsets, lengths) + np.arange(seq_len + 1)
-            buf = torch.from_numpy(self.tokens[index].astype(np.int32))
+            host = torch.from_numpy(self.tokens[index].astype(np.int32))
             if self.device.type == "cuda":
-                buf = buf.pin_memory()
-            buf = buf.to(self.device, non_blocking=True)
+                host = host.pin_memory()
+            buf = host.to(self.device, non_blocking=True)
             batches.append((buf[:-1], buf[1:].to(torch.int64)))
+            self.host_inputs.append(host[:-1])  # the §9 bigram exchange's rows, read on the host
         return batches
 
     # the same checkpoint record as DataLoader's (the shard by name, its size, a token position)
@@ -2690,10 +2700,15 @@ class Runner:
         """One step of uniformly random tokens with the run's shapes (slices of seq_len tokens, a
         batch ramp's step; train_seq_len if None): every rank draws the whole step's batch_slices
         slices and keeps its own, as the DataLoader splits real data."""
+        return self.random_step(gen, seq_len)[0]
+
+    def random_step(self, gen: torch.Generator, seq_len: Optional[int] = None) -> tuple[list, list[torch.Tensor]]:
+        """random_batches' micro-batches and their inputs on the host (train_step's host_inputs)."""
         cfg = self.config
         tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_slices, (seq_len or cfg.train_seq_len) + 1), generator=gen)
-        mine = tokens[self.rank * self.micro_steps:(self.rank + 1) * self.micro_steps].to(self.device)
-        return [(row[:-1].to(torch.int32), row[1:].to(torch.int64)) for row in mine]
+        host = tokens[self.rank * self.micro_steps:(self.rank + 1) * self.micro_steps]
+        mine = host.to(self.device)
+        return [(row[:-1].to(torch.int32), row[1:].to(torch.int64)) for row in mine], [row[:-1] for row in host]
 
     def warmup(self, steps: Optional[list[int]] = None) -> list[int]:
         """Untimed steps on random tokens to compile kernels (those of warmup_schedule, each with
@@ -2709,7 +2724,8 @@ class Runner:
         elif steps is None:
             steps = warmup_schedule(cfg) if self.compiled else list(range(cfg.warmup_steps))
         for step in steps:
-            self.train_step(step, self.random_batches(gen, slice_tokens(step, cfg)))
+            batches, host_inputs = self.random_step(gen, slice_tokens(step, cfg))
+            self.train_step(step, batches, host_inputs=host_inputs)
         restore_state(self.model, self.optimizers, saved)
         if self.exchange is not None:
             self.exchange.reset()  # rows an even warm-up step touched
@@ -2762,7 +2778,8 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     runner.warmup()
     loader = train_loader(cfg, train_files, rank, world_size, device)
     start, train_time_ms, last_checkpoint = resume_from(resume, runner, loader, log)
-    history, clock, eta = [], Stopwatch(device, world_size), Eta(start, N)
+    eta = Eta(start, step_work(cfg, flops_per_token(cfg, runner.model)["weights"]))
+    history, clock = [], Stopwatch(device, world_size)
     clock.start()
     for step in range(start, N + 1):
         last = step == N
@@ -2777,10 +2794,13 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
             if save:
                 last_checkpoint = save_checkpoint(runner, loader, step, train_time_ms)
                 log.write(f"checkpoint: {last_checkpoint}")
+                if cfg.keep_checkpoints and rank == 0:
+                    for note in prune_checkpoints(last_checkpoint.parent, cfg.keep_checkpoints):
+                        log.write(note)
             clock.start()  # ---- and starts again
         if last:
             break
-        loss = runner.train_step(step, loader.next_batch(slice_tokens(step, cfg)))
+        loss = runner.train_step(step, loader.next_batch(slice_tokens(step, cfg)), host_inputs=loader.host_inputs)
         if step == 0:
             log_step0_loss(loss, world_size, log)
         if (step + 1) % cfg.nonfinite_check_every == 0:
@@ -2794,19 +2814,36 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
 
 # ---- what train() does besides training: resume, the non-finite check, validation, log lines
 
-class Eta:
-    """Wall-clock time left, validation included, from the pace of this process's steps so far
-    (console only: the log's step lines keep the speedrun's format)."""
+ETA_FIRST_STEPS = 10  # steps timed before the console gives a time left
 
-    def __init__(self, first_step: int, num_steps: int):
-        self.first_step, self.num_steps, self.t0 = first_step, num_steps, time.perf_counter()
+
+class Eta:
+    """Wall-clock time left, validation included, from this process's pace so far per unit of the
+    schedule's work: a step's work is its tokens x its FLOPs per token at its windows (step_work), so
+    the batch ramp's small early steps and short windows do not make the estimate too low. Unknown
+    for the first ETA_FIRST_STEPS steps (console only: the log's step lines keep the speedrun's format)."""
+
+    def __init__(self, first_step: int, work: list[float]):
+        self.first_step, self.num_steps, self.t0 = first_step, len(work), time.perf_counter()
+        self.done_before = [0.0]  # work of the steps before step s
+        for w in work:
+            self.done_before.append(self.done_before[-1] + w)
 
     def text(self, steps_done: int) -> str:
-        done = steps_done - self.first_step
-        if done <= 0 or steps_done >= self.num_steps:
+        if steps_done >= self.num_steps or steps_done <= self.first_step:
             return ""
-        left = (time.perf_counter() - self.t0) / done * (self.num_steps - steps_done)
+        if steps_done - self.first_step < ETA_FIRST_STEPS:
+            return " eta:unknown"
+        done = self.done_before[steps_done] - self.done_before[self.first_step]
+        left = (time.perf_counter() - self.t0) / done * (self.done_before[-1] - self.done_before[steps_done])
         return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
+
+
+def step_work(config: Hyperparameters, weights_flops: float) -> list[float]:
+    """Each training step's model FLOPs: its batch's tokens x (the weights' FLOPs per token + its
+    windows' attention FLOPs per token): what a step costs, relative to the others."""
+    return [batch_tokens(s, config) * (weights_flops + attention_flops_per_token(config, *attention_windows(s, config)))
+            for s in range(config.num_iterations)]
 
 
 def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
@@ -2954,13 +2991,13 @@ def run_training(config: Hyperparameters, rank: int) -> int:
     try:
         if config.bench_steps:
             return bench(config, device, rank, world_size)
-        config = with_run_seed(config, world_size)
         if config.synthetic_data and rank == 0:
             ensure_synthetic_data(config)
         if distributed:
             dist.barrier()
         data = load_data(config)
         resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        config = with_run_seed(config, world_size, resume)
         on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
         after = after_run_hooks(config, rank, world_size)  # None unless asked (and on ranks > 0)
         log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
@@ -3133,7 +3170,10 @@ def send_touched_rows(exchange: "GradientExchange", table: nn.Parameter) -> torc
     recv = send.clone() if coll.counting else torch.empty_like(send)  # counting: as many come back as go
     coll.all_to_all(recv, send, [1] * W, [1] * W, group).wait()
     send_sizes, recv_sizes = send.tolist(), recv.tolist()  # host tensors: no device sync
-    index = torch.from_numpy(np.concatenate([rows[:cuts[rank]], rows[cuts[rank + 1]:]])).to(grad.device)
+    index = torch.from_numpy(np.concatenate([rows[:cuts[rank]], rows[cuts[rank + 1]:]]))
+    if grad.is_cuda:  # from pinned memory, queued on the stream: no wait for the device
+        index = index.pin_memory()
+    index = index.to(grad.device, non_blocking=True)
     got_index = index.new_empty(sum(recv_sizes))
     coll.all_to_all(got_index, index, recv_sizes, send_sizes, group).wait()
     got = grad.new_empty(sum(recv_sizes), grad.shape[1])
@@ -3558,8 +3598,12 @@ class XSA(nn.Module):
 
 
 def require_attention_blocks(cfg: Hyperparameters, flag: str) -> None:
-    """The blocks listed in --flag (sections 12 and 18) exist and have attention; one line each if not."""
-    for layer in getattr(cfg, flag) or ():
+    """The blocks listed in --flag (sections 12 and 18) exist, have attention and are listed once;
+    one line each if not."""
+    listed = getattr(cfg, flag) or ()
+    repeated = sorted({layer for layer in listed if listed.count(layer) > 1})
+    require(not repeated, flag, f"block {repeated[0] if repeated else ''} is listed twice: list each block once")
+    for layer in listed:
         require(0 <= layer < cfg.num_layers, flag, f"block {layer} does not exist: list blocks in "
                 f"0..{cfg.num_layers - 1}")
         require(layer in cfg.attention_layers, flag, f"block {layer} has no attention "
@@ -3660,6 +3704,9 @@ def bigram_table_rows(config: Hyperparameters) -> int:
     return math.floor(config.bigram_table_multiple * config.table_rows)
 
 
+SIGN_ROWS_PR299 = 8192  # #299's sign table
+
+
 def bigram_sign_ids(ids: torch.Tensor, sign_rows: int) -> torch.Tensor:
     """The sign-table row of each position of one rank's sequence `ids` (T,), int64: 0 at position 0,
     (t_(i-1) XOR t_i) mod sign_rows for i >= 1. As the bigram hash (bigram_ids), across documents,
@@ -3697,10 +3744,16 @@ class BigramSigns(nn.Module):
 
 
 def check_bigram_signs(cfg: Hyperparameters) -> None:
-    """§14's config rule: the hash's mod M needs M = rows - 1 >= 1."""
+    """§14's config rules: the hash's mod M needs M = rows - 1 >= 1; the sign index (x_(t-1) XOR x_t)
+    mod N reads rows below 2^b only (b: the bits of the largest token id), so more rows are never read
+    (a billion of them would not even fit in memory): at most that many, or #299's 8192."""
     if cfg.bigram_embed:
         require(bigram_table_rows(cfg) >= 2, "bigram_table_multiple", f"{cfg.bigram_table_multiple:g} x "
                 f"{cfg.table_rows} rows gives {bigram_table_rows(cfg)}: the hash needs 2 rows or more")
+    reachable = 2 ** (cfg.vocab_size - 1).bit_length()
+    require(cfg.bigram_sign_rows <= max(reachable, SIGN_ROWS_PR299), "bigram_sign_rows",
+            f"{cfg.bigram_sign_rows} rows, but the XOR of two token ids below {cfg.vocab_size} is below {reachable}: "
+            f"rows past it are never read; give at most {max(reachable, SIGN_ROWS_PR299)} (#299: 8192)")
 
 
 # =============================================================================
@@ -4550,7 +4603,7 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
         if kind == "tuple[tuple[int, int], ...]":  # 9<6,10<4
             return tuple(tuple(int(s) for s in item.split("<", 1)) for item in filter(None, text.split(",")))
         if kind == "Optional[tuple[int, ...]]" and text.lower() in ("none", "auto"):
-            return None
+            return None if text.lower() == "auto" else ()  # auto: the field's own default; none: no block
         if kind in ("tuple[int, ...]", "Optional[tuple[int, ...]]"):  # 0,4,11
             return tuple(int(s) for s in text.split(",") if s.strip())
         if kind == "tuple[float, ...]":  # 1,1.52,2
@@ -4560,9 +4613,10 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
             return values
     except ValueError:
         example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]",
-                            "tuple[float, ...]"),
+                            "tuple[float, ...]", "Optional[tuple[int, ...]]"),
                            ("integers or '-' separated by commas", "target<source pairs, e.g. 9<6,10<4",
-                            "comma-separated integers", "comma-separated numbers"))
+                            "comma-separated integers", "comma-separated numbers",
+                            "comma-separated block numbers, none (no block) or auto (every block)"))
                        ).get(kind, kind.removeprefix("Optional[").rstrip("]"))
         raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
     if kind == "str":
@@ -4640,6 +4694,22 @@ def require(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"--{flag}: {message}")
 
 
+RUN_ID_CHARACTERS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_output_names(cfg: Hyperparameters) -> None:
+    """The run's output names: --log_dir and --checkpoint_dir are folders (not empty: that is the
+    working folder, the repository's root when run from there); --run_id is one name, used in
+    <log_dir>/<run_id>_<uuid>.txt and <checkpoint_dir>/<run_id>/, so no folder part and no '..'
+    (which would write outside those folders)."""
+    for flag in ("log_dir", "checkpoint_dir"):
+        require(getattr(cfg, flag).strip() != "", flag, "is empty (the working folder): give a folder, e.g. "
+                f"--{flag}={Hyperparameters.__dataclass_fields__[flag].default}")
+    require(not cfg.run_id or RUN_ID_CHARACTERS.fullmatch(cfg.run_id) is not None, "run_id",
+            f"{cfg.run_id!r} is not a name: letters, digits, '.', '_' and '-', starting with a letter or digit "
+            "(no '/' or '..': the logs and checkpoints stay in --log_dir and --checkpoint_dir)")
+
+
 def check_config(cfg: Hyperparameters) -> Hyperparameters:
     """Raise ConfigError naming the flag, the value and what is allowed, if the configuration
     cannot work; every field's range first, then how fields fit together."""
@@ -4654,6 +4724,7 @@ def check_config(cfg: Hyperparameters) -> Hyperparameters:
             raise ConfigError(f"--{f.name}: {to_text(value)} is not allowed; it must be {range_text(f)}")
 
     need = require
+    check_output_names(cfg)
     need(cfg.eot_token < cfg.vocab_size, "eot_token", f"must be in [0, vocab_size={cfg.vocab_size})")
     need(cfg.head_dim % 4 == 0, "head_dim", "must be a multiple of 4 (half-truncated rotary)")
     for name in ("train_seq_len", "val_seq_len", "max_window_tokens"):
@@ -5179,11 +5250,16 @@ def set_cpu_threads(config: Hyperparameters) -> str:
     return f"CPU threads: {threads} ({why})"
 
 
-def with_run_seed(config: Hyperparameters, world_size: int) -> Hyperparameters:
+def with_run_seed(config: Hyperparameters, world_size: int, resume: Optional[tuple] = None) -> Hyperparameters:
     """Independent runs: without --seed every run draws a fresh seed (the same on every rank),
-    written to the log's config so that --seed=<it> repeats the run exactly."""
+    written to the log's config so that --seed=<it> repeats the run exactly. A resumed run is the
+    checkpoint's run: without --seed it takes the seed the checkpoint's run had (its own state comes
+    from the checkpoint), so the log names the seed that repeats the whole run."""
     if config.seed is not None:
         return config
+    saved = resume[1]["config"].get("seed") if resume is not None else None
+    if saved is not None:
+        return dataclasses.replace(config, seed=int(saved))
     box = [int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF]
     if world_size > 1:
         dist.broadcast_object_list(box, src=0)
@@ -5567,12 +5643,16 @@ class _CheckpointWrite:
         self.runner, self.partial, self.failure = runner, partial, None
 
     def attempt(self, path: Path, write) -> Optional[dict]:
-        """write() on this rank unless a step already failed here; an OSError is kept, naming `path`."""
+        """write() on this rank unless a step already failed here; the failure is kept, naming `path`:
+        an OSError, or the RuntimeError torch.save raises when its writer fails (a full disk)."""
         if self.failure is None:
             try:
                 return write()
             except OSError as e:
                 self.failure = f"cannot write {path} ({e.strerror or e})"
+            except RuntimeError as e:  # torch.save: "PytorchStreamWriter failed writing file ...: file write failed"
+                lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # torch's reason: the last
+                self.failure = f"cannot write {path} ({lines[-1][-200:] if lines else type(e).__name__})"
         return None
 
     def all_ranks_ok(self) -> None:
@@ -5680,6 +5760,21 @@ def _publish(partial: Path, final: Path) -> None:
         os.close(fd)
 
 
+def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
+    """--keep_checkpoints: delete this run folder's complete checkpoints (step_N) but the newest `keep`,
+    the one just written among them; a partial folder is not touched (a save still in progress). A
+    deletion that fails is a note, not a stop (bookkeeping never ends a run)."""
+    steps = sorted((int(m[1]), d) for d in run_dir.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", d.name)))
+    notes = []
+    for _, old in steps[:-keep]:
+        try:
+            shutil.rmtree(old)
+            notes.append(f"checkpoint deleted (--keep_checkpoints={keep}): {old}")
+        except OSError as e:
+            notes.append(f"note: --keep_checkpoints={keep}: cannot delete {old} ({e.strerror or e}); it stays")
+    return notes
+
+
 def validate_checkpoint(path: Path) -> dict:
     """meta.json of a complete, unmodified checkpoint; CheckpointError naming the file otherwise."""
     path = Path(path)
@@ -5687,7 +5782,10 @@ def validate_checkpoint(path: Path) -> dict:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     if not meta_path.exists():
-        raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")
+        if (path / "main.pt").exists() or any(path.glob("rank_*.pt")):
+            raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")
+        raise CheckpointError(f"{path}: not a checkpoint folder (no meta.json); give a step_<N> folder of "
+                              "--checkpoint_dir")
     try:
         text = meta_path.read_text()
     except OSError as e:
@@ -6264,29 +6362,31 @@ def fit_lines(config: Hyperparameters, world_size: int, memory_gib: float) -> li
     return lines
 
 
-def memory_lines(model: GPT, config: Hyperparameters) -> list[str]:
-    """Per GPU of an 8-GPU run: what each process holds, and the predicted peak next to the logged
-    peak of the recipe's record (when the configuration is the record's shapes)."""
+def memory_lines(model: GPT, config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> list[str]:
+    """Per GPU of a run on world_size GPUs (the dry run's --gpu_count): what each process holds, and the
+    predicted peak, next to the logged peak of the recipe's record (its 8 GPUs) where the
+    configuration is the record's shapes."""
     mib = lambda b: f"{b / 2**20:,.1f} MiB"
-    held = state_bytes_per_gpu(model, config, PEAK_WORLD_SIZE)
-    lines = ["per GPU of 8: " + ", ".join(f"{k} {mib(v)}" for k, v in held.items())
-             + " (muon: the rank owning the most)"]
+    W = world_size
+    held = state_bytes_per_gpu(model, config, W)
+    lines = [f"per GPU of {W}: " + ", ".join(f"{k} {mib(v)}" for k, v in held.items())
+             + " (muon: the rank owning the most; adam: a rank's rows of the sharded tensors, the small ones whole)"]
+    predicted, where = predicted_peak_mib(config, W), f"per GPU on {W} GPU{'s' * (W > 1)}"
     if config.recipe in CANDIDATES:  # nothing logged to compare with
-        predicted = predicted_peak_mib(config)
-        lines.append(f"predicted peak memory allocated: {'none' if predicted is None else f'{predicted:,} MiB'} per "
-                     f"GPU on 8 GPUs (recipe {config.recipe} is {CANDIDATE_NOTE}; the prediction starts from bulk's "
+        lines.append(f"predicted peak memory allocated: {'none' if predicted is None else f'{predicted:,} MiB'} {where} "
+                     f"(recipe {config.recipe} is {CANDIDATE_NOTE}; the prediction starts from bulk's "
                      f"{RECIPES['bulk'].peak_mib:,} MiB)")
         return lines
-    predicted, logged = predicted_peak_mib(config), RECIPES[config.recipe].peak_mib
+    logged = RECIPES[config.recipe].peak_mib
     if predicted is None:
         lines.append("predicted peak memory: none (only configurations with the record's shapes and execution are "
-                     f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB)")
+                     f"predicted; recipe {config.recipe}'s record logged {logged:,} MiB on 8 GPUs)")
     else:
         # the prediction always starts from bulk's log; another recipe's own logged peak is for comparison
         start = "" if config.recipe == "bulk" else f"; the prediction starts from bulk's {RECIPES['bulk'].peak_mib:,} MiB"
-        lines.append(f"predicted peak memory allocated: {predicted:,} MiB per GPU on 8 GPUs; the {RECIPES[config.recipe].folder} "
-                     f"record logged {logged:,} MiB{start} (plus the state and kept activations this configuration adds: "
-                     "Adam's moments sharded over the GPUs as the record's)")
+        lines.append(f"predicted peak memory allocated: {predicted:,} MiB {where}; the {RECIPES[config.recipe].folder} "
+                     f"record logged {logged:,} MiB on 8 GPUs{start} (plus the state and kept activations this "
+                     "configuration adds; Adam's moments sharded over the GPUs as the record's)")
     return lines
 
 
@@ -6389,6 +6489,21 @@ def planned_device(config: Hyperparameters) -> tuple[str, str]:
     return "cpu", "--device=auto and no CUDA GPU is visible"
 
 
+# what a run writes or does besides training, none of which a dry run does
+DRY_RUN_IGNORES = ("metrics_jsonl", "tracker", "eval_hellaswag", "hellaswag_file", "save_every", "keep_checkpoints",
+                   "resume", "force_resume", "run_id", "log_dir", "checkpoint_dir")
+
+
+def dry_run_notes(config: Hyperparameters) -> list[str]:
+    """A note for each flag of DRY_RUN_IGNORES set away from its default: a dry run writes no log,
+    metrics, checkpoint or evaluation, so the flag does nothing here."""
+    defaults = Hyperparameters()
+    set_here = [f"--{name}={to_text(getattr(config, name))}" for name in DRY_RUN_IGNORES
+                if hasattr(config, name) and getattr(config, name) != getattr(defaults, name)]
+    return [f"note: {flag} is ignored: a dry run writes no log, metrics or checkpoint and evaluates nothing"
+            for flag in set_here]
+
+
 def dry_run(config: Hyperparameters) -> int:
     """Config, parameter counts, bytes and FLOPs from a meta-device model: no data, no GPU. Bytes
     are those of the device the run would use (bf16 on CUDA, fp32 on the CPU with --dtype=auto),
@@ -6408,11 +6523,11 @@ def dry_run(config: Hyperparameters) -> int:
         check_run_request(config, torch.device(device))
     except ConfigError as e:
         print(f"note: a real run on {device} would stop before training: {e}")
-    for note in recipe_notes(config):
+    for note in recipe_notes(config) + dry_run_notes(config):
         print(note)
     print("\n".join(accounting_lines(model, config)))
     print("\n".join(optimizer_table_lines(model, config)))
-    print("\n".join(memory_lines(model, config)))
+    print("\n".join(memory_lines(model, config, dry_run_world_size(config))))
     print("\n".join(fit_lines(config, dry_run_world_size(config), config.gpu_memory_gib or RECORD_GPU_MEMORY_GIB)))
     print("\n".join(dry_run_collective_lines(config, dry_run_world_size(config), model.dtype)))
     if weight_dtype(config, other) != model.dtype:
@@ -6495,11 +6610,11 @@ def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch
     sequence = [steps[i % len(steps)] for i in range(len(steps) + runner.config.bench_steps)]
     timed, times, losses = [], [], []
     for i, s in enumerate(sequence):
-        batches = runner.random_batches(gen, slice_tokens(s, runner.config))
+        batches, host_inputs = runner.random_step(gen, slice_tokens(s, runner.config))
         if runner.collectives is not None:  # this step's collectives, kept by parity (runner.step_ledgers)
             runner.collectives.ledger = runner.step_ledgers["odd" if s % 2 else "even"] = []
         clock.start()
-        losses.append(runner.train_step(s, batches, host_inputs=[inputs for inputs, _ in batches]))
+        losses.append(runner.train_step(s, batches, host_inputs=host_inputs))
         elapsed = clock.stop()
         if i >= len(steps):
             timed.append(s)

@@ -328,7 +328,7 @@ def _fused_ce_dlogits_torch(logits: torch.Tensor, lse: torch.Tensor, cols: torch
 def _fused_ce_kernels():
     """The Triton kernels of the CUDA path, made on first use (triton is imported only here: a CPU
     build of torch has none). TRITON_INTERPRET=1 at that moment runs them on the CPU (tests)."""
-    global _FUSED_CE_KERNELS, bf16_rounded
+    global _FUSED_CE_KERNELS, bf16_rounded, row_lse_and_loss, block_terms, pr261_gradient
     if _FUSED_CE_KERNELS is not None:
         return _FUSED_CE_KERNELS
     import triton
@@ -345,11 +345,9 @@ def _fused_ce_kernels():
     # PR261 (constexpr): sigma rounded to bf16 (bf16_rounded). sigma itself is tl.sigmoid (#261:
     # 0.5 + 0.5 tanh(u/2) by fast-math instructions; equal up to fp32 rounding).
     @triton.jit
-    def rows_kernel(logits_ptr, cols_ptr, wts_ptr, lse_ptr, loss_ptr, V, row_stride, inv_c, shift, cap,
-                    K: tl.constexpr, BLOCK: tl.constexpr, PR261: tl.constexpr = False):
-        # one program per row: a running max and sum of exp over blocks of columns, then the K terms
-        t = tl.program_id(0).to(tl.int64)
-        row = logits_ptr + t * row_stride
+    def row_lse_and_loss(row, cols_ptr, wts_ptr, t, V, inv_c, shift, cap, K: tl.constexpr, BLOCK: tl.constexpr,
+                         PR261: tl.constexpr):
+        # a row's LSE (a running max and sum of exp over blocks of columns) and its K terms' loss
         offsets = tl.arange(0, BLOCK)
         top = tl.full((), float("-inf"), tl.float32)
         total = tl.zeros((), tl.float32)
@@ -364,7 +362,6 @@ def _fused_ce_kernels():
             total = total * tl.exp(top - new_top) + tl.sum(tl.exp(z - new_top), 0)
             top = new_top
         lse = top + tl.log(total)
-        tl.store(lse_ptr + t, lse)
         loss = tl.zeros((), tl.float32)
         for k in tl.static_range(K):
             col = tl.load(cols_ptr + t * K + k)
@@ -372,6 +369,39 @@ def _fused_ce_kernels():
             if PR261:
                 s_col = bf16_rounded(s_col)
             loss += tl.load(wts_ptr + t * K + k) * (lse - cap * s_col)
+        return lse, loss
+
+    @triton.jit
+    def block_terms(l, c, lse, cols_ptr, wts_ptr, t, inv_c, shift, cap, K: tl.constexpr, BLOCK: tl.constexpr,
+                    PR261: tl.constexpr):
+        # a block of a row's columns: sigma, p = exp(z - LSE), the weights of the targets among them, and
+        # the row's own sum of weights
+        s = tl.sigmoid(l * inv_c + shift)
+        if PR261:
+            s = bf16_rounded(s)
+        p = tl.exp(cap * s - lse)
+        s_w = tl.zeros((), tl.float32)
+        hit = tl.zeros((BLOCK,), tl.float32)
+        for k in tl.static_range(K):
+            w = tl.load(wts_ptr + t * K + k)
+            s_w += w
+            hit += tl.where(c == tl.load(cols_ptr + t * K + k), w, 0.0)
+        return s, p, hit, s_w
+
+    @triton.jit
+    def pr261_gradient(g, s_w, p, hit, s, slope, inv_scale, top):
+        # S_w: all the weights; #261's order (slope = fp32(1/C) A); saturate at the output's largest
+        d = g * slope * inv_scale * (s_w * p - hit) * s * (1.0 - s)
+        return tl.where(d > top, top, tl.where(d < -top, -top, d))
+
+    @triton.jit
+    def rows_kernel(logits_ptr, cols_ptr, wts_ptr, lse_ptr, loss_ptr, V, row_stride, inv_c, shift, cap,
+                    K: tl.constexpr, BLOCK: tl.constexpr, PR261: tl.constexpr = False):
+        # one program per row
+        t = tl.program_id(0).to(tl.int64)
+        lse, loss = row_lse_and_loss(logits_ptr + t * row_stride, cols_ptr, wts_ptr, t, V, inv_c, shift, cap, K,
+                                     BLOCK, PR261)
+        tl.store(lse_ptr + t, lse)
         tl.store(loss_ptr + t, loss)
 
     @triton.jit
@@ -383,20 +413,10 @@ def _fused_ce_kernels():
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         l = tl.load(logits_ptr + t * row_stride + c, mask=c < V, other=0.0).to(tl.float32)
-        s = tl.sigmoid(l * inv_c + shift)
-        if PR261:
-            s = bf16_rounded(s)
-        p = tl.exp(cap * s - tl.load(lse_ptr + t))
-        s_w = tl.zeros((), tl.float32)
-        hit = tl.zeros((BLOCK,), tl.float32)
-        for k in tl.static_range(K):
-            w = tl.load(wts_ptr + t * K + k)
-            s_w += w
-            hit += tl.where(c == tl.load(cols_ptr + t * K + k), w, 0.0)
-        if PR261:  # S_w: all the weights; #261's order (slope = fp32(1/C) A); saturate at the output's largest
-            # S_w: one value for every row (sw_stride 0), or one per row (1: #337's prefix term)
-            d = tl.load(g_ptr) * slope * inv_scale * (tl.load(sw_ptr + t * sw_stride) * p - hit) * s * (1.0 - s)
-            d = tl.where(d > top, top, tl.where(d < -top, -top, d))
+        s, p, hit, s_w = block_terms(l, c, tl.load(lse_ptr + t), cols_ptr, wts_ptr, t, inv_c, shift, cap, K, BLOCK,
+                                     PR261)
+        if PR261:  # S_w: one value for every row (sw_stride 0), or one per row (1: #337's prefix term)
+            d = pr261_gradient(tl.load(g_ptr), tl.load(sw_ptr + t * sw_stride), p, hit, s, slope, inv_scale, top)
         else:
             d = tl.math.div_rn(tl.load(g_ptr) * slope * (s_w * p - hit) * s * (1.0 - s), scale)
         if ROUND:  # one round-to-nearest-even from fp32, as torch's cast
@@ -412,34 +432,15 @@ def _fused_ce_kernels():
         # the (T, V) logits leave memory once, not once per kernel
         t = tl.program_id(0).to(tl.int64)
         row = logits_ptr + t * row_stride
-        offsets = tl.arange(0, BLOCK)
-        running = tl.full((), float("-inf"), tl.float32)
-        total = tl.zeros((), tl.float32)
-        for start in range(0, V, BLOCK):
-            c = start + offsets
-            s = bf16_rounded(tl.sigmoid(tl.load(row + c, mask=c < V, other=0.0).to(tl.float32) * inv_c + shift))
-            z = tl.where(c < V, cap * s, float("-inf"))
-            new_top = tl.maximum(running, tl.max(z, 0))
-            total = total * tl.exp(running - new_top) + tl.sum(tl.exp(z - new_top), 0)
-            running = new_top
-        lse = running + tl.log(total)
+        lse, loss = row_lse_and_loss(row, cols_ptr, wts_ptr, t, V, inv_c, shift, cap, K, BLOCK, True)
         tl.store(lse_ptr + t, lse)
-        loss = tl.zeros((), tl.float32)
-        for k in tl.static_range(K):
-            col = tl.load(cols_ptr + t * K + k)
-            s_col = bf16_rounded(tl.sigmoid(tl.load(row + tl.maximum(col, 0)).to(tl.float32) * inv_c + shift))
-            loss += tl.load(wts_ptr + t * K + k) * (lse - cap * s_col)
         tl.store(loss_ptr + t, loss)
-        g, s_w = tl.load(g_ptr), tl.load(sw_ptr + t * sw_stride)
+        g, s_w_all = tl.load(g_ptr), tl.load(sw_ptr + t * sw_stride)
         for start in range(0, V, BLOCK):
-            c = start + offsets
-            s = bf16_rounded(tl.sigmoid(tl.load(row + c, mask=c < V, other=0.0).to(tl.float32) * inv_c + shift))
-            p = tl.exp(cap * s - lse)
-            hit = tl.zeros((BLOCK,), tl.float32)
-            for k in tl.static_range(K):
-                hit += tl.where(c == tl.load(cols_ptr + t * K + k), tl.load(wts_ptr + t * K + k), 0.0)
-            d = g * slope * inv_scale * (s_w * p - hit) * s * (1.0 - s)
-            d = tl.where(d > top, top, tl.where(d < -top, -top, d))
+            c = start + tl.arange(0, BLOCK)
+            l = tl.load(row + c, mask=c < V, other=0.0).to(tl.float32)
+            s, p, hit, _ = block_terms(l, c, lse, cols_ptr, wts_ptr, t, inv_c, shift, cap, K, BLOCK, True)
+            d = pr261_gradient(g, s_w_all, p, hit, s, slope, inv_scale, top)
             if ROUND:
                 d = d.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
             tl.store(out_ptr + t * out_stride + c, d, mask=c < V)
@@ -449,7 +450,8 @@ def _fused_ce_kernels():
 
 
 _FUSED_CE_KERNELS = None
-bf16_rounded = None  # a Triton helper of the kernels, made with them (_fused_ce_kernels)
+# the kernels' Triton helpers, made with them (_fused_ce_kernels)
+bf16_rounded = row_lse_and_loss = block_terms = pr261_gradient = None
 _CAP_ARGS = dict(inv_c=1 / SIGMOID_TEMPERATURE, shift=SIGMOID_SHIFT / SIGMOID_TEMPERATURE, cap=SIGMOID_CAP)
 
 

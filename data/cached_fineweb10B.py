@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.cli import OneLineParser, fail, first_line, output_folder_problem  # noqa: E402
+from tools.cli import OneLineParser, fail, first_line, output_folder_problem, run_main  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 TRAIN_SHARDS_IN_REPO = 103
@@ -194,4 +194,4 @@ def main(argv=None, fetch=None, probe=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.cli import OneLineParser, fail, os_error_line, output_folder_problem  # noqa: E402
+from tools.cli import OneLineParser, fail, os_error_line, output_folder_problem, run_main  # noqa: E402
 
 VOCAB_SIZE, EOT = 50257, 50256
 
@@ -136,4 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

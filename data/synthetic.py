@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.cli import OneLineParser, fail, os_error_line, output_folder_problem  # noqa: E402
+from tools.cli import OneLineParser, fail, os_error_line, output_folder_problem, run_main  # noqa: E402
 
 BRANCHING = 8  # likely successors per token
 MAX_VOCAB = 8192  # the chain is a dense V x V float64 matrix: 0.5 GB and minutes of eigen-decomposition at 8192
@@ -202,4 +202,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

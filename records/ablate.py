@@ -229,6 +229,18 @@ def parse_grid(text: str) -> list:
     return [name, items]
 
 
+def joined_seeds(argv: list[str]) -> list[str]:
+    """`--seeds -1,2` as `--seeds=-1,2`: argparse takes a value that starts with '-' for a flag (and
+    says "expected one argument"); joined, parse_seeds says what is wrong with it."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--seeds" and re.fullmatch(r"-[\d,\s-]+", arg):
+            out[-1] = f"--seeds={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def parse_seeds(text: str) -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
@@ -236,6 +248,8 @@ def parse_seeds(text: str) -> list[int]:
         raise SweepError(f"--seeds {text!r}: expected comma-separated integers, e.g. --seeds 1,2,3") from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise SweepError(f"--seeds {text!r}: give at least one seed, each once")
+    if min(seeds) < 0:
+        raise SweepError(f"--seeds {text!r}: a seed is at least 0 (the trainer's --seed), e.g. --seeds 1,2")
     return seeds
 
 
@@ -1332,6 +1346,7 @@ def main(argv: list[str] | None = None) -> int:
     given = list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv = joined_seeds(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="medium", help="trainer preset (medium = the record, tiny = CPU)")
     parser.add_argument("--grid", action="append", default=[], metavar="FIELD=V1,V2",
@@ -1419,4 +1434,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli import run_main
+    run_main(main)

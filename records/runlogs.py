@@ -220,7 +220,7 @@ _GROUPS_LINE = re.compile(r"(config_groups|experiment_groups) = (.*)")
 # its `ms` unit and is rejected instead of yielding a wrong number. Other `key:value` tokens pass.
 _NUMBER = r"\d+(?:\.\d+)?"
 _FIELDS = {
-    "val_loss": re.compile(_NUMBER),
+    "val_loss": re.compile(f"{_NUMBER}|nan|inf"),  # a diverged run's last val line says nan (or inf)
     "train_time": re.compile(_NUMBER + "ms"),
     "step_avg": re.compile(f"(?:{_NUMBER}|nan)ms"),
 }

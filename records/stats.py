@@ -82,6 +82,7 @@ def set_warnings(runs: list[RunResult], logs: list[RunLog] = (), exact_decimals:
     printed, and fewer decimals elsewhere prove nothing.
     """
     out = []
+    runs = [r for r in runs if math.isfinite(r.val_loss)] or runs  # nan has no decimals (claim_test says it)
     finest = max(r.decimals for r in runs)
     coarse = [r for r in runs if r.decimals < FULL_PRECISION] if exact_decimals else \
         (list(runs) if finest < FULL_PRECISION else [])
@@ -213,6 +214,11 @@ def claim_test(losses: list[float], target: float, alpha: float) -> dict:
     n = len(losses)
     none = {"t": None, "p": None, "df": None, "upper_bound": None, "upper_bound_level": 1 - alpha,
             "upper_bound_95": None, "holds": False}
+    diverged = sum(not math.isfinite(x) for x in losses)
+    if diverged:
+        return {**none, "note": f"{diverged} of {n} finished run(s) ended with a final val_loss that is not a "
+                                "number (nan or inf: the run diverged): such a run counts against the claim, "
+                                "which cannot hold with it"}
     if n < 2:
         return {**none, "note": f"n = {n}: no sample std, so no t-test; a t-test needs at least 2 runs"}
     if _spread(losses) is None:
@@ -251,6 +257,8 @@ def power_estimate(losses: list[float], target: float, alpha: float) -> dict:
     and the power of this set's n, taking the true mean and std to be the observed ones (POWER_METHOD)."""
     out = {"method": POWER_METHOD, "effect_size": None, "power_at_n": None,
            **{f"runs_needed_{round(100 * p)}": None for p in POWER_LEVELS}, "note": None}
+    if not all(math.isfinite(x) for x in losses):
+        return {**out, "note": "a run's final val_loss is not a number (a diverged run)"}
     std = _spread(losses)
     if std is None:
         return {**out, "note": "needs at least 2 runs with different losses"}
@@ -974,4 +982,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli import run_main
+    run_main(main)

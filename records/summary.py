@@ -33,15 +33,13 @@ def batch_logs(folder: Path, since: float | None) -> list[runlogs.RunLog]:
 
 
 def stats_command(folder: Path, logs: list[runlogs.RunLog]) -> str:
-    """`python records/stats.py FOLDER` when the folder holds just this batch, else the batch's files;
-    medium-preset runs are also timed against the latest published record."""
+    """`python records/stats.py FOLDER --time-vs <latest record>` when the folder holds just this batch,
+    else the batch's files: the claim's command, a record's time test included (for runs that are not
+    medium-track runs, a tiny or a CPU batch, stats.py then says why there is no verdict)."""
     in_folder = runlogs.find_logs([folder], empty_ok=True)
     batch = {log.path.resolve() for log in logs}
     targets = [str(folder)] if {f.resolve() for f in in_folder} == batch else [str(log.path) for log in logs]
-    extra = []
-    if logs and all(log.config.get("preset") == "'medium'" for log in logs):
-        extra = ["--time-vs", published.latest().recipe]
-    return shlex.join(["python", "records/stats.py", *targets, *extra])
+    return shlex.join(["python", "records/stats.py", *targets, "--time-vs", published.latest().recipe])
 
 
 def summary(folder: Path, since: float | None = None, asked: int | None = None, asked_at: float | None = None,
@@ -105,4 +103,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli import run_main
+    run_main(main)

@@ -6,7 +6,9 @@ import importlib.metadata
 import io
 import os
 import pickle
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,19 +57,95 @@ def synthetic_dir(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_seed0_run(tmp_path_factory):
-    """The README's first command, `--preset tiny --seed=0` on one thread, run in-process from the
-    repository root (its data generated into data/synthetic/ if missing). One run serves every test
-    that needs a whole tiny training run: the golden numbers, the log format, learning. Under
-    pytest-xdist the worker that asks first runs it and the others wait for its saved result (the
-    session's temporary folder is shared by the workers).
-    Returns what train() returned, the log's path and what the run printed."""
+# The tiny run in a process of its own (tiny_seed0_run_started): what it prints is kept with its result.
+TINY_RUN_PROCESS = """
+import contextlib, io, os, pickle, sys, threading, time, traceback
+from pathlib import Path
+root, folder, saved, parent = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+
+def orphaned():  # the test session is gone: so is the run
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+threading.Thread(target=orphaned, daemon=True).start()
+sys.path[:0] = [root, os.path.join(root, "tests", "golden")]
+os.chdir(root)
+try:
+    import torch
+    torch.set_num_threads(1)
+    import make_golden
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result, log = make_golden.tiny_run(Path(folder))
+    tmp = saved.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(dict(result=result, log=log, stdout=out.getvalue())))
+    os.replace(tmp, saved)
+except BaseException:
+    saved.with_suffix(".failed").write_text(traceback.format_exc())
+    raise
+"""
+
+
+def running(pid: str) -> bool:
+    """Whether process `pid` runs (a finished one not yet reaped by its parent, a zombie, does not)."""
+    try:
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def tiny_run_files(tmp_path_factory) -> tuple[Path, Path]:
+    """(the saved result, the lock file) of the session's tiny run, in the session's temporary folder,
+    which the xdist workers share."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # each worker's folder sits in the session's
-    saved = shared / "tiny_seed0_run.pickle"
-    with open(shared / "tiny_seed0_run.lock", "w") as lock:
+    return shared / "tiny_seed0_run.pickle", shared / "tiny_seed0_run.lock"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_seed0_run_started(request, tmp_path_factory):
+    """Under pytest-xdist, when the session has tests that need tiny_seed0_run, the first worker to
+    start begins it in a process of its own: the worker goes on with its tests, and no worker later
+    sits idle while another makes the run (a test that needs it waits only for what is left)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not any(
+            "tiny_seed0_run" in item.fixturenames for item in request.session.items):
+        yield
+        return
+    saved, lock_path = tiny_run_files(tmp_path_factory)
+    process = None
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = saved.with_suffix(".started")
+        if not saved.exists() and not started.exists():
+            folder = tmp_path_factory.mktemp("tiny_seed0")
+            with open(saved.with_suffix(".stderr"), "w") as stderr:
+                process = subprocess.Popen([sys.executable, "-c", TINY_RUN_PROCESS, str(ROOT), str(folder),
+                                            str(saved), str(os.getpid())], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                           stdout=subprocess.DEVNULL, stderr=stderr)
+            started.write_text(str(process.pid))
+    yield
+    if process is not None:  # the run outlives no session: its last users may still be reading it
+        process.wait(timeout=600)
+
+
+@pytest.fixture(scope="session")
+def tiny_seed0_run(tmp_path_factory):
+    """The README's first command, `--preset tiny --seed=0` on one thread, from the repository root
+    (its data generated into data/synthetic/ if missing). One run serves every test that needs a
+    whole tiny training run: the golden numbers, the log format, learning. Under pytest-xdist it
+    runs in a process of its own from the session's start (tiny_seed0_run_started) and a test waits
+    for its saved result; elsewhere it runs in this process (the session's temporary folder is shared
+    by the workers). Returns what train() returned, the log's path and what the run printed."""
+    saved, lock_path = tiny_run_files(tmp_path_factory)
+    started, failed = saved.with_suffix(".started"), saved.with_suffix(".failed")
+    while started.exists() and not saved.exists():  # the run of tiny_seed0_run_started, under way
+        if failed.exists():
+            raise RuntimeError(f"the session's tiny run failed:\n{failed.read_text()}")
+        if not running(started.read_text()):
+            break  # it ended without a result: made here instead
+        time.sleep(0.5)
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if saved.exists():
             return pickle.loads(saved.read_bytes())

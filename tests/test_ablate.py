@@ -484,3 +484,9 @@ def test_arms_that_differ_in_many_fields_are_compared_and_their_changes_listed(t
     md = (out / "report.md").read_text()
     assert "| `recipe=smear` | `muon_lr`: 0.025 → 0.03; `num_iterations`: 5690 → 5535; `recipe`: 'x01' → 'smear'; " \
            "`snoo_k`: 0 → 28 |" in md
+
+
+def test_negative_seeds_are_named_not_taken_for_a_flag(capsys):
+    """`--seeds -1,2`: argparse read -1,2 as a flag ("expected one argument"); now parse_seeds answers."""
+    assert ablate.main(["--preset", "tiny", "--grid", "lr=1", "--seeds", "-1,2"]) == 2
+    assert "--seeds '-1,2': a seed is at least 0" in capsys.readouterr().err

@@ -238,31 +238,10 @@ def run_gpu_check(capsys, *flags) -> tuple[int, str, str, dict]:
 
 
 @pytest.mark.slow
-def test_gpu_check_with_the_tiny_preset_runs_every_check_on_the_cpu_and_passes(tmp_path, short_gpu_check, capsys):
-    """Without shards (the pattern matches nothing) the training check trains on generated tokens.
-    The step grid: a bench point per batch size, none of which compiles again after the warm-up,
-    and a short training run (its extension steps dropped: 6 steps span the grid)."""
-    code, out, err, summary = run_gpu_check(capsys, f"--train_files={tmp_path / 'none_*.bin'}")
-    assert code == 0, out[-3000:] + err[-3000:]
-    names = [c["check"] for c in summary["checks"]]
-    assert summary["ok"] and all(c["ok"] for c in summary["checks"])
-    for step, window in zip(BENCH_POINTS, BENCH_WINDOWS):
-        assert f"bench, CPU, step {step} (window {window})" in names
-    for step in BENCH_POINTS[1:]:
-        assert f"step {step} after step 0, CPU" in names
-    for expected in ("compiled graphs after warm-up, CPU", "into evaluation, CPU", "peak memory, CPU",
-                     "activation checkpointing: first losses", "training 6 steps, CPU"):
-        assert expected in names
-    training = next(c for c in summary["checks"] if c["check"] == "training 6 steps, CPU")
-    assert "generated tokens" in training["measured"]
-    assert "check  " in out and "result" in out  # the table's header
-
-
-@pytest.mark.slow
 def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(short_gpu_check, capsys):
     """An attention scale of 1e38 turns every score into inf: nan losses from the first forward (the
     training run looks for them after every step, so it stops at the first)."""
-    code, _, err, summary = run_gpu_check(capsys, "--attn_scale=1e38", "--nonfinite_check_every=1")
+    code, _, err, summary = run_gpu_check(capsys, "--quick", "--attn_scale=1e38", "--nonfinite_check_every=1")
     assert code == 1
     assert not summary["ok"]
     assert "gpu_check: FAILED" in err and "non-finite" in err
@@ -272,13 +251,29 @@ def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(short_gpu_c
 def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, short_gpu_check, monkeypatch,
                                                                        capsys):
     """Two GPUs counted (patched; the trainer's processes find none and run on the CPU over gloo):
-    the benchmark and the training run again on 2 processes, whose first losses match one process's."""
+    every check on one process, then the benchmark and the training run again on 2 processes, whose
+    first losses match one process's. Without shards (the pattern matches nothing) the training
+    check trains on generated tokens. The step grid: a bench point per batch size, none of which
+    compiles again after the warm-up, and a short training run (its extension steps dropped: 6 steps
+    span the grid). (--quick's test runs the checks under the CPU's labels.)"""
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
     code = gpu_check.main(["--preset=tiny", f"--train_files={tmp_path / 'none_*.bin'}"])
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
     assert code == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
     names = [c["check"] for c in summary["checks"]]
+    assert summary["ok"] and all(c["ok"] for c in summary["checks"])
+    for step, window in zip(BENCH_POINTS, BENCH_WINDOWS):
+        assert f"bench, 1 GPU(s), step {step} (window {window})" in names
+    for step in BENCH_POINTS[1:]:
+        assert f"step {step} after step 0, 1 GPU(s)" in names
+    for expected in ("compiled graphs after warm-up, 1 GPU(s)", "into evaluation, 1 GPU(s)", "peak memory, 1 GPU(s)",
+                     "activation checkpointing: first losses", "training 6 steps, 1 GPU(s)"):
+        assert expected in names
+    training = next(c for c in summary["checks"] if c["check"] == "training 6 steps, 1 GPU(s)")
+    assert "generated tokens" in training["measured"]
+    assert "check  " in out and "result" in out  # the table's header
     for label in ("1 GPU(s)", "2 GPU(s)"):
         assert f"bench, {label}, step 0 (window 3)" in names and f"training 6 steps, {label}" in names
     assert "2 GPU(s) vs 1: first bench losses" in names
@@ -424,3 +419,16 @@ def test_the_allocator_row_is_never_dropped(settings, source, ok, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     line = gpu_check.allocator_row("1 GPU", dict(allocator_settings=settings, allocator_settings_source=source))
     assert line["check"] == "allocator, 1 GPU" and source in line["measured"] and line["ok"] is ok
+
+
+def test_gpu_check_without_a_gpu_fails_the_gpu_class_row_for_the_medium_preset_and_runs_nothing(monkeypatch,
+                                                                                                capsys):
+    """On a CPU the medium preset's runs would be refused: the GPU class row says so (it said ok, then
+    both runs failed), and no run is started; --preset tiny is the CPU's check."""
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    started = []
+    monkeypatch.setattr(gpu_check, "run_trainer", lambda *args: started.append(args))
+    assert gpu_check.main(["--quick"]) == 1
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    gpu_class = next(c for c in summary["checks"] if c["check"] == "GPU class")
+    assert not gpu_class["ok"] and "--preset tiny" in gpu_class["reason"] and started == []

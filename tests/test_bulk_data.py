@@ -7,6 +7,7 @@ end-of-text positions written here; it resumes exactly, across a batch-size chan
 the warm-up and the benchmark visit every batch shape, train() feeds each step its own shape, a
 resumed run and a 2-process run end bit-identical to the plain one."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -383,7 +384,7 @@ def test_steps_fed_counts_what_the_loaders_deliver(tmp_path):
 
 def test_the_warmup_runs_every_batch_shape_of_the_grid(monkeypatch):
     seen = []
-    monkeypatch.setattr(tg.Runner, "train_step", lambda self, step, batches: seen.append(
+    monkeypatch.setattr(tg.Runner, "train_step", lambda self, step, batches, **kwargs: seen.append(
         (step, [tuple(x.shape) for x, _ in batches])))
     runner = tg.Runner(TINY_GRID, torch.device("cpu"))
     runner.warmup()  # eager: nothing to compile, the first warmup_steps steps only
@@ -448,9 +449,9 @@ def grid_argv(synthetic_dir, out, *extra, N=12):
 def test_train_feeds_each_step_the_aligned_slices_of_its_batch_size(synthetic_dir, tmp_path, monkeypatch):
     fed, train_step = [], tg.Runner.train_step
 
-    def recording(self, step, batches):
+    def recording(self, step, batches, **kwargs):
         fed.append(as_lists(batches))
-        return train_step(self, step, batches)
+        return train_step(self, step, batches, **kwargs)
 
     monkeypatch.setattr(tg.Runner, "train_step", recording)
     assert tg.main(grid_argv(synthetic_dir, tmp_path)) == 0
@@ -473,16 +474,23 @@ def test_a_run_resumed_before_a_batch_size_change_ends_bit_identical(synthetic_d
                              checkpoint_tensors(whole / f"ck/tiny/step_{step:06d}"))
 
 
-@pytest.mark.slow
-def test_two_processes_on_the_grid_end_bit_identical_to_one(synthetic_dir, tmp_path):
-    """gloo: each process takes one of the step's two slices; one process accumulates both. Adam
-    every step: on odd steps only, a rank's two held gradients are added before the sum over ranks,
-    another order of the same four terms (tests/test_bulk_recipe.py compares that to its order)."""
-    from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes
-    one, two = one_and_two_processes(lambda out: grid_argv(synthetic_dir, out, "--save_every=12",
-                                                           "--adam_odd_steps_only=false"),
-                                     tmp_path / "one", tmp_path / "two")
-    assert_bit_identical(checkpoint_tensors(one / "ck/tiny/step_000012"), checkpoint_tensors(two / "ck/tiny/step_000012"))
+def test_each_rank_reads_its_own_slices_of_the_one_process_step(synthetic_dir):
+    """Two ranks' document-aligned loaders give, step after step across the batch ramp, exactly the
+    slices one process's loader gives those ranks (rank r: slice r of each step), so two processes
+    train on the one-process run's tokens; that the rest of a step is then the same is the exchange's
+    (tests/test_distributed.py, two processes against one, bit for bit)."""
+    config = tg.parse_args(grid_argv(synthetic_dir, Path("unused")))
+    files = tg.shard_files(config.train_files, "train_files")
+    make = lambda rank, world: tg.DocumentAlignedLoader(files, config.batch_slices, config.document_cut_tokens,
+                                                        config.eot_token, rank, world, "cpu")
+    one, ranks = make(0, 1), [make(r, 2) for r in range(2)]
+    for step in range(config.num_iterations):
+        seq_len = tg.slice_tokens(step, config)
+        whole = one.next_batch(seq_len)
+        for r, loader in enumerate(ranks):
+            got = loader.next_batch(seq_len)
+            assert len(got) == 1 and all(torch.equal(a, b) for a, b in zip(got[0], whole[r])), (step, r)
+    assert [loader.state() for loader in ranks] == [one.state()] * 2  # the same position: a checkpoint resumes
 
 
 def test_bench_times_each_batch_size_of_the_grid(tmp_path, monkeypatch, capsys):

@@ -1,7 +1,6 @@
 """The whole bulk recipe (--recipe bulk) at tiny size, on a short step grid that puts every phase
 within 24 steps: it learns; a run resumed before the embedding split and the last batch-size
-change, or killed after the split, ends where the uninterrupted run does, bit for bit; two
-processes train like one process accumulating two micro-steps.
+change, or killed after the split, ends where the uninterrupted run does, bit for bit.
 
 The short grid: 24 steps, the last 2 extension steps, so 22 scheduled steps in 12 slots. Batches
 of 256, 512, 768 and then 1024 tokens from steps 0, 2, 4 and 6; the long window 3, 7, 11, 13, ...
@@ -15,7 +14,7 @@ import pytest
 
 import train_gpt_medium as tg
 from test_checkpoint import kill_when_saved, log_text, resumed_step, run_argv
-from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args, val_losses
+from test_distributed import assert_bit_identical, checkpoint_tensors
 
 N = 24
 SHORT_GRID = ("--recipe=bulk", f"--num_iterations={N}", "--extension_steps=2", "--untie_embed_after_step=5",
@@ -67,44 +66,16 @@ def test_a_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthet
                          checkpoint_tensors(uninterrupted / f"ck/tiny/step_{N:06d}"))
 
 
-# ---- world size 2 = world size 1 with 2 micro-steps
+# ---- world size 2 = world size 1 with 2 micro-steps: the tiny preset is this recipe's tiny form, and
+# tests/test_distributed.py runs it on two processes against one (bit for bit, Adam every step, over
+# the batch ramp, the split and the extension); with Adam on odd steps the order in which the ranks
+# add their held gradients is tests/test_bulk_optim.py's (bit for bit), and tools/gpu_check's
+# several-GPU check runs the default recipe on two processes (tests/test_bench.py)
 
-# Half the grid for the process pairs: 12 steps, 2 of them extension, the split after step 3;
-# batches of 256, 512, 768, 1024 tokens from steps 0, 1, 2, 3 (checkpoints at 4, 8, 12).
+# Half the grid for the frontier recipes' process pair (tests/test_frontier_recipes.py): 12 steps,
+# 2 of them extension, the split after step 3; batches of 256, 512, 768, 1024 tokens from steps 0, 1,
+# 2, 3 (checkpoints at 4, 8, 12).
 PAIR_STEPS = 12
-PAIR_GRID = (*SHORT_GRID, f"--num_iterations={PAIR_STEPS}", "--untie_embed_after_step=3")
-
-
-def pair(synthetic_dir, tmp_path_factory, name, *flags):
-    return one_and_two_processes(
-        lambda out: [*run_args(synthetic_dir, out, *PAIR_GRID, *flags), f"--num_iterations={PAIR_STEPS}"],
-        tmp_path_factory.mktemp(f"{name}_one"), tmp_path_factory.mktemp(f"{name}_two"))
-
-
-@pytest.mark.slow
-def test_two_processes_equal_accumulation_bit_for_bit_with_adam_stepping_every_step(synthetic_dir,
-                                                                                    tmp_path_factory):
-    """Every part of the recipe but Adam's odd steps: the one cross-rank reduction per step is a sum
-    of two terms, exact in either order."""
-    one, two = pair(synthetic_dir, tmp_path_factory, "bulk_every_step", "--adam_odd_steps_only=false")
-    for step in (4, 8, PAIR_STEPS):
-        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
-                             checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
-
-
-@pytest.mark.slow
-def test_two_processes_equal_accumulation_with_adam_on_odd_steps_to_the_order_of_a_sum(synthetic_dir,
-                                                                                      tmp_path_factory):
-    """Adam's gradients of an even and an odd step are four terms per parameter: one process adds
-    them in step order, ((a0 + a1) + b0) + b1, two processes add their own first, then each other's:
-    (a0 + b0) + (a1 + b1) (as the record's 8 GPUs do). Only the fp32 rounding of that sum differs,
-    so the logged losses agree to the last printed digit but for a unit or two."""
-    one, two = pair(synthetic_dir, tmp_path_factory, "bulk_odd_steps")
-    a, b = val_losses(one), val_losses(two)
-    assert sorted(a) == sorted(b) and len(a) == PAIR_STEPS // 2 + 1
-    diffs = {s: abs(float(a[s]) - float(b[s])) for s in a}
-    assert max(diffs.values()) <= 1e-4, diffs
-    assert a[0] == b[0]  # before any training
 
 
 def test_the_bulk_recipes_flops_per_token_are_weighted_by_the_tokens_of_each_step():

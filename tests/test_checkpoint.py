@@ -232,11 +232,11 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
     save at step 6 stops the run, so step 6 (and anything later) is never written."""
     real_step = tg.Runner.train_step
 
-    def poisoned(self, step, batches):
+    def poisoned(self, step, batches, **kwargs):
         if step == 5:
             with torch.no_grad():
                 self.model.head.weight[0, 0] = float("nan")
-        return real_step(self, step, batches)
+        return real_step(self, step, batches, **kwargs)
 
     monkeypatch.setattr(tg.Runner, "train_step", poisoned)
     assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--val_every=4", N=8)) == 1

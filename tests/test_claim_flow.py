@@ -117,7 +117,8 @@ def test_a_batch_into_a_given_folder_with_older_logs_names_its_own_files(python,
     assert len(new) == 2 and "--log_dir=" not in proc.stderr
     assert f"run.sh: 2 run(s) into {folder}/" in proc.stderr
     command = shlex.split(proc.stdout.splitlines()[-1])
-    assert command[:3] == ["next:", "python", "records/stats.py"] and sorted(command[3:]) == list(map(str, new))
+    assert command[:3] == ["next:", "python", "records/stats.py"] and command[-2:] == ["--time-vs", "bulk"]
+    assert sorted(command[3:-2]) == list(map(str, new))
     assert "tiny runs: the statistics are real" in proc.stdout
 
 

@@ -296,7 +296,7 @@ def checkpoints(tmp_path):
 @pytest.mark.parametrize("folder, fragment", [
     ("nowhere", "{tmp}/nowhere: no such checkpoint folder"),
     ("a_file", "{tmp}/a_file: no such checkpoint folder"),
-    ("no_meta", "{tmp}/no_meta/meta.json: missing, so {tmp}/no_meta is not a complete checkpoint"),
+    ("no_meta", "{tmp}/no_meta: not a checkpoint folder (no meta.json)"),
     ("meta_is_a_folder", "{tmp}/meta_is_a_folder/meta.json: Is a directory"),
     ("meta_not_json", "{tmp}/meta_not_json/meta.json: unreadable"),
     ("meta_a_list", "{tmp}/meta_a_list/meta.json: not a checkpoint's meta.json"),

@@ -97,7 +97,7 @@ def test_bad_input_is_refused_before_anything_is_written(bf16_checkpoint, tmp_pa
     assert e.value.code == 2 and "ending in .safetensors" in capsys.readouterr().err
     (tmp_path / "step_000001").mkdir()
     assert export.main([str(tmp_path / "step_000001"), "--out", str(tmp_path / "b.safetensors")]) == 2
-    assert "meta.json: missing" in capsys.readouterr().err
+    assert "not a checkpoint folder (no meta.json)" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*tmp*"))
 
 

@@ -282,7 +282,8 @@ def test_the_recipes_dry_run_counts_bulks_parameters_and_predicts_the_fp8_codes(
     assert summary["total_params"] == bulk["total_params"] == 613_420_440
     assert summary["params_in_use_before_split"] == 561_909_144
     assert predicted_peak(out) - predicted_peak(bulk_out) == round((65_536 + 50_304) * 1024 / 2**20) == 113
-    assert "2026-03-28_FP8YaRNTuning record logged 63,702 MiB; the prediction starts from bulk's 57,397 MiB" in out
+    assert ("2026-03-28_FP8YaRNTuning record logged 63,702 MiB on 8 GPUs; the prediction starts from bulk's "
+            "57,397 MiB") in out
 
 
 TINY_STEPS = 24

@@ -1,7 +1,7 @@
 """The claimed records after bulk (--recipe fp8_yarn: PR #248, --recipe bigram: PR #252, --recipe
 mudd: PR #261) as whole recipes at tiny size, on test_bulk_recipe's short grid (24 steps, every phase): each learns; a run
-killed after the split resumes bit for bit; two processes train like one process accumulating two
-micro-steps. Their parts are tested on their own in test_fp8_head.py, test_bigram.py,
+killed after the split resumes bit for bit and two processes train like one process accumulating
+two micro-steps (mudd, whose state holds the others'). Their parts are tested on their own in test_fp8_head.py, test_bigram.py,
 test_fused_ce.py, test_unified_optimizer.py and test_mudd.py."""
 import json
 import re
@@ -92,7 +92,11 @@ def test_each_tiny_frontier_recipe_learns(uninterrupted):
     assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses[2:], losses[3:]))
 
 
+# The whole-run resume and the two-process runs take mudd alone: #261 is #252's recipe plus MUDD, so
+# its checkpoints hold every state bigram's do (the sparse table, fp32 moments, bf16 blocks' low bits,
+# the transposed head and its split), and fp8_yarn's FP8 head holds no state of its own
 @pytest.mark.slow
+@pytest.mark.parametrize("uninterrupted", ["mudd"], indirect=True)
 def test_a_frontier_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthetic_dir, tmp_path):
     recipe, out = uninterrupted
     kill_when_saved(run_argv(synthetic_dir, tmp_path, *grid(recipe), N=N), tmp_path, 8)
@@ -103,11 +107,12 @@ def test_a_frontier_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", FRONTIER)
-def test_two_processes_equal_accumulation_in_each_frontier_recipe(recipe, synthetic_dir, tmp_path_factory):
+def test_two_processes_equal_accumulation_in_mudd(synthetic_dir, tmp_path_factory):
     """Adam stepping every step, so each cross-rank reduction is one sum of two terms (exact in
-    either order) and the two runs agree bit for bit (test_bulk_recipe says why odd-step Adam
-    agrees only to the order of a sum)."""
+    either order) and the two runs agree bit for bit: the exchange of every kind of tensor the
+    frontier recipes have (Muon's bf16 blocks, Adam's sharded rows, the sparse bigram rows, the small
+    tensors whole)."""
+    recipe = "mudd"
     flags = (*grid(recipe, PAIR_STEPS), "--untie_embed_after_step=3", "--adam_odd_steps_only=false")
     one, two = one_and_two_processes(lambda out: [*run_args(synthetic_dir, out, *flags),
                                                   f"--num_iterations={PAIR_STEPS}"],

@@ -233,3 +233,15 @@ def test_a_failure_of_the_evaluation_after_training_is_a_line_and_the_run_still_
     lines = log.read_text().splitlines()
     assert lines[-1] == "hellaswag: not scored (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)"
     assert lines[-2].startswith("peak memory allocated:")
+
+
+def test_a_folder_given_as_the_hellaswag_file_is_called_a_folder(tmp_path):
+    with pytest.raises(hs.HellaSwagError, match=f"{tmp_path}: is a folder; give a .jsonl or .parquet file"):
+        hs.load_items(str(tmp_path), 500)
+
+
+def test_write_synthetic_names_its_own_flag_when_it_cannot_write(tmp_path, capsys):
+    """A folder given to --write_synthetic is --write_synthetic's problem (it blamed --synthetic_meta)."""
+    assert hs.main(["--write_synthetic", str(tmp_path), "--items=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"--write_synthetic {tmp_path}: is a folder" in err and "--synthetic_meta" not in err

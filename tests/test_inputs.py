@@ -241,6 +241,28 @@ def test_a_checkpoint_write_that_fails_midway_exits_3_and_keeps_the_last_good_ch
     assert tg.validate_checkpoint(run_dir / "step_000004")["step"] == 4
 
 
+def test_torch_saves_own_error_on_a_full_disk_is_the_same_one_line_exit_3(synthetic_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    """On a full disk torch.save does not raise an OSError: its zip writer raises a RuntimeError
+    ("PytorchStreamWriter failed writing file ...: file write failed"). That too stops the run with
+    exit 3 and one line, and the half-written step_N.partial is removed."""
+    real_save, calls = torch.save, []
+
+    def save_on_a_full_disk(obj, f, *args, **kwargs):
+        calls.append(getattr(f, "name", f))
+        if len(calls) == 4:  # step 4's main.pt (each save: rank_000.pt, then main.pt)
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1024 vs 0\n"
+                               "PytorchStreamWriter failed writing file data/3: file write failed")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(tg.torch, "save", save_on_a_full_disk)
+    assert tg.main(argv_with(synthetic_dir, tmp_path, "--save_every=2")) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "file write failed" in err and "not saved" in err
+    run_dir = tmp_path / "ck" / "tiny"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step_000002"]  # no step_000004.partial left
+
+
 def test_a_log_that_cannot_be_written_midway_exits_3_keeping_what_it_holds(synthetic_dir, tmp_path, monkeypatch,
                                                                            capsys):
     """The disk fills after training step 2: the next log line fails; the lines before it stay."""
@@ -251,8 +273,8 @@ def test_a_log_that_cannot_be_written_midway_exits_3_keeping_what_it_holds(synth
             raise disk_full()
         return real_open(file, mode, *args, **kwargs)
 
-    def step_then_fill_the_disk(self, step, batches):
-        loss = real_step(self, step, batches)
+    def step_then_fill_the_disk(self, step, batches, **kwargs):
+        loss = real_step(self, step, batches, **kwargs)
         if step == 2:  # after the val line of step 2; the line of step:3 is the first that fails
             full.append(True)
         return loss
@@ -383,11 +405,11 @@ def test_a_nonfinite_loss_stops_the_run_at_the_first_check_after_it(synthetic_di
     bad, every, N = 8, 3, 30
     real_step = tg.Runner.train_step
 
-    def poisoned(self, step, batches):
+    def poisoned(self, step, batches, **kwargs):
         if step + 1 == bad:
             with torch.no_grad():
                 self.model.head.weight[0, 0] = float("nan")
-        return real_step(self, step, batches)
+        return real_step(self, step, batches, **kwargs)
 
     monkeypatch.setattr(tg.Runner, "train_step", poisoned)
     argv = argv_with(synthetic_dir, tmp_path, f"--nonfinite_check_every={every}", "--val_every=0",

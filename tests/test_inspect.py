@@ -55,7 +55,7 @@ def test_gpt2_tokens_print_as_text():
 def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "step_000001").mkdir()
     assert ic.main([str(tmp_path / "step_000001")]) == 2
-    assert "meta.json: missing" in capsys.readouterr().err
+    assert "not a checkpoint folder (no meta.json)" in capsys.readouterr().err
 
 
 def trainer_lens(runner, step, ids, position):
@@ -109,3 +109,14 @@ def test_a_sequence_longer_than_the_run_used_is_refused(synthetic_dir, tmp_path,
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--seq_len must be at most 512" in err and "val_seq_len 512" in err and "Traceback" not in err
+
+
+def test_a_folder_that_is_no_checkpoint_is_called_so(tmp_path, capsys):
+    """Not an interrupted save: a folder with no checkpoint file at all (an interrupted save leaves
+    main.pt or a rank file without meta.json)."""
+    assert ic.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: not a checkpoint folder (no meta.json)" in err and "interrupted" not in err
+    (tmp_path / "main.pt").write_bytes(b"")
+    assert ic.main([str(tmp_path)]) == 2
+    assert "an interrupted save?" in capsys.readouterr().err

@@ -61,9 +61,9 @@ def counted_run(synthetic_dir, out, *flags):
         finally:
             seen["inside"] = False
 
-    def train_step(self, step, batches, mtp_weights=None):
+    def train_step(self, step, batches, mtp_weights=None, **kwargs):
         seen["tokens"].append(sum(inputs.numel() for inputs, _ in batches))
-        return real_step(self, step, batches, mtp_weights)
+        return real_step(self, step, batches, mtp_weights, **kwargs)
 
     def window(self, step):
         w = real_window(self, step)
@@ -216,7 +216,7 @@ def test_an_existing_metrics_file_is_refused_before_training(synthetic_dir, tmp_
     taken = tmp_path / "m.jsonl"
     taken.write_text("another run's records\n")
     assert tg.main(run_argv(synthetic_dir, tmp_path, f"--metrics_jsonl={taken}", N=N)) == 2
-    assert f"error: --metrics_jsonl {taken}: exists (another run's records)" in capsys.readouterr().err
+    assert f"error: --metrics_jsonl {taken}: exists, and is kept" in capsys.readouterr().err
     assert taken.read_text() == "another run's records\n" and not (tmp_path / "logs").exists()
 
 

@@ -238,7 +238,8 @@ def passing_set_with_a_garbled_line(tmp_path, line):
 
 
 def test_garbled_lines_are_listed_and_leave_numbers(tmp_path, capsys):
-    folder, where = passing_set_with_a_garbled_line(tmp_path, "step:10/10 val_loss:nan train_time:1ms step_avg:1.00ms")
+    # (val_loss:nan is no garble: a diverged run prints it, and it is read: the nan test below)
+    folder, where = passing_set_with_a_garbled_line(tmp_path, "step:10/10 val_loss:2.9x train_time:1ms step_avg:1.00ms")
     code, data = run_json(capsys, folder)
     assert code == 0
     assert [w.split(" ")[0] for w in data["warnings"]] == [where]
@@ -993,3 +994,15 @@ def test_text_report_also_gives_the_95_percent_bound_when_alpha_differs(tmp_path
     x = np.asarray(PASS_LOSSES)
     expected = x.mean() + sps.t.ppf(0.95, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
     assert float(line[1]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_finished_run_whose_final_loss_is_nan_counts_against_the_claim(tmp_path, capsys):
+    """A diverged run's last val line says nan: it finished (it is not skipped as unfinished), and the
+    claim cannot hold with it; the report says so, not "all losses are equal"."""
+    folder = make_set(tmp_path / "r", PASS_LOSSES)
+    write_log(folder / "diverged.txt", float("nan"), TIMES[0])
+    code = stats_cli.main([str(folder)])
+    out = capsys.readouterr().out
+    assert code == 1 and f"{len(PASS_LOSSES) + 1} finished run(s), 0 skipped" in out
+    assert "not a number (nan or inf: the run diverged)" in out and "claim does not hold" in out
+    assert "equal" not in out

@@ -137,7 +137,7 @@ def test_a_continued_batch_counts_the_runs_already_in_its_folder(tmp_path, loggi
     assert [c.rsplit("/", 1)[1] for c in trainer_calls(calls)] == [f"run_{k}" for k in (1, 2, 3, 4, 5)]
     out = proc.stdout.splitlines()
     assert f"batch: {folder}: 5 finished run(s) of 5 asked (2 of them before this call)" in out
-    assert out[-1] == f"next: python records/stats.py {folder}"  # all five
+    assert out[-1] == f"next: python records/stats.py {folder} --time-vs bulk"  # all five
     assert len(list(folder.glob("*.txt"))) == 5
 
 

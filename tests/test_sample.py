@@ -197,3 +197,37 @@ def test_bad_input_is_one_line_and_exit_2(synthetic_dir, tmp_path, capsys, argv,
 def test_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     code, _, err = run_cli(capsys, tmp_path / "nothing")
     assert code == 2 and "no such checkpoint folder or .safetensors file" in err
+
+
+def test_each_token_is_handed_on_as_it_is_made(synthetic_dir, tmp_path, monkeypatch):
+    """generate's on_token sees every new token in order, before the next one is picked: the command
+    line prints a long sample as it grows, not at its end."""
+    model, config, step = ic.load_model(random_checkpoint(synthetic_dir, tmp_path))
+    script, seen, picks = [5, 6, 7], [], []
+    choices = iter(script)
+
+    def pick(*args):
+        picks.append(list(seen))  # what had been handed on when this token was picked
+        return next(choices)
+    monkeypatch.setattr(sm, "pick", pick)
+    assert sm.generate(model, config, step, [1], 3, on_token=seen.append) == script == seen
+    assert picks == [[], [5], [5, 6]]
+
+
+def test_more_new_tokens_than_the_model_attends_over_are_refused_in_one_line(synthetic_dir, tmp_path, capsys):
+    path = random_checkpoint(synthetic_dir, tmp_path)
+    _, config, _ = ic.load_model(path)
+    longest = ic.longest_sequence(config)
+    code, out, err = run_cli(capsys, path, "--stop_at_eot=false", "--max_new_tokens=100000000")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"--max_new_tokens 100000000: at most {longest:,}, the longest sequence" in err
+
+
+def test_streamed_gpt2_text_is_the_whole_texts_decoding():
+    """A character split over two tokens shows once whole (an incremental UTF-8 decoder)."""
+    vocab = ic.Vocabulary(50257)
+    if vocab.offsets is None:
+        pytest.skip("the committed GPT-2 byte table is missing")
+    tokens = [40, 588, 50256, 31000, 13]
+    piece = vocab.streamer()
+    assert "".join(piece(t) for t in tokens) == vocab.text(tokens)

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from records import runlogs  # noqa: E402
-from tools.cli import OneLineParser  # noqa: E402
+from tools.cli import OneLineParser, run_main  # noqa: E402
 
 LOADS = ("idle", "one busy core")
 
@@ -101,4 +101,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

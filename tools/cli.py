@@ -3,6 +3,12 @@
 Every input error (a bad flag, a missing or unreadable file, an output folder that cannot be
 written) prints `error: <file or flag>: <what is wrong and what to do>` on stderr and makes the
 script exit with code 2, without a traceback, before anything is written.
+
+One policy for every output file the tools and the trainer write (output_file_problem): a missing
+folder is made (where its nearest existing folder is writable), a folder is not a file, and a file
+that exists is never overwritten unless asked (--overwrite where the tool has it).
+
+A reader that leaves early (`| head`) ends the script quietly (run_main: BrokenPipeError).
 """
 from __future__ import annotations
 
@@ -56,3 +62,33 @@ def output_folder_problem(folder: Path, flag: str) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{flag} {folder}: {existing} is not writable; choose another {flag} or fix its permissions"
     return None
+
+
+def output_file_problem(path: Path, flag: str, overwrite: bool = False, how: str = "pass --overwrite") -> str | None:
+    """Why `path` cannot be written as a new output file (naming `flag`), or None when it can: not a
+    folder; not an existing file unless `overwrite` (`how`: the way to allow it); its folder writable
+    or creatable (make_parent makes it)."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{flag} {path}: is a folder; give a file name"
+    if path.exists() and not overwrite:
+        return f"{flag} {path}: exists, and is kept; choose another name, or {how}"
+    return output_folder_problem(path.parent, flag)
+
+
+def make_parent(path: Path) -> None:
+    """The folder of an output file, made with its parents where missing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+def run_main(main, *args) -> None:
+    """`sys.exit(main(*args))` for a script's __main__: a reader that closed the pipe (`| head`) ends
+    it quietly, exit 0, with what it printed so far, instead of a BrokenPipeError traceback."""
+    try:
+        code = main(*args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the interpreter's own last flush would fail again: stdout goes to /dev/null from here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)

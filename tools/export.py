@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tools.cli import OneLineParser, fail, first_line, os_error_line, output_folder_problem  # noqa: E402
+from tools.cli import (  # noqa: E402
+    OneLineParser, fail, first_line, make_parent, os_error_line, output_file_problem, run_main)
 
 if TYPE_CHECKING:
     import torch
@@ -128,25 +129,29 @@ def main(argv=None) -> int:
     parser = OneLineParser(__file__, description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN, holding meta.json)")
     parser.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: keep it, "
+                        "and stop)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="stored dtype of the floating tensors (default: %(default)s; bf16 rounds fp32 weights)")
     args = parser.parse_args(argv)
     if args.out.suffix != ".safetensors":
         parser.error(f"--out {args.out}: give a file name ending in .safetensors")
-    if args.out.is_dir():
-        return fail(f"--out {args.out}: is a folder; give a file name ending in .safetensors")
-    if problem := output_folder_problem(args.out.parent, "--out"):
+    if problem := output_file_problem(args.out, "--out", args.overwrite):
         return fail(problem)
     if not args.checkpoint.is_dir():
         return fail(f"{args.checkpoint}: no such checkpoint folder")
     import train_gpt_medium as tg
+    from safetensors import SafetensorError
     try:
+        make_parent(args.out)
         written = write_safetensors(args.checkpoint, args.out, args.dtype)
         model, config, step = load_safetensors(args.out)  # the way back, in the dtype the run trained in
     except tg.CheckpointError as e:
         return fail(str(e))
     except OSError as e:
         return fail(f"{os_error_line(e, args.out)}; choose another --out")
+    except SafetensorError as e:  # its writer's own error (a full disk): nothing was written under --out
+        return fail(f"--out {args.out}: cannot be written ({first_line(e)}); choose another --out")
     loaded = model.state_dict()  # each tensor in its parameter's dtype, as the run stored it
     expected = {k: v.to(loaded[k].dtype) if k in loaded else v for k, v in written.items()}
     bad = differences(expected, loaded)
@@ -161,4 +166,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -231,7 +231,7 @@ def machine_rows(config: tg.Hyperparameters, argv: list[str]) -> list[dict]:
         return [row("attention backends", "could not be asked", "the runs' backend available",
                     f"attention backends: {report}"),
                 row("GPU class", "could not be asked", "the runs' flags run here", f"GPU class: {report}")]
-    return [backends_row(config, report), gpu_class_row(report)]
+    return [backends_row(config, report), gpu_class_row(report, config)]
 
 
 def backends_row(config: tg.Hyperparameters, report: dict) -> dict:
@@ -244,11 +244,14 @@ def backends_row(config: tg.Hyperparameters, report: dict) -> dict:
                None if problem is None else f"attention backends: --attention={used} cannot run here: {problem}")
 
 
-def gpu_class_row(report: dict) -> dict:
+def gpu_class_row(report: dict, config: tg.Hyperparameters | None = None) -> dict:
     """The GPU class and which recipes run on it (the GPU guard's verdicts; each refusal's lines are
-    printed above the table); failed when the guard refuses the runs' own flags on one GPU."""
+    printed above the table); failed when the guard refuses the runs' own flags on one GPU, or when
+    there is no GPU and the runs' flags need one (the medium preset, --device=cuda)."""
     gpu = report["gpu"]
     if gpu is None:
+        if config is not None and (needs := runs_need_a_gpu(config)):
+            return row("GPU class", "no CUDA GPU", "the runs' flags run here", f"GPU class: {needs}")
         return row("GPU class", "no CUDA GPU: the runs use the CPU", "the runs' flags run here")
     runs = [name for name, lines in gpu["recipes"].items() if not lines]
     refused = {name: lines for name, lines in gpu["recipes"].items() if lines}
@@ -261,6 +264,16 @@ def gpu_class_row(report: dict) -> dict:
     problem = gpu["this_run"]
     return row("GPU class", measured, "the runs' flags run here (1 GPU)",
                None if not problem else f"GPU class: the GPU guard refuses the runs' flags: {problem[0]}")
+
+
+def runs_need_a_gpu(config: tg.Hyperparameters) -> str | None:
+    """Why the runs' flags cannot run on a machine without a CUDA GPU (the trainer would refuse them:
+    --device=cuda, or the medium preset's auto device), or None."""
+    why = ("--device=cuda" if config.device == "cuda" else
+           "the medium preset runs on CUDA GPUs" if config.device == "auto" and config.preset == "medium" else None)
+    if why is None:
+        return None
+    return f"no CUDA GPU here, and the runs need one ({why}); check the trainer on the CPU with --preset tiny"
 
 
 # ---- the checks: each returns rows of the table
@@ -551,6 +564,9 @@ def main(argv: list[str]) -> int:
     where = f"{gpus} GPU(s)" if gpus else "the CPU"
     print(f"[gpu_check] {where}{', quick check on one' if quick else ''}; trainer flags: "
           f"{' '.join(argv) or '(the record)'}", flush=True)
+    if not gpus and runs_need_a_gpu(config):  # every run would be refused: the verdict without them
+        rows = machine_rows(config, argv)
+        return finish(rows, Run("no run", 0, "", 0.0), gpus, dtype, tolerance, quick=quick)
     if quick:
         return quick_main(config, argv, gpus, dtype, limit or QUICK_TIMEOUT_S)
     limit = limit or RUN_TIMEOUT_S
@@ -577,4 +593,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from tools.cli import run_main
+    run_main(main, sys.argv[1:])

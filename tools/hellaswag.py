@@ -35,7 +35,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tools.cli import OneLineParser, fail, first_line, os_error_line, output_folder_problem  # noqa: E402
+from tools.cli import (  # noqa: E402
+    OneLineParser, fail, first_line, make_parent, os_error_line, output_file_problem, run_main)
 
 if TYPE_CHECKING:
     import torch
@@ -140,6 +141,8 @@ def load_items(hellaswag_file: str, vocab_size: int, tokenizer_file: Path | None
     or TokenizerUnavailable / HubFileUnavailable (what the hub could not give) otherwise."""
     from tools.sample import gpt2_tokenizer
     path = Path(hellaswag_file) if hellaswag_file else hub_rows_file(download, probe)
+    if path.is_dir():
+        raise HellaSwagError(f"{path}: is a folder; give a .jsonl or .parquet file of HellaSwag rows")
     if not path.is_file():
         raise HellaSwagError(f"{path}: no such file; give a .jsonl or .parquet file of HellaSwag rows")
     return items_of(read_rows(path), str(path), vocab_size, lambda: gpt2_tokenizer(tokenizer_file, download, probe))
@@ -293,14 +296,13 @@ def synthetic_items(P: np.ndarray, eot: int, count: int, seed: int, context_toke
     return rows
 
 
-def write_synthetic(out: Path, meta_file: Path, count: int, seed: int) -> None:
-    """--write_synthetic: rows for the chain data/synthetic.py made (its synthetic_meta.json names it)."""
+def synthetic_rows(meta_file: Path, count: int, seed: int) -> list[dict]:
+    """--write_synthetic's rows for the chain data/synthetic.py made (its synthetic_meta.json names it)."""
     sys.path.insert(0, str(ROOT / "data"))
     import synthetic
     meta = json.loads(Path(meta_file).read_text())
     P = synthetic.markov_chain(meta["vocab_size"], meta["eot_token"], meta["seed"])
-    rows = synthetic_items(P, meta["eot_token"], count, seed)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return synthetic_items(P, meta["eot_token"], count, seed)
 
 
 # ---- the trainer's --eval_hellaswag (tools/after_run.py calls these)
@@ -339,6 +341,8 @@ def main(argv=None, download=None, probe=None) -> int:
     parser.add_argument("--write_synthetic", type=Path, metavar="OUT.jsonl", help="only write --items rows for a "
                         "model of the synthetic data (--synthetic_meta names its chain), then exit")
     parser.add_argument("--items", type=int, default=200, help="rows --write_synthetic writes (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="let --write_synthetic replace its file if it "
+                        "exists (default: keep it, and stop)")
     parser.add_argument("--synthetic_meta", type=Path, default=ROOT / "data/synthetic/synthetic_meta.json",
                         help="the chain's synthetic_meta.json (default: the tiny preset's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of --write_synthetic (default: %(default)s)")
@@ -356,13 +360,18 @@ def main(argv=None, download=None, probe=None) -> int:
     if args.write_synthetic:
         if args.items < 1:
             parser.error(f"--items must be at least 1, got {args.items}")
-        if problem := output_folder_problem(args.write_synthetic.parent, "--write_synthetic"):
+        if problem := output_file_problem(args.write_synthetic, "--write_synthetic", args.overwrite):
             return fail(problem)
         try:
-            write_synthetic(args.write_synthetic, args.synthetic_meta, args.items, args.seed)
+            rows = synthetic_rows(args.synthetic_meta, args.items, args.seed)
         except (OSError, KeyError, ValueError) as e:
             return fail(f"--synthetic_meta {args.synthetic_meta}: {first_line(e)}; make the data with "
                         "python data/synthetic.py (or a tiny run) first")
+        try:
+            make_parent(args.write_synthetic)
+            args.write_synthetic.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        except OSError as e:
+            return fail(f"--write_synthetic {os_error_line(e, args.write_synthetic)}; choose another file")
         print(f"wrote {args.items} rows to {args.write_synthetic}")
         return 0
     if args.checkpoint is None:
@@ -396,4 +405,4 @@ def main(argv=None, download=None, probe=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -31,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tools.cli import OneLineParser, fail, first_line, os_error_line  # noqa: E402
+from tools.cli import OneLineParser, fail, first_line, os_error_line, run_main  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +115,16 @@ class Vocabulary:
             return f"<{token}>"
         raw = self.blob[self.offsets[token]:self.offsets[token + 1]]
         return repr(raw.decode("utf-8", errors="backslashreplace")) if raw else "<|endoftext|>"
+
+    def streamer(self):
+        """A function token -> the text it adds, for printing tokens as they come: GPT-2's bytes through
+        an incremental UTF-8 decoder (a character split over tokens shows once whole), `<id> ` otherwise."""
+        import codecs
+        if self.offsets is None:
+            return lambda token: f"<{token}> "
+        decoder, eot = codecs.getincrementaldecoder("utf-8")(errors="replace"), len(self.offsets) - 2
+        return lambda token: decoder.decode(b"<|endoftext|>" if token == eot else
+                                            self.blob[self.offsets[token]:self.offsets[token + 1]])
 
     def text(self, tokens) -> str:
         """Tokens as the text they stand for. GPT-2: their raw bytes joined, then decoded as UTF-8 (a
@@ -290,4 +300,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -59,7 +59,12 @@ def metrics_path(config: tg.Hyperparameters, log_path: Path) -> Optional[Path]:
     """--metrics_jsonl's file: 'auto' is the log's path with .jsonl; '' is none."""
     if not config.metrics_jsonl:
         return None
-    return log_path.with_suffix(".jsonl") if config.metrics_jsonl == "auto" else Path(config.metrics_jsonl)
+    return log_path.with_suffix(".jsonl") if is_auto(config.metrics_jsonl) else Path(config.metrics_jsonl)
+
+
+def is_auto(value: str) -> bool:
+    """--metrics_jsonl's 'auto', in any case (AUTO, Auto): a file of that name would be a surprise."""
+    return value.lower() == "auto"
 
 
 def check_request(config: tg.Hyperparameters) -> None:
@@ -67,15 +72,13 @@ def check_request(config: tg.Hyperparameters) -> None:
     resume: it belongs to another run) or the tracker's package is not installed."""
     import importlib.util
     import train_gpt_medium as tg
-    if config.metrics_jsonl and config.metrics_jsonl != "auto":
-        path = Path(config.metrics_jsonl)
-        if path.is_dir():
-            raise tg.ConfigError(f"--metrics_jsonl {path}: is a folder; give a file name (or auto)")
-        if path.exists() and not config.resume:
-            raise tg.ConfigError(f"--metrics_jsonl {path}: exists (another run's records); choose another file, "
-                                 "or auto (beside the log)")
-        if problem := tg.folder_problem(path.parent):
-            raise tg.ConfigError(f"--metrics_jsonl {path}: {problem}; choose a folder this process can write")
+    if config.metrics_jsonl and not is_auto(config.metrics_jsonl):
+        from tools.cli import output_file_problem
+        # the tools' one policy for output files; a resumed run appends to its own file
+        problem = output_file_problem(Path(config.metrics_jsonl), "--metrics_jsonl", overwrite=bool(config.resume),
+                                      how="give auto (beside the log); only a resumed run appends to its file")
+        if problem:
+            raise tg.ConfigError(problem)
     package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(config.tracker)
     if package and importlib.util.find_spec(package) is None:  # looks for it without importing it
         raise tg.ConfigError(f"--tracker={config.tracker}: the {package} package is not installed (pip install "
@@ -135,6 +138,8 @@ class MetricsStream:
                  log_path: Optional[Path] = None, tracker=None):
         self.config, self.tracker = config, tracker
         self.schedule, self.memory = Schedule(config), memory_reader(device)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)  # a missing folder is made, as the log's
         self.file = open(path, "a", encoding="utf-8") if path is not None else None
         self.path, self.train_loss = path, None
         self.emit(run_record(config, log_path, device, world_size))
@@ -185,15 +190,27 @@ class MetricsStream:
 
     def emit(self, record: dict) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:  # bookkeeping must not stop a record attempt: say it once, go on without it
+                print(f"warning: --metrics_jsonl {self.path}: cannot write ({e.strerror or e}); the metrics "
+                      "stream stops here, the run goes on (its log has every line)", file=sys.stderr, flush=True)
+                self.drop_file()
         if self.tracker is not None and record["kind"] != "run":
             self.tracker.log(record)
 
+    def drop_file(self) -> None:
+        """Close the stream's file, a failing one included (its close may fail again: ignored)."""
+        file, self.file = self.file, None
+        try:
+            file.close()
+        except OSError:
+            pass
+
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
-            self.file = None
+            self.drop_file()
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
@@ -281,4 +298,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli import run_main
+    run_main(main)

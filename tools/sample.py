@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tools.cli import OneLineParser, fail  # noqa: E402
+from tools.cli import OneLineParser, fail, run_main  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -98,9 +98,10 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
 
 def generate(model: tg.GPT, config: tg.Hyperparameters, step: int, prompt: list[int], max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, gen: torch.Generator | None = None,
-             stop_at_eot: bool = True) -> list[int]:
+             stop_at_eot: bool = True, on_token=None) -> list[int]:
     """New tokens after `prompt`, one forward over the whole context per token (no cache: see the
-    module's docstring). The context starts with end-of-text unless the prompt does."""
+    module's docstring). The context starts with end-of-text unless the prompt does. on_token(token):
+    called with each new token as it is made (the command line prints it then)."""
     import torch
     from tools.inspect_checkpoint import at_step, longest_sequence
     gen = gen or torch.Generator().manual_seed(0)
@@ -113,6 +114,8 @@ def generate(model: tg.GPT, config: tg.Hyperparameters, step: int, prompt: list[
         token = pick(next_token_logits(model, ids, window), temperature, top_k, gen)
         context.append(token)
         new.append(token)
+        if on_token is not None:
+            on_token(token)
         if stop_at_eot and token == config.eot_token:
             break
     return new
@@ -192,7 +195,7 @@ def main(argv=None) -> int:
             parser.error(f"--prompt_ids {args.prompt_ids!r}: give comma-separated token ids, e.g. 464,3139")
     import torch
     import train_gpt_medium as tg
-    from tools.inspect_checkpoint import ToolInputError, Vocabulary, load_for_tool
+    from tools.inspect_checkpoint import ToolInputError, Vocabulary, load_for_tool, longest_sequence
     try:
         model, config, step, device = load_for_tool(args.checkpoint, args.device, "sampled")
     except ToolInputError as e:
@@ -207,15 +210,23 @@ def main(argv=None) -> int:
             return fail(str(e))
     if bad := [t for t in prompt_ids if not 0 <= t < config.vocab_size]:
         return fail(f"--prompt_ids: {bad[0]} is not a token id of this checkpoint (0..{config.vocab_size - 1})")
+    longest = longest_sequence(config)
+    if args.max_new_tokens > longest:
+        return fail(f"--max_new_tokens {args.max_new_tokens}: at most {longest:,}, the longest sequence this "
+                    "checkpoint's model attends over (past it the context keeps only its last tokens, and the start "
+                    "of the sample is forgotten)")
     vocab, gen = Vocabulary(config.vocab_size), torch.Generator().manual_seed(args.seed)
     for k in range(args.num_samples):
+        # each token printed as it is made (one forward per token: a long sample shows as it grows)
+        print(f"--- sample {k + 1}/{args.num_samples} (step {step}, up to {args.max_new_tokens} new tokens, "
+              f"temperature {args.temperature:g}, top_k {args.top_k or 'all'}, seed {args.seed})")
+        piece = vocab.streamer()
+        print("".join(piece(t) for t in prompt_ids), end="", flush=True)
         new = generate(model, config, step, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, gen,
-                       args.stop_at_eot == "true")
-        print(f"--- sample {k + 1}/{args.num_samples} (step {step}, {len(new)} new tokens, temperature "
-              f"{args.temperature:g}, top_k {args.top_k or 'all'}, seed {args.seed})")
-        print(vocab.text(prompt_ids + new), flush=True)
+                       args.stop_at_eot == "true", on_token=lambda t: print(piece(t), end="", flush=True))
+        print(f"\n--- {len(new)} new tokens", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tools.cli import OneLineParser  # noqa: E402
+from tools.cli import OneLineParser, run_main  # noqa: E402
 
 START, END = "<!-- switches:start -->", "<!-- switches:end -->"
 RECIPES_START, RECIPES_END = "<!-- recipes:start -->", "<!-- recipes:end -->"
@@ -74,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
