@@ -1,9 +1,7 @@
 """Shared fixtures: the repository (and tests/golden) on sys.path, tiny configurations, and the
 tiny preset's run at --seed=0, made once per session."""
-import contextlib
 import fcntl
 import importlib.metadata
-import io
 import os
 import pickle
 import subprocess
@@ -59,7 +57,7 @@ def synthetic_dir(tmp_path_factory):
 
 # The tiny run in a process of its own (tiny_seed0_run_started): what it prints is kept with its result.
 TINY_RUN_PROCESS = """
-import contextlib, io, os, pickle, sys, threading, time, traceback
+import os, pickle, sys, threading, time, traceback
 from pathlib import Path
 root, folder, saved, parent = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 
@@ -69,16 +67,12 @@ def orphaned():  # the test session is gone: so is the run
     os._exit(1)
 threading.Thread(target=orphaned, daemon=True).start()
 sys.path[:0] = [root, os.path.join(root, "tests", "golden")]
-os.chdir(root)
 try:
     import torch
     torch.set_num_threads(1)
     import make_golden
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result, log = make_golden.tiny_run(Path(folder))
     tmp = saved.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(dict(result=result, log=log, stdout=out.getvalue())))
+    tmp.write_bytes(pickle.dumps(make_golden.quiet_tiny_run(Path(folder))))
     os.replace(tmp, saved)
 except BaseException:
     saved.with_suffix(".failed").write_text(traceback.format_exc())
@@ -149,14 +143,7 @@ def tiny_seed0_run(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if saved.exists():
             return pickle.loads(saved.read_bytes())
-        out, cwd = io.StringIO(), os.getcwd()
-        os.chdir(ROOT)
-        try:
-            with contextlib.redirect_stdout(out):
-                result, log = make_golden.tiny_run(tmp_path_factory.mktemp("tiny_seed0"))
-        finally:
-            os.chdir(cwd)
-        run = dict(result=result, log=log, stdout=out.getvalue())
+        run = make_golden.quiet_tiny_run(tmp_path_factory.mktemp("tiny_seed0"))
         saved.write_bytes(pickle.dumps(run))
         return run
 

@@ -24,13 +24,8 @@ LINEAGE = make_golden.X01_LINEAGE_RECIPES
 
 @pytest.mark.slow
 def test_frozen_tiny_run_is_its_golden_one(tmp_path, record_property):
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # the tiny preset's data paths are relative to the repository root
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            result, log = make_golden.tiny_run(tmp_path, trainer=FROZEN)
-    finally:
-        os.chdir(cwd)
+    run = make_golden.quiet_tiny_run(tmp_path, trainer=FROZEN)
+    result, log = run["result"], run["log"]
     record = make_golden.history_record(result, log)
     what, failures = make_golden.compare(record, TINY_GOLDEN, make_golden.machine_kind())
     record_property("golden_comparison", f"frozen x01-lineage tiny run at --seed=0 compared {what}")

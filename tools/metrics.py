@@ -139,7 +139,8 @@ class MetricsStream:
         self.config, self.tracker = config, tracker
         self.schedule, self.memory = Schedule(config), memory_reader(device)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)  # a missing folder is made, as the log's
+            from tools.cli import make_parent
+            make_parent(path)  # a missing folder is made, as the log's
         self.file = open(path, "a", encoding="utf-8") if path is not None else None
         self.path, self.train_loss = path, None
         self.emit(run_record(config, log_path, device, world_size))

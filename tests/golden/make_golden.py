@@ -191,6 +191,21 @@ def tiny_run(log_dir, threads: int = 1, trainer=None) -> tuple[dict, Path]:
     return captured, log
 
 
+def quiet_tiny_run(log_dir, trainer=None) -> dict:
+    """tiny_run on one thread from the repository root (the tiny preset's data paths are relative to
+    it), what it prints captured: {"result": what train() returned, "log": the log's path, "stdout"}."""
+    import contextlib
+    import io
+    out, cwd = io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out):
+            result, log = tiny_run(log_dir, trainer=trainer)
+    finally:
+        os.chdir(cwd)
+    return dict(result=result, log=log, stdout=out.getvalue())
+
+
 def history_record(result: dict, log: Path) -> dict:
     """The pinned part of a tiny run: the logged step-0 training loss and every validation (step,
     loss, bpb) at full precision."""
