@@ -1277,14 +1277,49 @@ def token_windowed_blocks(full: torch.Tensor, partial: torch.Tensor, window: tor
     return full & inside, (partial & (inside | edge)) | (full & edge)
 
 
+# On CUDA, inductor's FlexAttention kernels walk a BlockMask in tiles of 16 to 128 tokens (chosen by
+# the GPU, head dim and dtype; the backward's differ from the forward's) and refuse a mask whose block
+# is not a multiple of the tile. There the mask's blocks are grouped into blocks of a multiple of 128
+# tokens: the record's 128 stays as it is, the tiny preset's 16 become 128. The token rule (mask_mod)
+# is the whole mask, so grouping changes which tiles are skipped, not what is attended.
+FLEX_TILE_MULTIPLE = 128
+
+
+def flex_mask_block(config: Hyperparameters, device_type: str) -> int:
+    """The block size of the FlexAttention BlockMask on `device_type`: attn_block_size, or on CUDA the
+    least multiple of it that is a multiple of FLEX_TILE_MULTIPLE."""
+    bs = config.attn_block_size
+    return bs * FLEX_TILE_MULTIPLE // math.gcd(bs, FLEX_TILE_MULTIPLE) if device_type == "cuda" else bs
+
+
+def grouped_blocks(full: torch.Tensor, partial: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, partial) block lists over blocks of `group` x `group` blocks: a group is full if all
+    its blocks are, partial if some are selected, dropped otherwise. A last group that reaches past
+    the sequence is partial (flex bounds the mask_mod's indices there). (nb, nb) -> (ng, ng) bools."""
+    nb = full.size(-1)
+    ng = -(-nb // group)
+
+    def by_group(blocks):  # (nb, nb) -> (ng, group, ng, group), unselected past the end
+        padded = blocks.new_zeros(ng * group, ng * group)
+        padded[:nb, :nb] = blocks
+        return padded.view(ng, group, ng, group)
+
+    all_full = by_group(full).all(3).all(1)
+    selected = by_group(full | partial).any(3).any(1)
+    return all_full, selected & ~all_full
+
+
 def token_window_masks(ids: torch.Tensor, long_window: torch.Tensor, short_window: torch.Tensor,
-                       config: Hyperparameters, backend: str):
+                       config: Hyperparameters, backend: str, flex_block: Optional[int] = None):
     """(long, short) token-window masks for one packed sequence: FlexAttention BlockMasks, or
     dense (T, T) bools for SDPA. Both keep the selected full blocks entirely and, inside the
     selected partial blocks, the token rule: causal, same document, at most W positions back.
-    The windows are device tensors (blocks): a new window rebuilds the masks without recompiling."""
-    bs = config.attn_block_size
+    The windows are device tensors (blocks): a new window rebuilds the masks without recompiling.
+    `flex_block`: the BlockMask's block size (flex_mask_block), a multiple of attn_block_size
+    (default: attn_block_size itself)."""
+    bs, T = config.attn_block_size, ids.numel()
     docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
+    group = (flex_block or bs) // bs
 
     def build(w):
         reach = w * bs  # W in tokens, a 0-d tensor the mask_mod reads
@@ -1294,10 +1329,12 @@ def token_window_masks(ids: torch.Tensor, long_window: torch.Tensor, short_windo
 
         keep_full, keep_partial = token_windowed_blocks(full, partial, w)
         if backend == "flex":
+            if group > 1:
+                keep_full, keep_partial = grouped_blocks(keep_full, keep_partial, group)
             count = lambda blocks: blocks.sum(-1, dtype=torch.int32)[None, None]
             return BlockMask.from_kv_blocks(count(keep_partial), most_recent_first(keep_partial)[None, None],
                                             count(keep_full), most_recent_first(keep_full)[None, None],
-                                            BLOCK_SIZE=bs, mask_mod=token_rule)
+                                            BLOCK_SIZE=bs * group, mask_mod=token_rule, seq_lengths=(T, T))
         pos = torch.arange(ids.numel(), device=ids.device)
         expand = lambda m: m.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
         return expand(keep_full) | (expand(keep_partial) & token_rule(None, None, pos[:, None], pos[None, :]))
@@ -1838,7 +1875,8 @@ class GPT(nn.Module):
         if backend == "fa3":  # the windows as numbers (Runner.window)
             masks = varlen_windows(input_seq, window, cfg, self.training)
         else:
-            masks = token_window_masks(input_seq, window[0], window[1], cfg, backend)
+            masks = token_window_masks(input_seq, window[0], window[1], cfg, backend,
+                                       flex_mask_block(cfg, input_seq.device.type))
         scale, scale_tensor = cfg.attn_scale, None
         if cfg.yarn_window_limit:  # a scale that changes: the tensor for flex, its float for SDPA and FA3
             scale, scale_tensor = (None, self.rotary.scale) if backend == "flex" else (self.rotary.scale_value, None)
@@ -2540,6 +2578,7 @@ class Runner:
     def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1):
         self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
         self.micro_steps = config.batch_slices // world_size
+        make_fp8_head_kernels(config, device.type)  # §8 --fp8
         self.model = build_model(config, device)
         self.fp8_downs = fp8_down_modules(self.model)  # §17 --fp8_mlp_down: its scales, found once
         if world_size > 1:
@@ -3071,6 +3110,14 @@ class FP8HeadProduct(torch.autograd.Function):
         g8 = kernels.to_fp8(grad, ctx.scales[2], torch.float8_e5m2)
         dx, dw = kernels.fp8_head_backward(g8, x8, w8, ctx.transposed, ctx.scales, *ctx.dtypes)
         return dx, dw, None, None
+
+
+def make_fp8_head_kernels(config: Hyperparameters, device_type: str) -> None:
+    """The head backward's Triton transpose (kernels.fp8_transpose) made before anything compiles, on
+    CUDA with --fp8: made on first use inside the traced backward, triton.jit would break the graph and
+    the head's product and its backward would run eagerly."""
+    if config.fp8 and device_type == "cuda":
+        kernels.fp8_transpose_kernel()
 
 
 def check_fp8_head(cfg: Hyperparameters) -> None:

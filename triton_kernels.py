@@ -186,7 +186,7 @@ def fp8_transpose(codes: torch.Tensor) -> torch.Tensor:
         return codes.t().contiguous()
     m, n = codes.shape
     out = torch.empty((n, m), dtype=codes.dtype, device=codes.device)
-    kernel = _transpose_kernel()
+    kernel = fp8_transpose_kernel()
     kernel[(-(-m // TRANSPOSE_TILE), -(-n // TRANSPOSE_TILE))](codes.contiguous().view(torch.uint8),
                                                                 out.view(torch.uint8), m, n, TILE=TRANSPOSE_TILE)
     return out
@@ -196,8 +196,10 @@ TRANSPOSE_TILE = 64
 _TRANSPOSE_KERNEL = None
 
 
-def _transpose_kernel():
-    """fp8_transpose's Triton kernel, made on first use (triton is imported only here)."""
+def fp8_transpose_kernel():
+    """fp8_transpose's Triton kernel, made on first use (triton is imported only here). A compiled
+    step must find it made: made inside a traced backward, triton.jit's reading of its settings breaks
+    the graph (the trainer makes it before compiling: prepare_device_kernels)."""
     global _TRANSPOSE_KERNEL
     if _TRANSPOSE_KERNEL is None:
         import triton

@@ -111,17 +111,18 @@ def rule(ids, window_tokens):
 
 def expand_block_mask(block_mask, ids):
     """A BlockMask's own lists made dense by hand: full blocks entirely, partial blocks through the
-    mask's mask_mod evaluated on every (q, k) of the block."""
-    n = ids.size
+    mask's mask_mod evaluated on every (q, k) of the block (a last block may end past the sequence)."""
+    n, bs = ids.size, block_mask.BLOCK_SIZE[0]
+    assert block_mask.seq_lengths == (n, n)
     dense = np.zeros((n, n), dtype=bool)
     pos = torch.arange(n)
-    for i in range(n // BS):
-        rows = slice(i * BS, (i + 1) * BS)
+    for i in range(-(-n // bs)):
+        rows = slice(i * bs, min((i + 1) * bs, n))
         for j in block_mask.full_kv_indices[0, 0, i, :block_mask.full_kv_num_blocks[0, 0, i]].tolist():
-            dense[rows, j * BS:(j + 1) * BS] = True
+            dense[rows, j * bs:(j + 1) * bs] = True
         for j in block_mask.kv_indices[0, 0, i, :block_mask.kv_num_blocks[0, 0, i]].tolist():
-            q, k = pos[rows][:, None], pos[j * BS:(j + 1) * BS][None, :]
-            dense[rows, j * BS:(j + 1) * BS] = block_mask.mask_mod(None, None, q, k).numpy()
+            q, k = pos[rows][:, None], pos[j * bs:min((j + 1) * bs, n)][None, :]
+            dense[rows, j * bs:(j + 1) * bs] = block_mask.mask_mod(None, None, q, k).numpy()
     return dense
 
 
@@ -147,6 +148,31 @@ def test_token_window_block_masks_materialize_to_the_rule_at_every_bulk_window(s
                                                   MASK_CONFIG, "flex")
         np.testing.assert_array_equal(expand_block_mask(long_bm, ids), rule(ids, long_w * BS), f"long {long_w}")
         np.testing.assert_array_equal(expand_block_mask(short_bm, ids), rule(ids, short_w * BS), f"short {short_w}")
+
+
+@pytest.mark.parametrize("num_blocks", [20, 13])  # 13 blocks of 64: the last group of 128 ends past them
+def test_the_cuda_mask_groups_blocks_into_128_tokens_and_still_materializes_to_the_rule(num_blocks):
+    """On CUDA the BlockMask's blocks are multiples of 128 tokens (flex_mask_block): here 64-token
+    blocks in pairs. Its lists and mask_mod still give the token rule exactly, at every bulk window."""
+    cuda_block = tg.flex_mask_block(MASK_CONFIG, "cuda")
+    assert (cuda_block, tg.flex_mask_block(MASK_CONFIG, "cpu")) == (128, BS)
+    for seed, density in LAYOUTS:
+        ids = random_ids(seed, density, num_blocks=num_blocks)
+        for long_w in BULK_LONG_WINDOWS:
+            bm, _ = tg.token_window_masks(torch.from_numpy(ids), torch.tensor(long_w), torch.tensor(1), MASK_CONFIG,
+                                          "flex", cuda_block)
+            assert bm.BLOCK_SIZE == (128, 128)
+            np.testing.assert_array_equal(expand_block_mask(bm, ids), rule(ids, long_w * BS), f"{seed} {long_w}")
+
+
+def test_grouped_blocks_are_full_only_where_every_block_is_and_skipped_where_none_is():
+    full = torch.tensor([[0, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]],
+                        dtype=torch.bool)
+    partial = torch.eye(5, dtype=torch.bool) & ~torch.tensor([0, 0, 0, 0, 1], dtype=torch.bool)
+    grouped_full, grouped_partial = tg.grouped_blocks(full, partial, 2)
+    # groups of rows/cols {0,1}, {2,3}, {4 and one past the end}
+    assert grouped_full.tolist() == [[False, False, False], [True, False, False], [False, False, False]]
+    assert grouped_partial.tolist() == [[True, False, False], [False, True, False], [False, False, False]]
 
 
 def test_one_document_keeps_the_window_edge_block_as_a_partial_block():

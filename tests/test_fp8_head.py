@@ -342,7 +342,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt_medium as tg
 import triton_kernels as kernels
-kernel, tile = kernels._transpose_kernel(), kernels.TRANSPOSE_TILE
+kernel, tile = kernels.fp8_transpose_kernel(), kernels.TRANSPOSE_TILE
 gen = torch.Generator().manual_seed(0)
 for m, n in ((1, 1), (3, 200), (64, 64), (70, 130), (129, 63)):
     codes = torch.randint(0, 256, (m, n), dtype=torch.uint8, generator=gen).view(torch.float8_e5m2)
@@ -351,6 +351,29 @@ for m, n in ((1, 1), (3, 200), (64, 64), (70, 130), (129, 63)):
     assert torch.equal(out, codes.t().contiguous().view(torch.uint8)), (m, n)
 print("equal")
 """
+
+
+class ModelBuilt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("recipe,device,made", [("fp8_yarn", "cuda", True), ("bulk", "cuda", False),
+                                                ("fp8_yarn", "cpu", False)])
+def test_a_runner_for_cuda_with_fp8_makes_the_transpose_kernel_before_its_model(recipe, device, made, monkeypatch):
+    """The compiled step traces the head's backward, which reaches fp8_transpose's Triton kernel: made
+    there on first use, triton.jit breaks the graph. A Runner for CUDA makes it first, before its
+    model (the test stops the Runner there: this machine has no CUDA); only --fp8 needs it."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(kernels, "_TRANSPOSE_KERNEL", None)
+
+    def stop(*args):
+        raise ModelBuilt
+    monkeypatch.setattr(tg, "build_model", stop)
+    with pytest.raises(ModelBuilt):
+        tg.Runner(tg.make_config("tiny", recipe), torch.device(device))
+    assert (kernels._TRANSPOSE_KERNEL is not None) == made
+    if made:
+        assert kernels.fp8_transpose_kernel() is kernels._TRANSPOSE_KERNEL  # made once
 
 
 def test_the_tiled_transpose_kernel_gives_the_transposed_codes_bit_for_bit():

@@ -216,6 +216,66 @@ def test_the_windows_of_the_test_above_change_the_losses():
         assert (per_token_losses("sdpa", ids, window) - wide).abs().max() > 0.03, window
 
 
+def test_the_model_builds_its_flex_masks_at_the_block_of_its_device(monkeypatch):
+    """GPT.attention_inputs asks flex_mask_block for its input's device: with the CUDA answer its
+    BlockMasks are 128-token blocks (tests/test_bulk_model.py: such a mask is still the token rule)."""
+    config = tg.make_config("tiny", dtype="float32", attention="flex", compile=False)
+    model = tg.build_model(config)
+    ids = tokens_with_documents()[:-1].to(torch.int32)
+    (long_mask, short_mask), *_ = model.attention_inputs(ids, torch.tensor([3, 1]))
+    assert long_mask.BLOCK_SIZE == short_mask.BLOCK_SIZE == (16, 16)
+    asked, flex_mask_block = [], tg.flex_mask_block
+    monkeypatch.setattr(tg, "flex_mask_block", lambda cfg, device_type: asked.append(device_type) or
+                        flex_mask_block(cfg, "cuda"))
+    (long_mask, short_mask), *_ = model.attention_inputs(ids, torch.tensor([3, 1]))
+    assert long_mask.BLOCK_SIZE == short_mask.BLOCK_SIZE == (128, 128) and asked == ["cpu"]
+
+
+def inductor_flex_tiles(capability, head_dim, dtype, search_space):
+    """Every (forward BLOCK_M, BLOCK_N) and backward (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2) tile that
+    inductor's CUDA heuristics may choose for FlexAttention on a GPU of this capability."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+    heuristic = CUDAConfigHeuristic()
+    with pytest.MonkeyPatch.context() as mp, inductor_config.patch(
+            max_autotune=search_space is not None, max_autotune_flex_search_space=search_space or "DEFAULT"):
+        mp.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+        forward = [(c.block_m, c.block_n) for c in heuristic.get_flex_attn_fwd_configs(head_dim, dtype)]
+        backward = [(c.block_m1, c.block_n1, c.block_m2, c.block_n2)
+                    for c in heuristic.get_flex_attn_bwd_configs(head_dim, dtype)]
+    return forward, backward
+
+
+@pytest.mark.parametrize("preset", sorted(tg.PRESETS))
+def test_the_cuda_flex_mask_block_is_a_multiple_of_every_tile_inductor_can_choose(preset):
+    """Inductor refuses a FlexAttention BlockMask whose block is not a multiple of its kernel's tiles
+    ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N"): the mask the model builds on
+    CUDA passes that check for every recipe, on every GPU generation from the A100 on, with inductor's
+    default tiles and those its autotuning tries. The tiny preset's own 16-token block would not."""
+    recipes = [*tg.RECIPES, *tg.CANDIDATES]
+    for recipe in recipes:
+        config = tg.make_config(preset, recipe)
+        # the block does not depend on the length: 8 of them
+        ids = torch.randint(0, config.vocab_size, (8 * tg.flex_mask_block(config, 'cuda'),),
+                            generator=torch.Generator().manual_seed(0))
+        mask, _ = tg.token_window_masks(ids, torch.tensor(3), torch.tensor(1), config, "flex",
+                                        tg.flex_mask_block(config, "cuda"))
+        block = mask.BLOCK_SIZE
+        for capability in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
+            for dtype in (torch.bfloat16, torch.float32):
+                for space in (None, "DEFAULT", "EXHAUSTIVE"):
+                    forward, backward = inductor_flex_tiles(capability, config.head_dim, dtype, space)
+                    assert forward and backward
+                    for m, n in forward:
+                        assert block[0] % m == 0 and block[1] % n == 0, (recipe, capability, dtype, space, m, n)
+                    for m1, n1, m2, n2 in backward:
+                        assert block[0] % m1 == 0 and block[0] % m2 == 0, (recipe, capability, dtype, space)
+                        assert block[1] % n1 == 0 and block[1] % n2 == 0, (recipe, capability, dtype, space)
+    if preset == "tiny":  # the check above can fail: the preset's own block is below inductor's tiles
+        forward, _ = inductor_flex_tiles((9, 0), tg.make_config("tiny").head_dim, torch.bfloat16, None)
+        assert any(tg.make_config("tiny").attn_block_size % m for m, _ in forward)
+
+
 @pytest.mark.parametrize("extra", [[], ["--bench_steps=1"]])
 def test_flex_training_on_the_cpu_is_refused_before_anything_is_written(extra, tmp_path, capsys):
     """FlexAttention has no backward pass on the CPU: exit 2 naming the flag to use, no log."""
