@@ -158,6 +158,8 @@ def environment_problem() -> Optional[str]:
                 f"CUDA build >= 2.11: {INSTALL}")
     if not tg.importable("triton"):
         return f"--offline: Triton is not installed (torch's CUDA build brings it): {INSTALL}"
+    if not cuobjdump().exists():
+        return f"--offline: the Triton wheel has no cuobjdump ({cuobjdump()}): the kernels' registers cannot be read"
     if not cuda_include_dirs():
         return ("--offline: no CUDA runtime headers (cuda_runtime_api.h) beside torch's CUDA build or in CUDA_HOME; "
                 f"reinstall the GPU stack: {INSTALL}")
@@ -300,29 +302,33 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
-def resource_usage(cubin: bytes, folder: Path, index: int) -> tuple[int, int]:
-    """(registers per thread, local memory bytes per thread: spills) of one kernel, from cuobjdump."""
+def cuobjdump() -> Path:
+    """cuobjdump from the Triton wheel (its NVIDIA tools: ptxas, cuobjdump, nvdisasm)."""
     import triton
-    path = folder / f"{index}.cubin"
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def resource_usage(cubin: bytes, folder: Path) -> dict[str, int]:
+    """cuobjdump -res-usage of a kernel's cubin: REG, STACK, SHARED (static), LOCAL, ... as numbers."""
+    path = folder / "kernel.cubin"
     path.write_bytes(cubin)
-    out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
-                         capture_output=True, text=True, check=True).stdout
-    function = out[out.index(" Function "):]
-    return int(re.search(r"REG:(\d+)", function)[1]), int(re.search(r"LOCAL:(\d+)", function)[1])
+    out = subprocess.run([str(cuobjdump()), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    (line,) = [line for line in out.splitlines() if "REG:" in line]
+    return {key: int(value) for key, value in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", line)}
 
 
 def inventory(compiled: Compiled, capability: tuple[int, int], folder: Path) -> dict:
-    """The kernels' resources against the arch's limits: counts, the largest shared memory and
-    registers with the kernel's name, spills, and each kernel over a limit."""
+    """The kernels' resources against the arch's limits: counts, the largest shared memory (the launch's
+    dynamic request and the cubin's static) and registers with the kernel's name, spills (local memory
+    or a stack), and each kernel over a limit."""
     arch = ARCHES[capability]
     folder.mkdir(parents=True, exist_ok=True)
     binaries = []
     for kernel, configs in compiled.kernels:
         for binary in configs:
-            meta = binary.metadata
-            registers, local = resource_usage(binary.asm["cubin"], folder, len(binaries))
-            binaries.append(dict(kernel=kernel, shared=meta.shared, num_warps=meta.num_warps,
-                                 num_stages=meta.num_stages, registers=registers, local_bytes=local))
+            use, meta = resource_usage(binary.asm["cubin"], folder), binary.metadata
+            binaries.append(dict(kernel=kernel, shared=meta.shared + use["SHARED"], num_warps=meta.num_warps,
+                                 registers=use["REG"], local_bytes=use["LOCAL"] + use["STACK"]))
     shared = max(binaries, key=lambda b: b["shared"], default=None)
     registers = max(binaries, key=lambda b: b["registers"], default=None)
     over = [dict(kernel=b["kernel"], shared=b["shared"], registers=b["registers"], num_warps=b["num_warps"])
