@@ -33,7 +33,7 @@ kernel runs), NCCL, the speed, or the memory at run time (the guard's prediction
 """
 from __future__ import annotations
 
-import collections
+import dataclasses
 import json
 import os
 import re
@@ -288,7 +288,7 @@ def avoiding_flag(error: BaseException) -> Optional[str]:
     while error is not None:
         names = [f.name for f in traceback.extract_tb(error.__traceback__)
                  if Path(f.filename).name in ("train_gpt_medium.py", "triton_kernels.py")] + names
-        error = error.__cause__
+        error = error.__cause__ or error.__context__
     for name in reversed(names):
         for part, flag in AVOIDING_FLAGS:
             if part in name:
@@ -297,8 +297,9 @@ def avoiding_flag(error: BaseException) -> Optional[str]:
 
 
 def root_cause(error: BaseException) -> BaseException:
-    while error.__cause__ is not None:
-        error = error.__cause__
+    """The exception `error` was raised from or while handling, and so on: the first that went wrong."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
     return error
 
 
@@ -357,6 +358,7 @@ def compile_step(argv: list[str], folder: Path) -> dict:
     device = torch.device("cuda", 0)
     tg.check_run_request(config, device)
     config = tg.check_gpu(config, device, tg.PEAK_WORLD_SIZE, [])  # the trainer's guard, as run_training applies it
+    config = dataclasses.replace(config, val_tokens=config.batch_slices * config.val_seq_len)  # one evaluation step
     inductor_config.coordinate_descent_tuning = config.coordinate_descent_tuning
     report, error, phase, seconds = {}, None, "building the model", {}
     start = time.perf_counter()
@@ -372,7 +374,7 @@ def compile_step(argv: list[str], folder: Path) -> dict:
                 runner.train_step(step, batches, host_inputs=host_inputs)
                 seconds[phase] = round(time.perf_counter() - start)
             phase = "evaluation"
-            val_tokens = torch.randint(0, config.vocab_size, (config.batch_slices * config.val_seq_len + 1,), generator=gen)
+            val_tokens = torch.randint(0, config.vocab_size, (config.val_tokens + 1,), generator=gen)
             try:
                 runner.evaluate(config.num_iterations, val_tokens)
             except DataDependentOutputException:  # the losses' sum read on the host: compiled, nothing to read
