@@ -98,7 +98,8 @@ def test_a_recipe_the_arch_cannot_run_gets_the_guards_line(arch, gpu, recipe, sa
 def report(**changes) -> dict:
     """A child's report of a clean compile (tools/offline_compile.py compile_step), with `changes`."""
     clean = dict(graphs=12, recompiles=6, graph_breaks=0, break_reasons=[], seconds={"step 0": 100}, error=None,
-                 kernels=131, binaries=300, shared_limit=232_448, over_limits=[], spills=[],
+                 kernels=131, binaries=300, shared_limit=232_448, over_limits=[], configs_over_limits=0, spills=[],
+                 spilling_configs=0,
                  largest_shared=dict(bytes=132_096, kernel="triton_tem_fused_0"),
                  largest_registers=dict(registers=255, kernel="triton_tem_fused_1", num_warps=8))
     return clean | changes
@@ -142,10 +143,11 @@ def test_recipe_all_gives_a_row_per_recipe_and_compiles_what_the_guard_admits(mo
      "compile, bulk", "step 0: ValueError: Q and KV block size (avoid it: --attention=sdpa)"),
     (dict(graph_breaks=5, break_reasons=["Unsupported: triton.knobs"]), "compile, bulk", "5 graph break(s)"),
     (dict(over_limits=[dict(kernel="triton_tem_fused_7", shared=240_000, registers=200, num_warps=8)]),
-     "shared memory, bulk", "triton_tem_fused_7 needs 240,000 B"),
+     "shared memory, bulk", "triton_tem_fused_7 needs 240,000 B in its smallest config"),
     (dict(over_limits=[dict(kernel="triton_red_fused_3", shared=0, registers=255, num_warps=16)]),
      "registers, bulk", "triton_red_fused_3 uses 255 per thread at 16 warps"),
-    (dict(spills=[["triton_per_fused_2", 64]]), "spills, bulk", "1 kernel(s) spill"),
+    (dict(spills=[["triton_per_fused_2", 64]], spilling_configs=3), "spills, bulk",
+     "every config of 1 kernel(s) spills"),
 ])
 def test_a_compile_error_a_break_or_a_kernel_over_the_arch_limits_fails_its_row(changes, failed, says, monkeypatch,
                                                                                capsys):

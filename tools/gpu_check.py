@@ -6,6 +6,7 @@
     tools/gpu_check.sh --preset tiny      # the same checks at toy size; on the CPU where there is no GPU
     tools/gpu_check.sh --compile=false    # any trainer flag is passed on to every run
     tools/gpu_check.sh --time_limit=900   # seconds each trainer process may take (quick: 240, full: 600)
+    tools/gpu_check.sh --offline --arch 9.0 [--recipe all]   # no GPU: compile for one (tools/offline_compile.py)
 
 --quick runs two processes on one GPU, each compiling one phase of the step grid only: a benchmark at
 the first full-batch step (its two parities, warm-up limited to that phase, one evaluation step), then
@@ -597,25 +598,29 @@ def offline_rows(name: str, run: Run, limit_text: str) -> list[dict]:
     rows = [row(f"compile, {name}", f"{report['graphs']} graphs, {breaks} graph breaks, {report['recompiles']} "
                 f"recompiles, {report['kernels']} Triton kernels ({report['binaries']} binaries), {seconds:,} s",
                 "step 0, the last step and an evaluation compile; 0 graph breaks", failure)]
-    over = report["over_limits"]
-    shared, registers = report["largest_shared"], report["largest_registers"]
-    too_big = [k for k in over if k["shared"] > report["shared_limit"]]
-    if shared:
-        rows.append(row(f"shared memory, {name}", f"largest {shared['bytes']:,} B ({shared['kernel']})",
-                        f"<= {report['shared_limit']:,} B ({limit_text})",
-                        f"shared memory, {name}: {too_big[0]['kernel']} needs {too_big[0]['shared']:,} B" if too_big
-                        else None))
-    if registers:
-        too_many = [k for k in over if k not in too_big]
-        rows.append(row(f"registers, {name}", f"largest {registers['registers']} per thread ({registers['kernel']}, "
-                        f"{registers['num_warps']} warps)", "<= 255 per thread, <= 65,536 per block",
-                        f"registers, {name}: {too_many[0]['kernel']} uses {too_many[0]['registers']} per thread at "
-                        f"{too_many[0]['num_warps']} warps" if too_many else None))
-        spills = report["spills"]
-        rows.append(row(f"spills, {name}", "none" if not spills else "; ".join(
-            f"{kernel} {local:,} B per thread" for kernel, local in spills[:3]) + (
-            f" (+{len(spills) - 3} more)" if len(spills) > 3 else ""), "none",
-            f"spills, {name}: {len(spills)} kernel(s) spill registers to local memory" if spills else None))
+    shared, registers, unfit = report["largest_shared"], report["largest_registers"], report["over_limits"]
+    if shared is None:  # no Triton kernel compiled
+        return rows
+    dropped = (f"; {report['configs_over_limits']} config(s) over a limit, which Triton refuses to load (each "
+               "kernel keeps others)" if report["configs_over_limits"] else "")
+    too_big = [k for k in unfit if k["shared"] > report["shared_limit"]]
+    too_many = [k for k in unfit if k not in too_big]
+    rows.append(row(f"shared memory, {name}", f"largest {shared['bytes']:,} B ({shared['kernel']}){dropped}",
+                    f"<= {report['shared_limit']:,} B per block ({limit_text}), a config of each kernel",
+                    f"shared memory, {name}: {too_big[0]['kernel']} needs {too_big[0]['shared']:,} B in its smallest "
+                    "config" if too_big else None))
+    rows.append(row(f"registers, {name}", f"largest {registers['registers']} per thread ({registers['kernel']}, "
+                    f"{registers['num_warps']} warps)", "<= 255 per thread, <= 65,536 per block, a config of each kernel",
+                    f"registers, {name}: {too_many[0]['kernel']} uses {too_many[0]['registers']} per thread at "
+                    f"{too_many[0]['num_warps']} warps" if too_many else None))
+    spills, spilling = report["spills"], report["spilling_configs"]
+    measured = ("; ".join(f"{kernel} {local:,} B per thread" for kernel, local in spills[:3])
+                + (f" (+{len(spills) - 3} more)" if len(spills) > 3 else "")) if spills else (
+        f"none ({spilling} config(s) spill; each of their kernels has one that does not, which autotuning prefers)"
+        if spilling else "none")
+    rows.append(row(f"spills, {name}", measured, "a config without spills for each kernel",
+                    f"spills, {name}: every config of {len(spills)} kernel(s) spills registers to local memory"
+                    if spills else None))
     return rows
 
 
@@ -662,7 +667,7 @@ def offline_main(arch_text: str | None, argv: list[str], limit: float | None) ->
                               1, limit or offline.COMPILE_TIMEOUT_S, script=Path(offline.__file__),
                               environment=offline.child_environment(capability, folder, library))
             reports[config.recipe] = run.json()
-            rows += offline_rows(config.recipe, run, f"{gpu.name}'s per block")
+            rows += offline_rows(config.recipe, run, f"{gpu.name}'s opt-in")
     print()
     print_table(rows)
     failures = [r["reason"] for r in rows if not r["ok"]]

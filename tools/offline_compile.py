@@ -199,6 +199,7 @@ class Compiled:
     def __init__(self):
         self.kernels: list[tuple[str, list]] = []
         self.collecting: Optional[list] = None
+        self.library = None  # the fake kernels added to torch's (kept alive: dropping it removes them)
 
 
 def install_fake_gpu(compiled: Compiled) -> None:
@@ -220,6 +221,17 @@ def install_fake_gpu(compiled: Compiled) -> None:
     guards._empty_strided_cpu = lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype)
     guards._reinterpret_tensor = lambda t, size, stride, offset=0: t.as_strided(size, stride,
                                                                                 t.storage_offset() + offset)
+    # the compiled FP8 head calls _scaled_mm's out= form, which torch 2.11 has no fake kernel for: its
+    # result's shape and dtype checked as the functional form's, written into `out`
+    def scaled_mm_out(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False,
+                      *, out):
+        result = torch.ops.aten._scaled_mm.default(a, b, scale_a, scale_b, bias, scale_result, out_dtype,
+                                                   use_fast_accum)
+        assert (out.shape, out.dtype) == (result.shape, result.dtype), (out.shape, out.dtype)
+        return out
+
+    compiled.library = torch.library.Library("aten", "IMPL")
+    compiled.library.impl("_scaled_mm.out", scaled_mm_out, "Meta")
     for cls in (benchmarking.Benchmarker, benchmarking.TritonBenchmarker, benchmarking.InductorBenchmarker):
         cls.benchmark_gpu = lambda self, *args, **kwargs: 1.0  # any choice: each one is compiled anyway
 
@@ -320,27 +332,36 @@ def resource_usage(cubin: bytes, folder: Path) -> dict[str, int]:
 
 def inventory(compiled: Compiled, capability: tuple[int, int], folder: Path) -> dict:
     """The kernels' resources against the arch's limits: counts, the largest shared memory (the launch's
-    dynamic request and the cubin's static) and registers with the kernel's name, spills (local memory
-    or a stack), and each kernel over a limit."""
+    dynamic request and the cubin's static) and registers of any config with the kernel's name, the
+    kernels none of whose configs fits the arch (Triton refuses to load one that does not, and
+    inductor keeps the others), those all of whose configs spill (local memory or a stack: inductor's
+    autotuning prefers configs that do not), and how many configs do either."""
     arch = ARCHES[capability]
     folder.mkdir(parents=True, exist_ok=True)
-    binaries = []
+    binaries, unfit, spilling = [], [], []
     for kernel, configs in compiled.kernels:
+        uses = []
         for binary in configs:
             use, meta = resource_usage(binary.asm["cubin"], folder), binary.metadata
-            binaries.append(dict(kernel=kernel, shared=meta.shared + use["SHARED"], num_warps=meta.num_warps,
-                                 registers=use["REG"], local_bytes=use["LOCAL"] + use["STACK"]))
+            registers = use["REG"]
+            uses.append(dict(kernel=kernel, shared=meta.shared + use["SHARED"], num_warps=meta.num_warps,
+                             registers=registers, local_bytes=use["LOCAL"] + use["STACK"],
+                             fits=meta.shared + use["SHARED"] <= arch.shared_per_block and registers <= REGISTERS_PER_THREAD
+                             and registers * 32 * meta.num_warps <= REGISTERS_PER_BLOCK))
+        binaries += uses
+        if uses and not any(u["fits"] for u in uses):
+            unfit.append(min(uses, key=lambda u: u["shared"]))
+        if uses and all(u["local_bytes"] for u in uses):
+            spilling.append((kernel, min(u["local_bytes"] for u in uses)))
     shared = max(binaries, key=lambda b: b["shared"], default=None)
     registers = max(binaries, key=lambda b: b["registers"], default=None)
-    over = [dict(kernel=b["kernel"], shared=b["shared"], registers=b["registers"], num_warps=b["num_warps"])
-            for b in binaries if b["shared"] > arch.shared_per_block or b["registers"] > REGISTERS_PER_THREAD
-            or b["registers"] * 32 * b["num_warps"] > REGISTERS_PER_BLOCK]
     return dict(kernels=len(compiled.kernels), binaries=len(binaries), shared_limit=arch.shared_per_block,
                 largest_shared=shared and dict(bytes=shared["shared"], kernel=shared["kernel"]),
                 largest_registers=registers and dict(registers=registers["registers"], kernel=registers["kernel"],
                                                      num_warps=registers["num_warps"]),
-                spills=sorted({(b["kernel"], b["local_bytes"]) for b in binaries if b["local_bytes"]}),
-                over_limits=over)
+                over_limits=[{k: u[k] for k in ("kernel", "shared", "registers", "num_warps")} for u in unfit],
+                configs_over_limits=sum(not b["fits"] for b in binaries), spills=spilling,
+                spilling_configs=sum(b["local_bytes"] > 0 for b in binaries))
 
 
 def compile_step(argv: list[str], folder: Path) -> dict:
