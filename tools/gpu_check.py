@@ -616,7 +616,7 @@ def offline_rows(name: str, run: Run, limit_text: str) -> list[dict]:
     spills, spilling = report["spills"], report["spilling_configs"]
     measured = ("; ".join(f"{kernel} {local:,} B per thread" for kernel, local in spills[:3])
                 + (f" (+{len(spills) - 3} more)" if len(spills) > 3 else "")) if spills else (
-        f"none ({spilling} config(s) spill; each of their kernels has one that does not, which autotuning prefers)"
+        f"none ({spilling} config(s) spill; each of their kernels has one that does not)"
         if spilling else "none")
     rows.append(row(f"spills, {name}", measured, "a config without spills for each kernel",
                     f"spills, {name}: every config of {len(spills)} kernel(s) spills registers to local memory"

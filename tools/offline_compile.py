@@ -276,20 +276,22 @@ def install_fake_gpu(compiled: Compiled) -> None:
     tg.GPT.__init__ = gpt_outside_fake_mode
 
 
-AVOIDING_FLAGS = (  # a failing frame's function in the trainer -> the flag that leaves it out
+# the trainer's functions by a part of their name (lower case, the first match wins) -> the flag that
+# leaves them out (check_config names any flag it needs with it)
+AVOIDING_FLAGS = (
     ("attend", "--attention=sdpa"),
-    ("token_window_masks", "--attention=sdpa"),
+    ("token_window", "--attention=sdpa"),
     ("fp8_up", "--fp8_mlp_up=false"),
+    ("fp8up", "--fp8_mlp_up=false"),
     ("fp8_down", "--fp8_mlp_down=false"),
-    ("FP8Down", "--fp8_mlp_down=false"),
-    ("FP8Up", "--fp8_mlp_up=false"),
+    ("fp8down", "--fp8_mlp_down=false"),
     ("fused", "--fused_softcap_ce=false"),
-    ("FP8Head", "--fp8=false"),
     ("fp8", "--fp8=false"),
-    ("bigram", "--bigram_embed=false"),
+    ("dc_", "--dc_layers="),
+    ("dcband", "--dc_layers="),
+    ("xsa", "--xsa_layers="),
+    ("mudd_gate", "--mudd_gate=false"),
     ("mudd", "--mudd=false"),
-    ("Mudd", "--mudd=false"),
-    ("xsa", "--xsa_layers=none"),
 )
 
 
@@ -303,7 +305,7 @@ def avoiding_flag(error: BaseException) -> Optional[str]:
         error = error.__cause__ or error.__context__
     for name in reversed(names):
         for part, flag in AVOIDING_FLAGS:
-            if part in name:
+            if part in name.lower():
                 return flag
     return None
 
@@ -334,8 +336,8 @@ def inventory(compiled: Compiled, capability: tuple[int, int], folder: Path) -> 
     """The kernels' resources against the arch's limits: counts, the largest shared memory (the launch's
     dynamic request and the cubin's static) and registers of any config with the kernel's name, the
     kernels none of whose configs fits the arch (Triton refuses to load one that does not, and
-    inductor keeps the others), those all of whose configs spill (local memory or a stack: inductor's
-    autotuning prefers configs that do not), and how many configs do either."""
+    inductor keeps the others), those all of whose configs spill (local memory or a stack; inductor's
+    autotuning skips a config that spills more than 16 registers), and how many configs do either."""
     arch = ARCHES[capability]
     folder.mkdir(parents=True, exist_ok=True)
     binaries, unfit, spilling = [], [], []
