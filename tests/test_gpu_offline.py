@@ -138,6 +138,17 @@ def test_recipe_all_gives_a_row_per_recipe_and_compiles_what_the_guard_admits(mo
     assert "131 Triton kernels (300 binaries)" in compile_row["measured"] and "0 graph breaks" in compile_row["measured"]
 
 
+def test_recipe_all_fails_when_the_guard_refuses_every_recipe(monkeypatch, capsys):
+    """On a 24 GiB card (8.9) the record's size is refused on memory for every recipe: nothing compiles,
+    each row names the setting that fits, and the verdict is a failure, not an empty success."""
+    code, summary, compiled = compile_offline(monkeypatch, capsys, {}, "--arch", "8.9", "--recipe", "all")
+    assert code == 1 and not summary["ok"] and compiled == []
+    *recipes, verdict = summary["checks"]
+    assert [c["check"] for c in recipes] == [f"GPU guard, {name}" for name in tg.RECIPES]
+    assert all(c["ok"] and "nearest that fits: " in c["measured"] for c in recipes)
+    assert not verdict["ok"] and verdict["reason"].startswith("the GPU guard refuses every recipe on NVIDIA L4")
+
+
 @pytest.mark.parametrize("changes, failed, says", [
     (dict(error=dict(phase="step 0", error="ValueError: Q and KV block size", flag="--attention=sdpa")),
      "compile, bulk", "step 0: ValueError: Q and KV block size (avoid it: --attention=sdpa)"),

@@ -668,6 +668,9 @@ def offline_main(arch_text: str | None, argv: list[str], limit: float | None) ->
                               environment=offline.child_environment(capability, folder, library))
             reports[config.recipe] = run.json()
             rows += offline_rows(config.recipe, run, f"{gpu.name}'s opt-in")
+    if not admitted:
+        rows.append(row("GPU guard", f"refuses every recipe on {gpu.label}", "a recipe that runs",
+                        f"the GPU guard refuses every recipe on {gpu.label} (each row says why)"))
     print()
     print_table(rows)
     failures = [r["reason"] for r in rows if not r["ok"]]
