@@ -95,6 +95,20 @@ def test_a_recipe_the_arch_cannot_run_gets_the_guards_line(arch, gpu, recipe, sa
     assert line == "error: " + "\n".join(guard) and says in line
 
 
+def test_the_child_writes_its_caches_and_temporary_files_inside_the_checks_folder(tmp_path, monkeypatch):
+    """Inductor's and Triton's caches and the temporary files of a compile (ptxas's) go to the check's
+    own folder; the shim comes first in the preload and the library path, the arch's card in the
+    OFFLINE_GPU_* variables the shim reads."""
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/other.so")
+    env = offline.child_environment((8, 9), tmp_path / "mudd", tmp_path / "libcuda.so.1")
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_HOME", "TMPDIR"):
+        assert Path(env[name]).is_dir() and Path(env[name]).is_relative_to(tmp_path / "mudd"), name
+    assert env["LD_PRELOAD"] == f"{tmp_path / 'libcuda.so.1'} /usr/lib/other.so"
+    assert env["LD_LIBRARY_PATH"].split(":")[0] == str(tmp_path)
+    assert (env["OFFLINE_GPU_MAJOR"], env["OFFLINE_GPU_MINOR"], env["OFFLINE_GPU_SHARED_PER_BLOCK"]) == ("8", "9", "101376")
+    assert int(env["OFFLINE_GPU_MEMORY"]) == 24 * 2**30 and env["OFFLINE_GPU_NAME"] == "NVIDIA L4"
+
+
 def report(**changes) -> dict:
     """A child's report of a clean compile (tools/offline_compile.py compile_step), with `changes`."""
     clean = dict(graphs=12, recompiles=6, graph_breaks=0, break_reasons=[], seconds={"step 0": 100}, error=None,
