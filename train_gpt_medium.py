@@ -42,6 +42,7 @@ import collections
 import copy
 import dataclasses
 import difflib
+import errno
 import functools
 import glob
 import hashlib
@@ -52,16 +53,24 @@ import platform
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple, Optional
+
+# The process that started this one (torchrun, for a worker), read when run as a script before torch's
+# import, which takes seconds: a launcher killed during them is noticed too (StopRequests). Importing
+# the module reads nothing.
+PARENT_AT_START = os.getppid() if __name__ == "__main__" else None
 
 import numpy as np
 import torch
@@ -2971,35 +2980,35 @@ def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
 # 7. main
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the trainer with command-line flags. Exit codes: 0 done, 1 stopped on a non-finite loss,
-    2 bad input (flags, data files, checkpoints, output folders; found before training starts),
+    """Run the trainer with command-line flags. Exit codes (exit_code): 0 done, 1 stopped on a non-finite
+    loss, 2 bad input (flags, data files, checkpoints, output folders; found before training starts),
     3 a checkpoint, the log or the synthetic data could not be written (disk full, permissions):
-    the run stops, a half-written checkpoint is removed, earlier ones stay intact; 130 Ctrl-C."""
+    the run stops, a half-written checkpoint is removed, earlier ones stay intact; 130 Ctrl-C; 143
+    SIGTERM, or a worker's launcher (torchrun) gone. The log's last line says which (run_ending)."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
     try:
         if "-h" in argv or "--help" in argv:
             print(help_text(), flush=True)
             return 0
-        return run_training(parse_args(argv), rank)
+        config = parse_args(argv)
+        with STOPS.armed(launcher=(PARENT_AT_START or os.getppid()) if "RANK" in os.environ else None):
+            return run_training(config, rank)
     except BrokenPipeError:  # `--help | head`: the reader left; nothing more to say
         silence_stdout()
         return 0
-    except InputError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLossError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (InputError, NonFiniteLossError) as e:  # every rank meets these: said once (say_once)
+        say_once(f"error: {e}", rank)
+        return exit_code(e)
     except WriteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
-        return 3
-    except KeyboardInterrupt:  # Ctrl-C (torchrun passes it on to every rank): a line, not a traceback
+        return exit_code(e)
+    except KeyboardInterrupt as e:  # Ctrl-C (torchrun passes it on to every rank), SIGTERM: a line, not a traceback
         if rank == 0:
-            print("interrupted (Ctrl-C): the run stopped; its log and checkpoints so far are kept", file=sys.stderr)
-        return 130
+            cause = interruption_cause(e)
+            say(f"interrupted {'(Ctrl-C)' if cause == 'SIGINT' else 'by ' + cause}: the run stopped; its log and "
+                "checkpoints so far are kept")
+        return exit_code(e)
 
 
 def run_training(config: Hyperparameters, rank: int) -> int:
@@ -3041,13 +3050,21 @@ def run_training(config: Hyperparameters, rank: int) -> int:
         after = after_run_hooks(config, rank, world_size)  # None unless asked (and on ranks > 0)
         log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
         try:
-            if after:
-                after.attach(log, device, world_size)
-            result = train(config, device, rank, world_size, log, data, resume)
-            if after:  # untimed: train() has returned, its clock is stopped for good
-                after.evaluate(result, device, log)
-        except (InputError, NonFiniteLossError, WriteError) as e:
-            log.record_error(e)
+            with warnings.catch_warnings():  # Python's warnings during the run: on the console and in the log
+                warnings.showwarning = log.python_warning(warnings.showwarning)
+                if after:
+                    after.attach(log, device, world_size)
+                result = train(config, device, rank, world_size, log, data, resume)
+                if after:  # untimed: train() has returned, its clock is stopped for good
+                    after.evaluate(result, device, log)
+            log.record_end(None)
+        except BaseException as e:
+            ended = STOPS.as_stop(e)  # an error after a stop was asked (a collective the others left) is that stop
+            if isinstance(ended, (InputError, NonFiniteLossError, WriteError)):
+                log.record_error(ended)
+            log.record_end(ended)
+            if ended is not e:
+                raise ended from e
             raise
         finally:
             if after:
@@ -5431,11 +5448,12 @@ class RunLog:
     def __init__(self, path: Optional[Path], echo: bool = True):
         self.path, self.echo = path, echo
         self.listeners = []  # called with each line after it is written (--metrics_jsonl, --tracker)
+        self.steps = None  # "s/N" of the last step line written: where the run was when it ended
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise WriteError(f"cannot create the log folder {path.parent} ({e.strerror or e})")
+                raise WriteError(f"cannot create the log folder {path.parent} {write_failure(e, '--log_dir')}")
 
     def write_lines(self, lines: list[str], console: bool = True) -> None:
         for line in lines:
@@ -5454,17 +5472,236 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(text + "\n")
         except OSError as e:
-            raise WriteError(f"cannot write the log {self.path} ({e.strerror or e})")
+            raise WriteError(f"cannot write the log {self.path} {write_failure(e, '--log_dir')}")
+        if text.startswith("step:"):
+            self.steps = text[5:].split(" ", 1)[0]
         for listener in self.listeners:
             listener(text)
 
+    def warn(self, text: str) -> None:
+        """A warning during the run: on stderr (every rank's own), and in rank 0's log."""
+        say(text)
+        self.write(text, console=False)
+
+    def python_warning(self, show):
+        """warnings.showwarning that also writes the warning to the log, in one line; `show` (the one it
+        replaces) still shows it."""
+        def show_and_log(message, category, filename, lineno, file=None, line=None):
+            show(message, category, filename, lineno, file, line)
+            self.write(f"warning: {category.__name__}: {message} ({filename}:{lineno})", console=False)
+        return show_and_log
+
     def record_error(self, error: Exception) -> None:
-        """The error that stops the run, as the log's last line if the log can still take it (the
+        """The error that stops the run, as a line of the log if the log can still take it (the
         message reaches stderr either way, so a log that fails here is let be)."""
         try:
             self.write(f"error: {error}", console=False)
         except WriteError:
             pass
+
+    def record_end(self, error: Optional[BaseException]) -> None:
+        """The log's last line: how the run ended (run_ending), if the log can still take it."""
+        try:
+            self.write(f"run ended: {run_ending(error, self.steps)}", console=False)
+        except WriteError:
+            pass
+
+
+# ---- how a run ends: stops asked from outside, errors every rank meets, full disks, the log's last line
+
+class Interrupted(KeyboardInterrupt):
+    """A stop asked from outside the terminal: SIGTERM, or a worker's launcher gone (StopRequests). A
+    KeyboardInterrupt, so that whatever handles Ctrl-C handles it alike."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
+
+
+def interruption_cause(error: KeyboardInterrupt) -> str:
+    return error.cause if isinstance(error, Interrupted) else "SIGINT"
+
+
+LAUNCHER_POLL_S = 1.0  # how often a worker looks for its launcher
+LAUNCHER_GRACE_S = 10.0  # how long it then has to stop by the interruption's path before it exits at once
+
+
+class StopRequests:
+    """While main runs (`with STOPS.armed(launcher)`): SIGTERM raises Interrupted in the main thread, as
+    SIGINT raises KeyboardInterrupt, so a stop takes Ctrl-C's path (the log's last line, a save under
+    way removed, exit 143). Once a stop is under way a SIGTERM is ignored: torchrun answers Ctrl-C by
+    sending its workers SIGTERM, which would cut short the stop they are making (a second Ctrl-C still
+    interrupts, as Python's does). A worker (RANK set: torchrun's) also stops when its launcher's process is
+    gone, killed by any signal: a thread compares os.getppid() with the launcher's pid once a second
+    (an orphan is re-parented, so its parent's pid changes), then sends the main thread SIGTERM, and ends
+    it with os._exit after LAUNCHER_GRACE_S (a collective that waits for ranks already gone may never
+    return). Not prctl(PR_SET_PDEATHSIG): it is Linux-only, fires when the *thread* that started the
+    worker ends, not its process, and needs the same getppid check for a launcher that died before it
+    was set. The poll is a syscall a second in a thread that holds the GIL for microseconds."""
+
+    def __init__(self):
+        self.launcher, self.cause, self.done, self.previous = None, None, threading.Event(), {}
+
+    def armed(self, launcher: Optional[int]) -> "StopRequests":
+        """For one main(): `launcher`, the pid of the process that started this one (None: not a worker)."""
+        self.launcher, self.cause, self.done = launcher, None, threading.Event()
+        return self
+
+    def __enter__(self) -> "StopRequests":
+        self.previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        if self.launcher is not None:
+            threading.Thread(target=self.watch, args=(self.done,), name="launcher watch", daemon=True).start()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.done.set()
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        stop = self.as_stop(error) if error is not None else None
+        if stop is not None and stop is not error:
+            raise stop from error
+
+    def on_signal(self, signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.cause = self.cause or signal.Signals(signum).name
+        raise self.stop()
+
+    def stop(self) -> KeyboardInterrupt:
+        return KeyboardInterrupt() if self.cause == "SIGINT" else Interrupted(self.cause)
+
+    def launcher_gone(self) -> bool:
+        return self.launcher is not None and os.getppid() != self.launcher
+
+    def watch(self, done: threading.Event) -> None:
+        while not done.wait(LAUNCHER_POLL_S):
+            if self.launcher_gone():
+                self.cause = self.cause or f"its launcher's exit (pid {self.launcher})"
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # wakes it from a blocking call
+                if not done.wait(LAUNCHER_GRACE_S):
+                    say(f"interrupted by {self.cause}: not stopped after {LAUNCHER_GRACE_S:g} s; ended")
+                    os._exit(exit_code(Interrupted(self.cause)))
+                return
+
+    def as_stop(self, error: BaseException) -> BaseException:
+        """`error`, or the stop asked before it (SIGTERM, the launcher gone), of which it is a consequence:
+        a collective fails when the other ranks have already stopped."""
+        if not isinstance(error, Exception):
+            return error
+        if self.cause is None and self.launcher_gone():
+            self.cause = f"its launcher's exit (pid {self.launcher})"
+        return self.stop() if self.cause else error
+
+
+STOPS = StopRequests()  # main arms it; signal handlers are process-wide, so is it
+
+
+def exit_code(error: Optional[BaseException]) -> int:
+    """main's exit code for a run that ended with `error` (None: it finished)."""
+    if error is None:
+        return 0
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + (signal.SIGTERM if isinstance(error, Interrupted) else signal.SIGINT)
+    for kind, code in ((InputError, 2), (NonFiniteLossError, 1), (WriteError, 3)):
+        if isinstance(error, kind):
+            return code
+    return 1  # an uncaught exception: Python's exit code for it
+
+
+def run_ending(error: Optional[BaseException], steps: Optional[str]) -> str:
+    """What the log's last line says after `run ended: ` (records/runlogs.py reads it): finished;
+    interrupted by SIGINT, SIGTERM or its launcher's exit at step s/N; stopped by a non-finite loss or
+    an error at step s/N (a crash: its type and message, which no other line of the log holds); each
+    with its exit code. s/N: the last step line written (`steps`)."""
+    where = f"at step {steps}" if steps else "before its first step"
+    if error is None:
+        how = "finished"
+    elif isinstance(error, KeyboardInterrupt):
+        how = f"interrupted by {interruption_cause(error)} {where}"
+    elif isinstance(error, NonFiniteLossError):
+        how = f"stopped by a non-finite loss {where}"
+    elif isinstance(error, (InputError, WriteError)):  # its message is the line above
+        how = f"stopped by an error {where}"
+    else:
+        message = str(error).strip().splitlines()
+        how = f"stopped by an error {where}: {type(error).__name__}" + (f": {message[0][:200]}" if message else "")
+    return f"{how} (exit {exit_code(error)})"
+
+
+def say(line: str) -> None:
+    """A line on stderr; a console that is gone (a killed launcher's pipe) is let be."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+SAID_WAIT_S = 5.0  # how long a rank waits for another to say the line it did not say itself
+
+
+def launch_folder() -> Optional[Path]:
+    """The folder torchrun makes for this launch's workers on this machine (<log dir>/<run>_*/attempt_<k>/,
+    worker r's TORCHELASTIC_ERROR_FILE in its <r>/), or None outside torchrun or in another layout."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return None
+    own = Path(error_file).parent
+    if own.name != os.environ.get("LOCAL_RANK") or not own.parent.name.startswith("attempt_"):
+        return None
+    return own.parent
+
+
+def say_once(line: str, rank: int) -> None:
+    """An error every rank meets (bad input, a non-finite loss), said once however the ranks race. Under
+    torchrun the first rank to get here says it: when one worker exits, torchrun ends the others, so rank
+    0 alone was often ended before it spoke. The workers of a machine agree through a file named after
+    the line in torchrun's folder for the launch (created once: O_EXCL); the others wait until it is said
+    (at most SAID_WAIT_S) before they exit. Elsewhere (no torchrun, another layout of its folder): rank 0."""
+    folder = launch_folder()
+    if folder is None:
+        if rank == 0:
+            say(line)
+        return
+    mark = folder / f"said-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
+    try:
+        fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        deadline = time.monotonic() + SAID_WAIT_S
+        while time.monotonic() < deadline and not (mark.exists() and mark.stat().st_size):
+            time.sleep(0.05)
+        return
+    except OSError:  # no mark can be made: each rank says it rather than none
+        say(line)
+        return
+    say(line)
+    os.write(fd, b"said\n")
+    os.close(fd)
+
+
+NO_ROOM = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
+
+
+def write_failure(e: OSError, flag: str) -> str:
+    """A failed write as the run's lines tell it: `(the OS's reason)`, and for a full disk what to do,
+    `(No space left on device): the disk is full; free space there or give another --log_dir`."""
+    text = f"({e.strerror or e})"
+    if e.errno in NO_ROOM:
+        text += f": {NO_ROOM[e.errno]}; free space there or give another {flag}"
+    return text
+
+
+def torch_save_no_room(path: Path, obj) -> Optional[OSError]:
+    """torch.save's writer reports a failed write as a RuntimeError without the OS's error (`unexpected
+    pos A vs B`). The folder's free space tells a full disk: less than the bytes of the tensors being
+    saved. Then an OSError(ENOSPC) with both sizes; else None (torch's error stands)."""
+    need = sum(t.nbytes for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t))
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    if free >= need:
+        return None
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free / 2**20:,.1f} MiB free, the file needs "
+                                 f"about {need / 2**20:,.1f} MiB")
 
 
 def hardware_description(device: torch.device) -> str:
@@ -5675,7 +5912,13 @@ def _write_durably(path: Path, obj) -> dict:
         if path.suffix == ".json":
             f.write(json.dumps(obj, indent=1).encode())
         else:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, f)
+            except RuntimeError as e:
+                no_room = torch_save_no_room(path, obj)
+                if no_room is None:
+                    raise
+                raise no_room from e
         f.flush()
         os.fsync(f.fileno())
     return dict(bytes=path.stat().st_size, sha256=file_sha256(path))
@@ -5695,8 +5938,8 @@ class _CheckpointWrite:
         if self.failure is None:
             try:
                 return write()
-            except OSError as e:
-                self.failure = f"cannot write {path} ({e.strerror or e})"
+            except OSError as e:  # a full disk: said so, with the fix (torch.save's own form: _write_durably)
+                self.failure = f"cannot write {path} {write_failure(e, '--checkpoint_dir')}"
             except RuntimeError as e:  # torch.save: "PytorchStreamWriter failed writing file ...: file write failed"
                 lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # torch's reason: the last
                 self.failure = f"cannot write {path} ({lines[-1][-200:] if lines else type(e).__name__})"
@@ -5739,10 +5982,21 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     file is complete, meta.json (sizes and hashes of the files, which file holds which matrix and
     which rows). All of it is written under step_<N>.partial and renamed
     at the end, so an interrupted save is never taken for a checkpoint. A write that fails on any
-    rank stops every rank with WriteError and leaves no partial folder behind."""
+    rank stops every rank with WriteError and leaves no partial folder behind; so does a stop during
+    the save (Ctrl-C, SIGTERM, the launcher's exit: rank 0 removes the folder). One left by a kill is
+    never read, and the next save of its step clears it."""
+    partial = checkpoint_run_dir(runner.config) / f"step_{step:06d}.partial"
+    try:
+        return _write_checkpoint(runner, loader, step, train_time_ms, partial)
+    except KeyboardInterrupt:
+        if runner.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _write_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float, partial: Path) -> Path:
     cfg, rank, W = runner.config, runner.rank, runner.world_size
-    run_dir = checkpoint_run_dir(cfg)
-    final, partial = run_dir / f"step_{step:06d}", run_dir / f"step_{step:06d}.partial"
+    final = partial.with_suffix("")
     save = _CheckpointWrite(runner, partial)
     if rank == 0:
         save.attempt(partial, lambda: _empty_folder(partial))
