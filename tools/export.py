@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tools.cli import (  # noqa: E402
-    OneLineParser, fail, first_line, make_parent, os_error_line, output_file_problem, run_main)
+    OneLineParser, fail, first_line, make_parent, move_into_place, os_error_line, output_file_problem, run_main)
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +64,8 @@ def metadata(config: dict, step: int, dtype: str, source: Path) -> dict[str, str
 
 
 def write_safetensors(checkpoint: Path, out: Path, dtype: str = "fp32") -> dict[str, torch.Tensor]:
-    """Write the checkpoint's weights to `out` (atomically: a temporary name, then renamed); returns
-    the tensors written."""
+    """Write the checkpoint's weights to `out` (atomically: a temporary name, then renamed, with the
+    umask's permissions as every output); returns the tensors written."""
     import os
     from safetensors.torch import save_file
     state, config, step = checkpoint_weights(checkpoint)
@@ -73,7 +73,7 @@ def write_safetensors(checkpoint: Path, out: Path, dtype: str = "fp32") -> dict[
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata(config, step, dtype, checkpoint))
-        os.replace(tmp, out)
+        move_into_place(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return tensors
