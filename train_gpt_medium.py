@@ -5775,12 +5775,25 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
     return notes
 
 
+def checkpoint_folder_problem(path: Path) -> Optional[str]:
+    """Why `path` is not even a folder (missing, or a file: one of a checkpoint's own files names the
+    folder meant), or None; validate_checkpoint checks the rest. Reads no file (the tools ask first)."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    if not path.exists():
+        return f"{path}: no such checkpoint folder"
+    if (path.parent / "meta.json").is_file():
+        return f"{path}: a file of the checkpoint {path.parent}; give the folder itself: {path.parent}"
+    return f"{path}: a file, not a checkpoint folder; give a step_<N> folder of --checkpoint_dir"
+
+
 def validate_checkpoint(path: Path) -> dict:
     """meta.json of a complete, unmodified checkpoint; CheckpointError naming the file otherwise."""
     path = Path(path)
     meta_path = path / "meta.json"
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if problem := checkpoint_folder_problem(path):
+        raise CheckpointError(problem)
     if not meta_path.exists():
         if (path / "main.pt").exists() or any(path.glob("rank_*.pt")):
             raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")

@@ -116,6 +116,25 @@ def test_the_file_takes_the_permissions_of_every_other_output(bf16_checkpoint, t
     assert mode("m.safetensors") == mode("log.txt") != 0o600
 
 
+def test_the_inspector_reads_the_file_as_it_reads_its_checkpoint(bf16_checkpoint, synthetic_dir, tmp_path, capsys):
+    out = tmp_path / "m.safetensors"
+    assert export.main([str(bf16_checkpoint), "--out", str(out)]) == 0
+    capsys.readouterr()
+    printed = []
+    for source in (bf16_checkpoint, out):
+        assert ic.main([str(source), "--seq_len=64", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}"]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and "value embedding of layer" in printed[0]
+
+
+def test_a_file_of_a_checkpoint_is_refused_naming_its_folder(bf16_checkpoint, tmp_path, capsys):
+    out = tmp_path / "m.safetensors"
+    assert export.main([str(bf16_checkpoint / "main.pt"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: {bf16_checkpoint / 'main.pt'}: a file of the checkpoint "
+                                       f"{bf16_checkpoint}; give the folder itself: {bf16_checkpoint}\n")
+    assert not out.exists()
+
+
 def test_a_safetensors_file_of_another_program_is_refused_naming_it(tmp_path):
     other = tmp_path / "other.safetensors"
     save_file({"w": torch.zeros(2)}, str(other), metadata={"format": "pt"})

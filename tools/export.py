@@ -138,9 +138,9 @@ def main(argv=None) -> int:
         parser.error(f"--out {args.out}: give a file name ending in .safetensors")
     if problem := output_file_problem(args.out, "--out", args.overwrite):
         return fail(problem)
-    if not args.checkpoint.is_dir():
-        return fail(f"{args.checkpoint}: no such checkpoint folder")
     import train_gpt_medium as tg
+    if problem := tg.checkpoint_folder_problem(args.checkpoint):  # before --out's folder is made
+        return fail(problem)
     from safetensors import SafetensorError
     try:
         make_parent(args.out)

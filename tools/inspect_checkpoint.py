@@ -252,7 +252,8 @@ def read_val_tokens(pattern: str, min_tokens: int) -> torch.Tensor:
 
 def main(argv=None) -> int:
     parser = OneLineParser(__file__, description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN, holding meta.json)")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN, holding meta.json) or a "
+                                                     ".safetensors file of tools/export.py")
     parser.add_argument("--val_files", help="validation shards (default: the checkpoint's config)")
     parser.add_argument("--position", type=int, default=100, help="position of the logit lens in the first sequence")
     parser.add_argument("--top_k", type=int, default=5, help="tokens shown per lens, 1..vocab_size")
@@ -266,8 +267,6 @@ def main(argv=None) -> int:
         parser.error(f"--top_k must be at least 1, got {args.top_k}")
     if args.position < 0:
         parser.error(f"--position must be at least 0, got {args.position}")
-    if not args.checkpoint.is_dir():  # the trainer's check too, here before torch loads
-        return fail(f"{args.checkpoint}: no such checkpoint folder")
     import train_gpt_medium as tg
     try:
         model, config, step = load_model(args.checkpoint)
