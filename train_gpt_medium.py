@@ -4596,7 +4596,8 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
         if kind in ("float", "Optional[float]"):
             value = float(text)
             if not math.isfinite(value):
-                raise ValueError
+                raise argparse.ArgumentTypeError(f"{text} is not allowed; it must be a finite number "
+                                                 f"{range_text(f)}".rstrip())
             return value
         if kind == "tuple[Optional[int], ...]":  # 0,1,2,-,...
             return tuple(None if s.strip() == "-" else int(s) for s in text.split(","))
@@ -4609,7 +4610,8 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
         if kind == "tuple[float, ...]":  # 1,1.52,2
             values = tuple(float(s) for s in text.split(",") if s.strip())
             if not all(math.isfinite(v) for v in values):
-                raise ValueError
+                raise argparse.ArgumentTypeError(f"{text}: {next(v for v in values if not math.isfinite(v))} is not "
+                                                 "allowed; give comma-separated finite numbers")
             return values
     except ValueError:
         example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]",
