@@ -4919,11 +4919,16 @@ def parse_args(argv: list[str]) -> Hyperparameters:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; flags look like --field=value (--help lists them)")
         name = arg[2:].split("=", 1)[0]
-        close = difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
+        close = close_field_names(name)
         hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
         raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
     overrides = vars(namespace)
     return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "bulk"), **overrides)
+
+
+def close_field_names(name: str) -> list[str]:
+    """The (at most two) fields a mistyped field name most likely meant, closest first; [] for none."""
+    return difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
 
 # ---- run setup
 
