@@ -4660,7 +4660,8 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
         if kind in ("float", "Optional[float]"):
             value = float(text)
             if not math.isfinite(value):
-                raise ValueError
+                raise argparse.ArgumentTypeError(f"{text} is not allowed; it must be a finite number "
+                                                 f"{range_text(f)}".rstrip())
             return value
         if kind == "tuple[Optional[int], ...]":  # 0,1,2,-,...
             return tuple(None if s.strip() == "-" else int(s) for s in text.split(","))
@@ -4673,7 +4674,8 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
         if kind == "tuple[float, ...]":  # 1,1.52,2
             values = tuple(float(s) for s in text.split(",") if s.strip())
             if not all(math.isfinite(v) for v in values):
-                raise ValueError
+                raise argparse.ArgumentTypeError(f"{text}: {next(v for v in values if not math.isfinite(v))} is not "
+                                                 "allowed; give comma-separated finite numbers")
             return values
     except ValueError:
         example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]",
@@ -4981,11 +4983,16 @@ def parse_args(argv: list[str]) -> Hyperparameters:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; flags look like --field=value (--help lists them)")
         name = arg[2:].split("=", 1)[0]
-        close = difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
+        close = close_field_names(name)
         hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
         raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
     overrides = vars(namespace)
     return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "bulk"), **overrides)
+
+
+def close_field_names(name: str) -> list[str]:
+    """The (at most two) fields a mistyped field name most likely meant, closest first; [] for none."""
+    return difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
 
 # ---- run setup
 
@@ -6076,12 +6083,25 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
     return notes
 
 
+def checkpoint_folder_problem(path: Path) -> Optional[str]:
+    """Why `path` is not even a folder (missing, or a file: one of a checkpoint's own files names the
+    folder meant), or None; validate_checkpoint checks the rest. Reads no file (the tools ask first)."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    if not path.exists():
+        return f"{path}: no such checkpoint folder"
+    if (path.parent / "meta.json").is_file():
+        return f"{path}: a file of the checkpoint {path.parent}; give the folder itself: {path.parent}"
+    return f"{path}: a file, not a checkpoint folder; give a step_<N> folder of --checkpoint_dir"
+
+
 def validate_checkpoint(path: Path) -> dict:
     """meta.json of a complete, unmodified checkpoint; CheckpointError naming the file otherwise."""
     path = Path(path)
     meta_path = path / "meta.json"
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if problem := checkpoint_folder_problem(path):
+        raise CheckpointError(problem)
     if not meta_path.exists():
         if (path / "main.pt").exists() or any(path.glob("rank_*.pt")):
             raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")

@@ -520,7 +520,7 @@ def test_too_few_shards_for_the_grid_are_refused_naming_the_flag(synthetic_dir):
     ("window_schedule", "3,0", "each at least 1 block"),
     ("window_schedule", "", "needs at least one window"),
     ("lr_peaks", "", "needs at least one multiplier"),
-    ("lr_peaks", "1,nan", "expected comma-separated numbers"),
+    ("lr_peaks", "1,nan", "1,nan: nan is not allowed; give comma-separated finite numbers"),
 ])
 def test_grid_flags_out_of_range_are_refused_naming_the_flag(flag, value, message):
     with pytest.raises(tg.ConfigError, match=f"--{flag}") as err:
