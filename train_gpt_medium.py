@@ -2347,75 +2347,36 @@ def adam_rows(p: torch.Tensor, rank: int, world_size: int) -> Optional[tuple[int
     return rank * rows, (rank + 1) * rows
 
 
-class Collective(NamedTuple):
-    """One collective call as a rank sees it: its kind, the parameter group it moves, the bytes of the
-    whole tensor it is about (the payload) and the bytes this rank sends for it."""
-    kind: str
-    group: str
-    payload: int
-    sent: int
-
-
-class _Done:
-    """What a counted collective returns in place of torch.distributed's work handle."""
-
-    def wait(self):
-        return None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class Collectives:
-    """The optimizers' collectives, every one through here, so that one code path both runs them and
-    counts them: on a process group, torch.distributed's asynchronous calls; with `counting`, no process
-    group and nothing moves (the dry run's one rank of many, on meta tensors). While `ledger` is a list,
-    each call is appended to it (Collective). Bytes sent per rank are the ring algorithm's: an
-    all-reduce of N bytes sends 2 (W-1)/W N, a reduce-scatter or an all-gather (W-1)/W N, an all-to-all
-    what it sends to the other ranks."""
+    """The optimizers' collectives, every one through here: torch.distributed's asynchronous calls on
+    the run's process group (world_size ranks, this one `rank`), each named by the parameter group it
+    moves. The dry run and the bench count these same calls through CountedCollectives (Part III)."""
 
-    def __init__(self, world_size: int, rank: int = 0, counting: bool = False):
-        self.world_size, self.rank, self.counting, self.ledger = world_size, rank, counting, None
+    def __init__(self, world_size: int, rank: int = 0):
+        self.world_size, self.rank = world_size, rank
         self.in_place_gather = False  # set by the Runner on NCCL: an all-gather may read its input from its output
 
-    def _call(self, kind: str, group: str, payload: int, sent: float, run):
-        if self.ledger is not None:
-            self.ledger.append(Collective(kind, group, payload, round(sent)))
-        return _Done() if self.counting else run()
-
     def all_reduce(self, t: torch.Tensor, group: str):
-        W = self.world_size
-        return self._call("all_reduce", group, _nbytes(t), 2 * (W - 1) / W * _nbytes(t),
-                          lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str):
         """out (n, ...) <- the sum over ranks of this rank's n rows of inp (W n, ...)."""
-        W = self.world_size
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13 / 2.11
-        return self._call("reduce_scatter", group, _nbytes(inp), (W - 1) / W * _nbytes(inp),
-                          lambda: scatter(out, inp, op=dist.ReduceOp.SUM, async_op=True))
+        return scatter(out, inp, op=dist.ReduceOp.SUM, async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str):
         """out (W n, ...) <- every rank's inp (n, ...), in rank order."""
-        W = self.world_size
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 / 2.11
-        return self._call("all_gather", group, _nbytes(out), (W - 1) / W * _nbytes(out),
-                          lambda: gather(out, inp, async_op=True))
+        return gather(out, inp, async_op=True)
 
     def all_gather_list(self, outs: list[torch.Tensor], inp: torch.Tensor, group: str):
         """outs[r] <- rank r's inp (every one of inp's shape)."""
-        W = self.world_size
-        return self._call("all_gather", group, W * _nbytes(inp), (W - 1) * _nbytes(inp),
-                          lambda: dist.all_gather(outs, inp, async_op=True))
+        return dist.all_gather(outs, inp, async_op=True)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    group: str):
         """Rank r's in_splits[s] rows of inp go to rank s; out holds what each rank sent here, in rank order."""
-        row = _nbytes(inp[0]) if inp.numel() else inp.element_size() * math.prod(inp.shape[1:])
-        sent = row * (sum(in_splits) - in_splits[self.rank])
-        return self._call("all_to_all", group, row * sum(in_splits), sent,
-                          lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True))
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True)
 
 
 class _MuonBucket:
@@ -2535,9 +2496,11 @@ def compile_enabled(config: Hyperparameters, device: torch.device) -> bool:
 
 
 class Runner:
-    """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks."""
+    """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks.
+    `collectives`: the optimizers' on more than one rank (None: a Collectives of its own)."""
 
-    def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
+                 collectives: Optional[Collectives] = None):
         self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
         self.micro_steps = config.batch_slices // world_size
         self.model = build_model(config, device)
@@ -2549,8 +2512,8 @@ class Runner:
         self.backend = attention_backend(config, device.type)
         if self.backend == "fa3":
             kernels.flash_attention_3()  # fetched before anything is compiled
-        # more than one rank: every collective of the optimizers through one Collectives (the bench's ledger)
-        self.collectives = Collectives(world_size, rank) if world_size > 1 else None
+        # more than one rank: every collective of the optimizers through one Collectives (the bench's counts them)
+        self.collectives = (collectives or Collectives(world_size, rank)) if world_size > 1 else None
         if self.collectives is not None:
             self.collectives.in_place_gather = device.type == "cuda"  # NCCL gathers from inside its output
         self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_updates=use_compile,
@@ -2563,7 +2526,7 @@ class Runner:
         self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
         self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        self.exchange, self.step_ledgers = None, {}  # step_ledgers: the bench's collectives, by parity
+        self.exchange = None
         if world_size > 1:
             sparse = self.model.bigram.table if bigram_exchange_is_sparse(config, world_size) else None  # §9 its rows
             adam, muon = self.optimizers
@@ -3167,7 +3130,7 @@ def send_touched_rows(exchange: "GradientExchange", table: nn.Parameter) -> torc
     cuts = np.searchsorted(rows, np.arange(0, (W + 1) * n, n))
     send = torch.from_numpy(np.diff(cuts))
     send[rank] = 0  # its own rows stay
-    recv = send.clone() if coll.counting else torch.empty_like(send)  # counting: as many come back as go
+    recv = torch.empty_like(send)
     coll.all_to_all(recv, send, [1] * W, [1] * W, group).wait()
     send_sizes, recv_sizes = send.tolist(), recv.tolist()  # host tensors: no device sync
     index = torch.from_numpy(np.concatenate([rows[:cuts[rank]], rows[cuts[rank + 1]:]]))
@@ -6257,6 +6220,72 @@ def dry_run_world_size(config: Hyperparameters, environ=os.environ) -> int:
     return config.gpu_count or int(environ.get("WORLD_SIZE", PEAK_WORLD_SIZE))
 
 
+class Collective(NamedTuple):
+    """One collective call as a rank sees it: its kind, the parameter group it moves, the bytes of the
+    whole tensor it is about (the payload) and the bytes this rank sends for it."""
+    kind: str
+    group: str
+    payload: int
+    sent: int
+
+
+class _Done:
+    """What a counted collective returns in place of torch.distributed's work handle."""
+
+    def wait(self):
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CountedCollectives(Collectives):
+    """The run's Collectives, counted: while `ledger` is a list, each call is appended to it
+    (Collective) before it runs (the bench); with `counting`, no process group and nothing moves
+    (the dry run's one rank of many, on meta tensors), and an all-to-all's out receives what this
+    rank sends, as if every rank sent as many as it (its counts are read on the host). Bytes sent
+    per rank are the ring algorithm's: an all-reduce of N bytes sends 2 (W-1)/W N, a reduce-scatter
+    or an all-gather (W-1)/W N, an all-to-all what it sends to the other ranks."""
+
+    def __init__(self, world_size: int, rank: int = 0, counting: bool = False):
+        super().__init__(world_size, rank)
+        self.counting, self.ledger = counting, None
+
+    def _record(self, kind: str, group: str, payload: int, sent: float) -> None:
+        if self.ledger is not None:
+            self.ledger.append(Collective(kind, group, payload, round(sent)))
+
+    def all_reduce(self, t: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("all_reduce", group, _nbytes(t), 2 * (W - 1) / W * _nbytes(t))
+        return _Done() if self.counting else super().all_reduce(t, group)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("reduce_scatter", group, _nbytes(inp), (W - 1) / W * _nbytes(inp))
+        return _Done() if self.counting else super().reduce_scatter(out, inp, group)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("all_gather", group, _nbytes(out), (W - 1) / W * _nbytes(out))
+        return _Done() if self.counting else super().all_gather(out, inp, group)
+
+    def all_gather_list(self, outs: list[torch.Tensor], inp: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("all_gather", group, W * _nbytes(inp), (W - 1) * _nbytes(inp))
+        return _Done() if self.counting else super().all_gather_list(outs, inp, group)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group: str):
+        row = _nbytes(inp[0]) if inp.numel() else inp.element_size() * math.prod(inp.shape[1:])
+        self._record("all_to_all", group, row * sum(in_splits), row * (sum(in_splits) - in_splits[self.rank]))
+        if not self.counting:
+            return super().all_to_all(out, inp, out_splits, in_splits, group)
+        out.copy_(inp)  # as many come back as go
+        return _Done()
+
+
 def step_collectives(config: Hyperparameters, world_size: int, odd: bool, rank: int = 0,
                      dtype: torch.dtype = torch.bfloat16) -> list[Collective]:
     """One rank's collectives of one training step of `config` on world_size ranks (after the split,
@@ -6267,7 +6296,7 @@ def step_collectives(config: Hyperparameters, world_size: int, odd: bool, rank: 
     --adam_odd_steps_only the one where Adam steps). dtype: the weights' (the run's device's)."""
     with torch.device("meta"):
         model = GPT(config, dtype)
-        counted = Collectives(world_size, rank, counting=True)
+        counted = CountedCollectives(world_size, rank, counting=True)
         adam, muon = build_optimizers(model, config, rank, world_size, collectives=counted)
         sparse = model.bigram.table if bigram_exchange_is_sparse(config, world_size) else None
         exchange = GradientExchange(adam.param_groups, muon.param_groups, rank, world_size, counted, sparse, hooks=False)
@@ -6601,18 +6630,20 @@ def point_steps(step: int, config: Hyperparameters) -> list[int]:
     return [step]
 
 
-def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch) -> tuple[list[int], list[float], list]:
+def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch,
+               ledgers: dict[str, list]) -> tuple[list[int], list[float], list]:
     """One untimed step at each of the point's steps (point_steps: their windows and lr), then
     bench_steps timed ones alternating between them, each between device synchronizations (and
     barriers). Returns the timed steps' numbers and milliseconds, and every step's loss (unsynced
-    device tensors, the untimed ones first)."""
+    device tensors, the untimed ones first). ledgers: each step's collectives (the runner's
+    CountedCollectives, on more than one rank), kept by parity."""
     steps = point_steps(step, runner.config)
     sequence = [steps[i % len(steps)] for i in range(len(steps) + runner.config.bench_steps)]
     timed, times, losses = [], [], []
     for i, s in enumerate(sequence):
         batches, host_inputs = runner.random_step(gen, slice_tokens(s, runner.config))
-        if runner.collectives is not None:  # this step's collectives, kept by parity (runner.step_ledgers)
-            runner.collectives.ledger = runner.step_ledgers["odd" if s % 2 else "even"] = []
+        if runner.collectives is not None:  # this step's collectives, kept by parity
+            runner.collectives.ledger = ledgers["odd" if s % 2 else "even"] = []
         clock.start()
         losses.append(runner.train_step(s, batches, host_inputs=host_inputs))
         elapsed = clock.stop()
@@ -6645,7 +6676,8 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     No data files are read and nothing is written."""
     cfg = dataclasses.replace(config, val_tokens=config.batch_slices * config.val_seq_len)  # one evaluation step
     start = compile_counts()  # the process may have compiled before (tests call main in-process)
-    runner = Runner(cfg, device, rank, world_size)
+    counted = CountedCollectives(world_size, rank) if world_size > 1 else None
+    runner, ledgers = Runner(cfg, device, rank, world_size, collectives=counted), {}
     points = bench_points(cfg)
     # --bench_at_step: the warm-up compiles that point's phase only (its steps), not the whole grid
     warmup_steps = runner.warmup(point_steps(points[0], cfg) if cfg.bench_at_step is not None else None)
@@ -6654,7 +6686,7 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     results = []
     for step in points:
         before = compile_counts()
-        timed, times, losses = time_steps(runner, step, gen, clock)
+        timed, times, losses = time_steps(runner, step, gen, clock, ledgers)
         results.append(dict(step=step, window_blocks=attention_windows(step, cfg)[0],
                             tokens_per_step=batch_tokens(step, cfg), timed_steps=timed, times_ms=times,
                             losses=losses, **compiled_since(before, "_added")))
@@ -6676,7 +6708,7 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
         result.update(times_ms=step_times, losses=step_losses)
     if rank == 0:
         report = bench_report(runner, results, memory.tolist(), dict(warmup=warmup, evaluation=evaluation,
-                                                                      **compiled_since(start)))
+                                                                      **compiled_since(start)), ledgers)
         print("\n".join(bench_lines(report)), flush=True)
         print(json.dumps(report), flush=True)
     if world_size > 1:
@@ -6687,9 +6719,11 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     return 0
 
 
-def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], compiled_counts: dict) -> dict:
+def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], compiled_counts: dict,
+                 ledgers: dict[str, list]) -> dict:
     """The benchmark's numbers: per point the step times and losses of every rank reduced, and what
-    follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs."""
+    follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs; this
+    rank's collectives of its last timed step of each parity (ledgers)."""
     cfg, device, world_size = runner.config, runner.device, runner.world_size
     gpu = gpu_properties(device) if device.type == "cuda" else None
     name = gpu.name if gpu else platform.processor() or platform.machine()
@@ -6707,7 +6741,7 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
                       tokens_per_s=per_process * world_size, tflops_per_process=tflops, tflops=tflops * world_size,
                       mfu=tflops / peak if peak else None)
     return dict(
-        collectives={parity: ledger_summary(ledger) for parity, ledger in sorted(runner.step_ledgers.items())},
+        collectives={parity: ledger_summary(ledger) for parity, ledger in sorted(ledgers.items())},
         bench_steps=cfg.bench_steps, world_size=world_size, device=device.type, device_name=name,
         compile=compile_enabled(cfg, device), attention=attention_backend(cfg, device.type),
         dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,
