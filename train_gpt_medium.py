@@ -2023,32 +2023,6 @@ def read_shard(path) -> torch.Tensor:
     return torch.from_numpy(tokens)
 
 
-class ShardNotFoundError(ShardError, FileNotFoundError):
-    """No file matches a shard pattern."""
-
-
-def shard_files(pattern: str, flag: str) -> list[str]:
-    """The files a shard pattern matches, sorted; ShardError naming the flag if there are none, or if
-    one is a folder or cannot be opened (found here, before anything is built, not mid-run)."""
-    files = sorted(glob.glob(pattern))
-    if not files:
-        hint = ("; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else
-                "; make them with `python data/synthetic.py --out FOLDER` (--synthetic_data writes only "
-                "the tiny preset's own folder)" if "synthetic" in pattern else "")
-        raise ShardNotFoundError(f"--{flag}: no files match {pattern!r}{hint}")
-    for path in files:
-        if os.path.isdir(path):
-            raise ShardError(f"--{flag}: {path} is a folder, not a shard; make the pattern match shard files "
-                             "only (e.g. end it in *.bin)")
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as e:
-            raise ShardError(f"--{flag}: {path} cannot be read ({e.strerror or e}); fix its permissions or "
-                             "leave it out of the pattern")
-    return files
-
-
 class DataLoader:
     """Consecutive steps of `batch_slices` contiguous slices of `seq_len` tokens (+1 for the last
     target) across sorted shards; a shard's tail that cannot hold a whole step is skipped.
@@ -2196,67 +2170,6 @@ def train_loader(config: Hyperparameters, files: list[str], rank: int, world_siz
         return DocumentAlignedLoader(files, config.batch_slices, config.document_cut_tokens, config.eot_token,
                                      rank, world_size, device)
     return DataLoader(files, config.train_seq_len, config.batch_slices, rank, world_size, device)
-
-
-def steps_available(files: list[str], step_tokens: int) -> int:
-    """How many training steps the shards can feed (headers only)."""
-    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
-
-
-def steps_fed(files: list[str], config: Hyperparameters) -> int:
-    """How many of the run's steps the shards feed, each step with its own size, from the headers
-    only. Contiguous slices: exact (a step needs its tokens + 1 inside one shard). Whole documents:
-    an upper bound (each slice needs its tokens + 1; the cut and skipped parts of documents are
-    known only once a shard is read, and the loader stops with an error if they run out)."""
-    sizes = [shard_token_count(f) for f in files]
-    aligned = config.document_aligned_batches
-    shard, position = 0, 0
-    for step in range(config.num_iterations):
-        tokens = batch_tokens(step, config)
-        needed = tokens + (config.batch_slices if aligned else 1)
-        while shard < len(sizes) and position + needed > sizes[shard]:
-            shard, position = shard + 1, 0
-        if shard == len(sizes):
-            return step
-        position += needed if aligned else tokens
-    return config.num_iterations
-
-
-@dataclass
-class RunData:
-    """What a run reads before anything is built: the train shards, the validation tokens, and the
-    bytes per token id for val_bpb (None, with the reason, when the run reports no val_bpb)."""
-    train_files: list[str]
-    val_tokens: torch.Tensor
-    token_bytes: Optional[np.ndarray]
-    no_token_bytes_reason: str = ""
-
-
-def load_data(config: Hyperparameters) -> RunData:
-    """The train shard list, the validation tokens and the byte table, checked against what the run
-    needs before anything is built or written (a bad table stops the run here, not after its log
-    was opened)."""
-    cfg = config
-    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
-    if cfg.batch_schedule or cfg.document_aligned_batches:
-        available = steps_fed(train_files, cfg)
-        if available < cfg.num_iterations:
-            bound = " at most" if cfg.document_aligned_batches else ""
-            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed{bound} {available} of the run's "
-                             f"{cfg.num_iterations} steps; add shards or lower --num_iterations")
-    else:
-        available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
-        if available < cfg.num_iterations:
-            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
-                             f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
-                             "add shards or lower --num_iterations")
-    val_tokens = torch.cat([read_shard(f) for f in val_files])
-    if val_tokens.numel() < cfg.val_tokens + 1:
-        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
-    token_bytes, why_not = read_token_bytes(cfg)
-    if cfg.prefix_loss_weight:  # §16 --prefix_loss_weight: its byte files checked before the log opens
-        prefix_table(cfg)
-    return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
 
 # =============================================================================
 # 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
@@ -5442,6 +5355,96 @@ def run_summary(config: Hyperparameters, result: dict, log: RunLog) -> str:
         summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
                     f"unigram entropy {m['unigram_entropy']:.4f})")
     return f"{summary}\nlog: {log.path}"
+
+
+# what a run reads before anything is built: its shards (checked against the steps the run needs), the
+# validation tokens and the byte table
+
+class ShardNotFoundError(ShardError, FileNotFoundError):
+    """No file matches a shard pattern."""
+
+
+def shard_files(pattern: str, flag: str) -> list[str]:
+    """The files a shard pattern matches, sorted; ShardError naming the flag if there are none, or if
+    one is a folder or cannot be opened (found here, before anything is built, not mid-run)."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        hint = ("; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else
+                "; make them with `python data/synthetic.py --out FOLDER` (--synthetic_data writes only "
+                "the tiny preset's own folder)" if "synthetic" in pattern else "")
+        raise ShardNotFoundError(f"--{flag}: no files match {pattern!r}{hint}")
+    for path in files:
+        if os.path.isdir(path):
+            raise ShardError(f"--{flag}: {path} is a folder, not a shard; make the pattern match shard files "
+                             "only (e.g. end it in *.bin)")
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ShardError(f"--{flag}: {path} cannot be read ({e.strerror or e}); fix its permissions or "
+                             "leave it out of the pattern")
+    return files
+
+
+def steps_available(files: list[str], step_tokens: int) -> int:
+    """How many training steps the shards can feed (headers only)."""
+    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
+
+
+def steps_fed(files: list[str], config: Hyperparameters) -> int:
+    """How many of the run's steps the shards feed, each step with its own size, from the headers
+    only. Contiguous slices: exact (a step needs its tokens + 1 inside one shard). Whole documents:
+    an upper bound (each slice needs its tokens + 1; the cut and skipped parts of documents are
+    known only once a shard is read, and the loader stops with an error if they run out)."""
+    sizes = [shard_token_count(f) for f in files]
+    aligned = config.document_aligned_batches
+    shard, position = 0, 0
+    for step in range(config.num_iterations):
+        tokens = batch_tokens(step, config)
+        needed = tokens + (config.batch_slices if aligned else 1)
+        while shard < len(sizes) and position + needed > sizes[shard]:
+            shard, position = shard + 1, 0
+        if shard == len(sizes):
+            return step
+        position += needed if aligned else tokens
+    return config.num_iterations
+
+
+@dataclass
+class RunData:
+    """What a run reads before anything is built: the train shards, the validation tokens, and the
+    bytes per token id for val_bpb (None, with the reason, when the run reports no val_bpb)."""
+    train_files: list[str]
+    val_tokens: torch.Tensor
+    token_bytes: Optional[np.ndarray]
+    no_token_bytes_reason: str = ""
+
+
+def load_data(config: Hyperparameters) -> RunData:
+    """The train shard list, the validation tokens and the byte table, checked against what the run
+    needs before anything is built or written (a bad table stops the run here, not after its log
+    was opened)."""
+    cfg = config
+    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
+    if cfg.batch_schedule or cfg.document_aligned_batches:
+        available = steps_fed(train_files, cfg)
+        if available < cfg.num_iterations:
+            bound = " at most" if cfg.document_aligned_batches else ""
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed{bound} {available} of the run's "
+                             f"{cfg.num_iterations} steps; add shards or lower --num_iterations")
+    else:
+        available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
+        if available < cfg.num_iterations:
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
+                             f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
+                             "add shards or lower --num_iterations")
+    val_tokens = torch.cat([read_shard(f) for f in val_files])
+    if val_tokens.numel() < cfg.val_tokens + 1:
+        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
+    token_bytes, why_not = read_token_bytes(cfg)
+    if cfg.prefix_loss_weight:  # §16 --prefix_loss_weight: its byte files checked before the log opens
+        prefix_table(cfg)
+    return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
 
 
 def read_token_bytes(config: Hyperparameters) -> tuple[Optional[np.ndarray], str]:
