@@ -2818,7 +2818,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "-h" in argv or "--help" in argv:
             print(help_text(), flush=True)
             return 0
-        return run_training(parse_args(argv), rank)
+        return run_training(parse_args(argv), rank)  # Part III's run setup, then train()
     except BrokenPipeError:  # `--help | head`: the reader left; nothing more to say
         silence_stdout()
         return 0
@@ -2837,64 +2837,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if rank == 0:
             print("interrupted (Ctrl-C): the run stopped; its log and checkpoints so far are kept", file=sys.stderr)
         return 130
-
-
-def run_training(config: Hyperparameters, rank: int) -> int:
-    """Everything between the parsed flags and the exit code: device, process group, data,
-    checkpoint checks, the log, the run."""
-    if config.dry_run:
-        return dry_run(config)
-    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    check_world_size(config, world_size)
-    device = resolve_device(config, local_rank)  # asks whether CUDA is there, without starting it
-    check_run_request(config, device)
-    notes = recipe_notes(config)
-    if device.type == "cuda":
-        use_expandable_segments()  # read when CUDA starts: before the first CUDA call
-        torch.cuda.set_device(device)
-        config = check_gpu(config, device, world_size, notes)  # Part III: what this GPU lacks, before any compile
-        if config.attention == "fa3":
-            check_fa3_device(device)
-        import torch._inductor.config as inductor_config
-        inductor_config.coordinate_descent_tuning = config.coordinate_descent_tuning
-    else:
-        notes.append(set_cpu_threads(config))
-    distributed = "RANK" in os.environ
-    if distributed:
-        # on GPUs NCCL, and gloo for host tensors (the bigram exchange's row counts: no device sync)
-        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
-    try:
-        if config.bench_steps:
-            return bench(config, device, rank, world_size)
-        if config.synthetic_data and rank == 0:
-            ensure_synthetic_data(config)
-        if distributed:
-            dist.barrier()
-        data = load_data(config)
-        resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
-        config = with_run_seed(config, world_size, resume)
-        on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
-        after = after_run_hooks(config, rank, world_size)  # None unless asked (and on ranks > 0)
-        log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
-        try:
-            if after:
-                after.attach(log, device, world_size)
-            result = train(config, device, rank, world_size, log, data, resume)
-            if after:  # untimed: train() has returned, its clock is stopped for good
-                after.evaluate(result, device, log)
-        except (InputError, NonFiniteLossError, WriteError) as e:
-            log.record_error(e)
-            raise
-        finally:
-            if after:
-                after.close()
-        if rank == 0:
-            print(run_summary(config, result, log))
-        return 0
-    finally:
-        if distributed:
-            dist.destroy_process_group()
 
 
 # #############################################################################
@@ -4800,6 +4742,64 @@ def parse_args(argv: list[str]) -> Hyperparameters:
     return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "bulk"), **overrides)
 
 # ---- run setup
+
+def run_training(config: Hyperparameters, rank: int) -> int:
+    """Everything between the parsed flags and the exit code: device, process group, data,
+    checkpoint checks, the log, the run."""
+    if config.dry_run:
+        return dry_run(config)
+    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    check_world_size(config, world_size)
+    device = resolve_device(config, local_rank)  # asks whether CUDA is there, without starting it
+    check_run_request(config, device)
+    notes = recipe_notes(config)
+    if device.type == "cuda":
+        use_expandable_segments()  # read when CUDA starts: before the first CUDA call
+        torch.cuda.set_device(device)
+        config = check_gpu(config, device, world_size, notes)  # the GPU guard: before anything compiles
+        if config.attention == "fa3":
+            check_fa3_device(device)
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = config.coordinate_descent_tuning
+    else:
+        notes.append(set_cpu_threads(config))
+    distributed = "RANK" in os.environ
+    if distributed:
+        # on GPUs NCCL, and gloo for host tensors (the bigram exchange's row counts: no device sync)
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        if config.bench_steps:
+            return bench(config, device, rank, world_size)
+        if config.synthetic_data and rank == 0:
+            ensure_synthetic_data(config)
+        if distributed:
+            dist.barrier()
+        data = load_data(config)
+        resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        config = with_run_seed(config, world_size, resume)
+        on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
+        after = after_run_hooks(config, rank, world_size)  # None unless asked (and on ranks > 0)
+        log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
+        try:
+            if after:
+                after.attach(log, device, world_size)
+            result = train(config, device, rank, world_size, log, data, resume)
+            if after:  # untimed: train() has returned, its clock is stopped for good
+                after.evaluate(result, device, log)
+        except (InputError, NonFiniteLossError, WriteError) as e:
+            log.record_error(e)
+            raise
+        finally:
+            if after:
+                after.close()
+        if rank == 0:
+            print(run_summary(config, result, log))
+        return 0
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
 
 def check_world_size(config: Hyperparameters, world_size: int) -> None:
     """Every step must consume the same batch_slices slices whatever the world size, so W | batch_slices."""
