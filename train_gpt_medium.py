@@ -2690,38 +2690,6 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
 
 # ---- what train() does besides training: resume, the non-finite check, validation, log lines
 
-ETA_FIRST_STEPS = 10  # steps timed before the console gives a time left
-
-
-class Eta:
-    """Wall-clock time left, validation included, from this process's pace so far per unit of the
-    schedule's work: a step's work is its tokens x its FLOPs per token at its windows (step_work), so
-    the batch ramp's small early steps and short windows do not make the estimate too low. Unknown
-    for the first ETA_FIRST_STEPS steps (console only: the log's step lines keep the speedrun's format)."""
-
-    def __init__(self, first_step: int, work: list[float]):
-        self.first_step, self.num_steps, self.t0 = first_step, len(work), time.perf_counter()
-        self.done_before = [0.0]  # work of the steps before step s
-        for w in work:
-            self.done_before.append(self.done_before[-1] + w)
-
-    def text(self, steps_done: int) -> str:
-        if steps_done >= self.num_steps or steps_done <= self.first_step:
-            return ""
-        if steps_done - self.first_step < ETA_FIRST_STEPS:
-            return " eta:unknown"
-        done = self.done_before[steps_done] - self.done_before[self.first_step]
-        left = (time.perf_counter() - self.t0) / done * (self.done_before[-1] - self.done_before[steps_done])
-        return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
-
-
-def step_work(config: Hyperparameters, weights_flops: float) -> list[float]:
-    """Each training step's model FLOPs: its batch's tokens x (the weights' FLOPs per token + its
-    windows' attention FLOPs per token): what a step costs, relative to the others."""
-    return [batch_tokens(s, config) * (weights_flops + attention_flops_per_token(config, *attention_windows(s, config)))
-            for s in range(config.num_iterations)]
-
-
 def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
     """Raise NonFiniteLossError if any training loss so far was nan/inf (one host sync)."""
     bad, N = runner.nonfinite_step(), runner.config.num_iterations
@@ -5294,6 +5262,39 @@ class RunLog:
             self.write(f"error: {error}", console=False)
         except WriteError:
             pass
+
+
+# the console's time left after train()'s step lines (RunLog.write's console_suffix; the log file has none)
+ETA_FIRST_STEPS = 10  # steps timed before the console gives a time left
+
+
+class Eta:
+    """Wall-clock time left, validation included, from this process's pace so far per unit of the
+    schedule's work: a step's work is its tokens x its FLOPs per token at its windows (step_work), so
+    the batch ramp's small early steps and short windows do not make the estimate too low. Unknown
+    for the first ETA_FIRST_STEPS steps (console only: the log's step lines keep the speedrun's format)."""
+
+    def __init__(self, first_step: int, work: list[float]):
+        self.first_step, self.num_steps, self.t0 = first_step, len(work), time.perf_counter()
+        self.done_before = [0.0]  # work of the steps before step s
+        for w in work:
+            self.done_before.append(self.done_before[-1] + w)
+
+    def text(self, steps_done: int) -> str:
+        if steps_done >= self.num_steps or steps_done <= self.first_step:
+            return ""
+        if steps_done - self.first_step < ETA_FIRST_STEPS:
+            return " eta:unknown"
+        done = self.done_before[steps_done] - self.done_before[self.first_step]
+        left = (time.perf_counter() - self.t0) / done * (self.done_before[-1] - self.done_before[steps_done])
+        return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
+
+
+def step_work(config: Hyperparameters, weights_flops: float) -> list[float]:
+    """Each training step's model FLOPs: its batch's tokens x (the weights' FLOPs per token + its
+    windows' attention FLOPs per token): what a step costs, relative to the others."""
+    return [batch_tokens(s, config) * (weights_flops + attention_flops_per_token(config, *attention_windows(s, config)))
+            for s in range(config.num_iterations)]
 
 
 def hardware_description(device: torch.device) -> str:
