@@ -2065,22 +2065,6 @@ class DataLoader:
         self.position += step_tokens
         return batches
 
-    def state(self) -> dict:
-        """Where the next step starts, the shard named (not numbered) so that added shards don't move it."""
-        path = self.files[self.file_index]
-        return dict(file=Path(path).name, file_tokens=shard_token_count(path), position=self.position)
-
-    def load_state(self, state: dict) -> None:
-        names = [Path(f).name for f in self.files]
-        if state["file"] not in names:
-            raise ShardError(f"the checkpoint's data position is in shard {state['file']}, which is not among "
-                             f"--train_files ({len(names)} shards)")
-        index = names.index(state["file"])
-        if shard_token_count(self.files[index]) != state["file_tokens"]:
-            raise ShardError(f"{self.files[index]}: {shard_token_count(self.files[index])} tokens, but the "
-                             f"checkpoint's shard of that name had {state['file_tokens']}; not the same data")
-        self.file_index, self.position, self.tokens = index, state["position"], None
-
 
 class DocumentAlignedLoader:
     """Training slices of whole documents (--document_aligned_batches), as the 2025-12-31 record's
@@ -2159,9 +2143,6 @@ class DocumentAlignedLoader:
             batches.append((buf[:-1], buf[1:].to(torch.int64)))
             self.host_inputs.append(host[:-1])  # the §9 bigram exchange's rows, read on the host
         return batches
-
-    # the same checkpoint record as DataLoader's (the shard by name, its size, a token position)
-    state, load_state = DataLoader.state, DataLoader.load_state
 
 
 def train_loader(config: Hyperparameters, files: list[str], rank: int, world_size: int, device):
@@ -5652,6 +5633,27 @@ def adam_checkpoint_state(adam: CautiousAdam, names: dict) -> tuple[dict, dict]:
     return whole, rows
 
 
+def loader_state(loader: DataLoader) -> dict:
+    """Where a training loader's next step starts (DataLoader's and DocumentAlignedLoader's alike: the
+    shard, its token count and a token position), the shard named (not numbered) so that added shards
+    don't move it."""
+    path = loader.files[loader.file_index]
+    return dict(file=Path(path).name, file_tokens=shard_token_count(path), position=loader.position)
+
+
+def load_loader_state(loader: DataLoader, state: dict) -> None:
+    """The loader goes on from loader_state's record: its shard found by name and checked by size."""
+    names = [Path(f).name for f in loader.files]
+    if state["file"] not in names:
+        raise ShardError(f"the checkpoint's data position is in shard {state['file']}, which is not among "
+                         f"--train_files ({len(names)} shards)")
+    index = names.index(state["file"])
+    if shard_token_count(loader.files[index]) != state["file_tokens"]:
+        raise ShardError(f"{loader.files[index]}: {shard_token_count(loader.files[index])} tokens, but the "
+                         f"checkpoint's shard of that name had {state['file_tokens']}; not the same data")
+    loader.file_index, loader.position, loader.tokens = index, state["position"], None  # read again from there
+
+
 def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float) -> Path:
     """<checkpoint_dir>/<run>/step_<N>/: rank r writes rank_<r>.pt (the Muon momentum and low bits
     of the matrices it owns, its rows of Adam's sharded moments, its RNG states), rank 0 also main.pt
@@ -5678,7 +5680,7 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     if rank == 0:  # the model and the Adam state stepped whole are the same on every rank
         model_state = {k: _copy(v, "cpu") for k, v in runner.model.state_dict().items()}
         records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(
-            format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
+            format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader_state(loader),
             model=model_state, optimizers=[adam_whole], config=config_record(cfg, runner.model.dtype))))
     save.all_ranks_ok()
     shards = {name: [own_file, *piece["rows"]] for name, piece in adam_rows_here.items()}
@@ -5869,7 +5871,7 @@ def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) 
     states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=adam_state)
               for opt in runner.optimizers]
     restore_state(runner.model, runner.optimizers, dict(model=main_file["model"], optimizers=states))
-    loader.load_state(main_file["loader"])
+    load_loader_state(loader, main_file["loader"])
     rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
     set_rng_states(_load(path / rng_file)["rng"], runner.device)
     return main_file["step"], main_file["train_time_ms"]
