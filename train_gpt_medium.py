@@ -27,9 +27,10 @@ Part II, beyond the record: one chapter per claim, what its PR adds (its modules
   10. PR #261 mudd      the MUDD nets and the last block's forward
   11. The seed ideas    LoRE, the value-embedding basis
 Part III, machinery, below main (off in a record run's numbers): the command line and its checks,
-the presets and recipes, run setup (with the GPU guard: gpu_properties, check_gpu), the log,
-checkpoints, accounting and the dry run (with the peak model and its table of what fits), the
-benchmark, the shard writer, the after-run hooks.
+the presets and recipes, run setup (run_training; the data a run reads, load_data; the GPU guard:
+gpu_properties, check_gpu), the log (with the console's ETA), checkpoints, accounting and the dry
+run (with the peak model, its table of what fits, and the collectives counted: CountedCollectives),
+the benchmark, the shard writer, the after-run hooks.
 
 The earlier records (x01 .. smear, 2025-09 .. 2025-11) run from their frozen script,
 records/x01_lineage/train_gpt_medium.py. Importing this module has no side effects; everything
@@ -4187,9 +4188,10 @@ def check_mudd_gate(cfg: Hyperparameters) -> None:
 
 # #############################################################################
 # Part III. Machinery: what a record diff does not touch. The command line and config checks; run
-# setup, called once before training (device, threads, seed, input and output checks, the log, the
-# byte table); checkpoints; accounting (also the log's parameter and FLOP lines); dry run;
-# benchmark. The timed loop's own helpers are in section 6.
+# setup, called once before training (run_training: device, threads, seed, input and output checks,
+# the data, the log and its console ETA, the byte table); checkpoints; accounting (also the log's
+# parameter and FLOP lines); dry run (with the collectives counted); benchmark. The timed loop's own
+# helpers are in section 6.
 # #############################################################################
 
 class ConfigError(InputError, ValueError):
