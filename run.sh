@@ -18,6 +18,12 @@
 # util-linux has it), so even a SIGKILLed run.sh leaves no trainer behind; torchrun ends its workers.
 set -euo pipefail
 cd "$(dirname "$0")"
+# The variables read here that make a run what it is (interpreter, script, world size: processes, GPUs,
+# nodes), as the caller set them: a batch's `continue:` line repeats them.
+launch_env=()
+for var in PYTHON TRAINER NPROC_PER_NODE CUDA_VISIBLE_DEVICES NNODES NODE_RANK MASTER_ADDR MASTER_PORT; do
+  if [ -n "${!var+x}" ]; then launch_env+=("$var=${!var}"); fi
+done
 PYTHON=${PYTHON:-python3}
 TRAINER=${TRAINER:-train_gpt_medium.py}
 if [ ! -f "$TRAINER" ]; then
@@ -139,7 +145,8 @@ for arg in "$@"; do
   fi
   prev=$arg
 done
-again=(./run.sh "$@")  # the command that adds runs to this batch (printed with RUNS=<missing>)
+# the command that adds runs to this batch (printed with RUNS=<missing>)
+again=(${launch_env[@]+"${launch_env[@]}"} ./run.sh "$@")
 extra=()  # after the user's flags
 if [ -z "$log_dir" ]; then
   log_dir="logs/${name:-$preset}-$(date +%Y%m%d-%H%M%S)"

@@ -27,9 +27,11 @@ Part II, beyond the record: one chapter per claim, what its PR adds (its modules
   10. PR #261 mudd      the MUDD nets and the last block's forward
   11. The seed ideas    LoRE, the value-embedding basis
 Part III, machinery, below main (off in a record run's numbers): the command line and its checks,
-the presets and recipes, run setup (with the GPU guard: gpu_properties, check_gpu), the log,
-checkpoints, accounting and the dry run (with the peak model and its table of what fits), the
-benchmark, the shard writer, the after-run hooks.
+the presets and recipes, run setup (run_training; the data a run reads, load_data; the GPU guard:
+gpu_properties, check_gpu; FlexAttention's mask block on CUDA: flex_mask_block), the log (with the
+console's ETA, how a run ended), checkpoints, accounting and the dry
+run (with the peak model, its table of what fits, and the collectives counted: CountedCollectives),
+the benchmark, the shard writer, the after-run hooks.
 
 The earlier records (x01 .. smear, 2025-09 .. 2025-11) run from their frozen script,
 records/x01_lineage/train_gpt_medium.py. Importing this module has no side effects; everything
@@ -42,6 +44,7 @@ import collections
 import copy
 import dataclasses
 import difflib
+import errno
 import functools
 import glob
 import hashlib
@@ -52,16 +55,24 @@ import platform
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple, Optional
+
+# The process that started this one (torchrun, for a worker), read when run as a script before torch's
+# import, which takes seconds: a launcher killed during them is noticed too (StopRequests). Importing
+# the module reads nothing.
+PARENT_AT_START = os.getppid() if __name__ == "__main__" else None
 
 import numpy as np
 import torch
@@ -1277,45 +1288,13 @@ def token_windowed_blocks(full: torch.Tensor, partial: torch.Tensor, window: tor
     return full & inside, (partial & (inside | edge)) | (full & edge)
 
 
-# On CUDA, inductor's FlexAttention kernels walk a BlockMask in tiles of 16 to 128 tokens (chosen by
-# the GPU, head dim and dtype; the backward's differ from the forward's) and refuse a mask whose block
-# is not a multiple of the tile. There the mask's blocks are grouped into blocks of a multiple of 128
-# tokens: the record's 128 stays as it is, the tiny preset's 16 become 128. The token rule (mask_mod)
-# is the whole mask, so grouping changes which tiles are skipped, not what is attended.
-FLEX_TILE_MULTIPLE = 128
-
-
-def flex_mask_block(config: Hyperparameters, device_type: str) -> int:
-    """The block size of the FlexAttention BlockMask on `device_type`: attn_block_size, or on CUDA the
-    least multiple of it that is a multiple of FLEX_TILE_MULTIPLE."""
-    bs = config.attn_block_size
-    return bs * FLEX_TILE_MULTIPLE // math.gcd(bs, FLEX_TILE_MULTIPLE) if device_type == "cuda" else bs
-
-
-def grouped_blocks(full: torch.Tensor, partial: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(full, partial) block lists over blocks of `group` x `group` blocks: a group is full if all
-    its blocks are, partial if some are selected, dropped otherwise. A last group that reaches past
-    the sequence is partial (flex bounds the mask_mod's indices there). (nb, nb) -> (ng, ng) bools."""
-    nb = full.size(-1)
-    ng = -(-nb // group)
-
-    def by_group(blocks):  # (nb, nb) -> (ng, group, ng, group), unselected past the end
-        padded = blocks.new_zeros(ng * group, ng * group)
-        padded[:nb, :nb] = blocks
-        return padded.view(ng, group, ng, group)
-
-    all_full = by_group(full).all(3).all(1)
-    selected = by_group(full | partial).any(3).any(1)
-    return all_full, selected & ~all_full
-
-
 def token_window_masks(ids: torch.Tensor, long_window: torch.Tensor, short_window: torch.Tensor,
                        config: Hyperparameters, backend: str, flex_block: Optional[int] = None):
     """(long, short) token-window masks for one packed sequence: FlexAttention BlockMasks, or
     dense (T, T) bools for SDPA. Both keep the selected full blocks entirely and, inside the
     selected partial blocks, the token rule: causal, same document, at most W positions back.
     The windows are device tensors (blocks): a new window rebuilds the masks without recompiling.
-    `flex_block`: the BlockMask's block size (flex_mask_block), a multiple of attn_block_size
+    `flex_block`: the BlockMask's block size (flex_mask_block, Part III), a multiple of attn_block_size
     (default: attn_block_size itself)."""
     bs, T = config.attn_block_size, ids.numel()
     docs, full, partial = candidate_blocks(ids, bs, config.eot_token)
@@ -2061,32 +2040,6 @@ def read_shard(path) -> torch.Tensor:
     return torch.from_numpy(tokens)
 
 
-class ShardNotFoundError(ShardError, FileNotFoundError):
-    """No file matches a shard pattern."""
-
-
-def shard_files(pattern: str, flag: str) -> list[str]:
-    """The files a shard pattern matches, sorted; ShardError naming the flag if there are none, or if
-    one is a folder or cannot be opened (found here, before anything is built, not mid-run)."""
-    files = sorted(glob.glob(pattern))
-    if not files:
-        hint = ("; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else
-                "; make them with `python data/synthetic.py --out FOLDER` (--synthetic_data writes only "
-                "the tiny preset's own folder)" if "synthetic" in pattern else "")
-        raise ShardNotFoundError(f"--{flag}: no files match {pattern!r}{hint}")
-    for path in files:
-        if os.path.isdir(path):
-            raise ShardError(f"--{flag}: {path} is a folder, not a shard; make the pattern match shard files "
-                             "only (e.g. end it in *.bin)")
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as e:
-            raise ShardError(f"--{flag}: {path} cannot be read ({e.strerror or e}); fix its permissions or "
-                             "leave it out of the pattern")
-    return files
-
-
 class DataLoader:
     """Consecutive steps of `batch_slices` contiguous slices of `seq_len` tokens (+1 for the last
     target) across sorted shards; a shard's tail that cannot hold a whole step is skipped.
@@ -2128,22 +2081,6 @@ class DataLoader:
             self.host_inputs.append(host[:-1])  # the §9 bigram exchange's rows, read on the host
         self.position += step_tokens
         return batches
-
-    def state(self) -> dict:
-        """Where the next step starts, the shard named (not numbered) so that added shards don't move it."""
-        path = self.files[self.file_index]
-        return dict(file=Path(path).name, file_tokens=shard_token_count(path), position=self.position)
-
-    def load_state(self, state: dict) -> None:
-        names = [Path(f).name for f in self.files]
-        if state["file"] not in names:
-            raise ShardError(f"the checkpoint's data position is in shard {state['file']}, which is not among "
-                             f"--train_files ({len(names)} shards)")
-        index = names.index(state["file"])
-        if shard_token_count(self.files[index]) != state["file_tokens"]:
-            raise ShardError(f"{self.files[index]}: {shard_token_count(self.files[index])} tokens, but the "
-                             f"checkpoint's shard of that name had {state['file_tokens']}; not the same data")
-        self.file_index, self.position, self.tokens = index, state["position"], None
 
 
 class DocumentAlignedLoader:
@@ -2224,9 +2161,6 @@ class DocumentAlignedLoader:
             self.host_inputs.append(host[:-1])  # the §9 bigram exchange's rows, read on the host
         return batches
 
-    # the same checkpoint record as DataLoader's (the shard by name, its size, a token position)
-    state, load_state = DataLoader.state, DataLoader.load_state
-
 
 def train_loader(config: Hyperparameters, files: list[str], rank: int, world_size: int, device):
     """The training data loader a run uses: contiguous slices, or whole documents."""
@@ -2234,67 +2168,6 @@ def train_loader(config: Hyperparameters, files: list[str], rank: int, world_siz
         return DocumentAlignedLoader(files, config.batch_slices, config.document_cut_tokens, config.eot_token,
                                      rank, world_size, device)
     return DataLoader(files, config.train_seq_len, config.batch_slices, rank, world_size, device)
-
-
-def steps_available(files: list[str], step_tokens: int) -> int:
-    """How many training steps the shards can feed (headers only)."""
-    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
-
-
-def steps_fed(files: list[str], config: Hyperparameters) -> int:
-    """How many of the run's steps the shards feed, each step with its own size, from the headers
-    only. Contiguous slices: exact (a step needs its tokens + 1 inside one shard). Whole documents:
-    an upper bound (each slice needs its tokens + 1; the cut and skipped parts of documents are
-    known only once a shard is read, and the loader stops with an error if they run out)."""
-    sizes = [shard_token_count(f) for f in files]
-    aligned = config.document_aligned_batches
-    shard, position = 0, 0
-    for step in range(config.num_iterations):
-        tokens = batch_tokens(step, config)
-        needed = tokens + (config.batch_slices if aligned else 1)
-        while shard < len(sizes) and position + needed > sizes[shard]:
-            shard, position = shard + 1, 0
-        if shard == len(sizes):
-            return step
-        position += needed if aligned else tokens
-    return config.num_iterations
-
-
-@dataclass
-class RunData:
-    """What a run reads before anything is built: the train shards, the validation tokens, and the
-    bytes per token id for val_bpb (None, with the reason, when the run reports no val_bpb)."""
-    train_files: list[str]
-    val_tokens: torch.Tensor
-    token_bytes: Optional[np.ndarray]
-    no_token_bytes_reason: str = ""
-
-
-def load_data(config: Hyperparameters) -> RunData:
-    """The train shard list, the validation tokens and the byte table, checked against what the run
-    needs before anything is built or written (a bad table stops the run here, not after its log
-    was opened)."""
-    cfg = config
-    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
-    if cfg.batch_schedule or cfg.document_aligned_batches:
-        available = steps_fed(train_files, cfg)
-        if available < cfg.num_iterations:
-            bound = " at most" if cfg.document_aligned_batches else ""
-            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed{bound} {available} of the run's "
-                             f"{cfg.num_iterations} steps; add shards or lower --num_iterations")
-    else:
-        available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
-        if available < cfg.num_iterations:
-            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
-                             f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
-                             "add shards or lower --num_iterations")
-    val_tokens = torch.cat([read_shard(f) for f in val_files])
-    if val_tokens.numel() < cfg.val_tokens + 1:
-        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
-    token_bytes, why_not = read_token_bytes(cfg)
-    if cfg.prefix_loss_weight:  # §16 --prefix_loss_weight: its byte files checked before the log opens
-        prefix_table(cfg)
-    return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
 
 # =============================================================================
 # 6. Training: optimizers, one step, evaluation, warm-up, the timed loop
@@ -2385,75 +2258,36 @@ def adam_rows(p: torch.Tensor, rank: int, world_size: int) -> Optional[tuple[int
     return rank * rows, (rank + 1) * rows
 
 
-class Collective(NamedTuple):
-    """One collective call as a rank sees it: its kind, the parameter group it moves, the bytes of the
-    whole tensor it is about (the payload) and the bytes this rank sends for it."""
-    kind: str
-    group: str
-    payload: int
-    sent: int
-
-
-class _Done:
-    """What a counted collective returns in place of torch.distributed's work handle."""
-
-    def wait(self):
-        return None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class Collectives:
-    """The optimizers' collectives, every one through here, so that one code path both runs them and
-    counts them: on a process group, torch.distributed's asynchronous calls; with `counting`, no process
-    group and nothing moves (the dry run's one rank of many, on meta tensors). While `ledger` is a list,
-    each call is appended to it (Collective). Bytes sent per rank are the ring algorithm's: an
-    all-reduce of N bytes sends 2 (W-1)/W N, a reduce-scatter or an all-gather (W-1)/W N, an all-to-all
-    what it sends to the other ranks."""
+    """The optimizers' collectives, every one through here: torch.distributed's asynchronous calls on
+    the run's process group (world_size ranks, this one `rank`), each named by the parameter group it
+    moves. The dry run and the bench count these same calls through CountedCollectives (Part III)."""
 
-    def __init__(self, world_size: int, rank: int = 0, counting: bool = False):
-        self.world_size, self.rank, self.counting, self.ledger = world_size, rank, counting, None
+    def __init__(self, world_size: int, rank: int = 0):
+        self.world_size, self.rank = world_size, rank
         self.in_place_gather = False  # set by the Runner on NCCL: an all-gather may read its input from its output
 
-    def _call(self, kind: str, group: str, payload: int, sent: float, run):
-        if self.ledger is not None:
-            self.ledger.append(Collective(kind, group, payload, round(sent)))
-        return _Done() if self.counting else run()
-
     def all_reduce(self, t: torch.Tensor, group: str):
-        W = self.world_size
-        return self._call("all_reduce", group, _nbytes(t), 2 * (W - 1) / W * _nbytes(t),
-                          lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str):
         """out (n, ...) <- the sum over ranks of this rank's n rows of inp (W n, ...)."""
-        W = self.world_size
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13 / 2.11
-        return self._call("reduce_scatter", group, _nbytes(inp), (W - 1) / W * _nbytes(inp),
-                          lambda: scatter(out, inp, op=dist.ReduceOp.SUM, async_op=True))
+        return scatter(out, inp, op=dist.ReduceOp.SUM, async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str):
         """out (W n, ...) <- every rank's inp (n, ...), in rank order."""
-        W = self.world_size
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 / 2.11
-        return self._call("all_gather", group, _nbytes(out), (W - 1) / W * _nbytes(out),
-                          lambda: gather(out, inp, async_op=True))
+        return gather(out, inp, async_op=True)
 
     def all_gather_list(self, outs: list[torch.Tensor], inp: torch.Tensor, group: str):
         """outs[r] <- rank r's inp (every one of inp's shape)."""
-        W = self.world_size
-        return self._call("all_gather", group, W * _nbytes(inp), (W - 1) * _nbytes(inp),
-                          lambda: dist.all_gather(outs, inp, async_op=True))
+        return dist.all_gather(outs, inp, async_op=True)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    group: str):
         """Rank r's in_splits[s] rows of inp go to rank s; out holds what each rank sent here, in rank order."""
-        row = _nbytes(inp[0]) if inp.numel() else inp.element_size() * math.prod(inp.shape[1:])
-        sent = row * (sum(in_splits) - in_splits[self.rank])
-        return self._call("all_to_all", group, row * sum(in_splits), sent,
-                          lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True))
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True)
 
 
 class _MuonBucket:
@@ -2573,9 +2407,11 @@ def compile_enabled(config: Hyperparameters, device: torch.device) -> bool:
 
 
 class Runner:
-    """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks."""
+    """Holds what a training run needs: model (compiled or not), optimizers, devices, ranks.
+    `collectives`: the optimizers' on more than one rank (None: a Collectives of its own)."""
 
-    def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: Hyperparameters, device: torch.device, rank: int = 0, world_size: int = 1,
+                 collectives: Optional[Collectives] = None):
         self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
         self.micro_steps = config.batch_slices // world_size
         make_fp8_head_kernels(config, device.type)  # §8 --fp8
@@ -2588,8 +2424,8 @@ class Runner:
         self.backend = attention_backend(config, device.type)
         if self.backend == "fa3":
             kernels.flash_attention_3()  # fetched before anything is compiled
-        # more than one rank: every collective of the optimizers through one Collectives (the bench's ledger)
-        self.collectives = Collectives(world_size, rank) if world_size > 1 else None
+        # more than one rank: every collective of the optimizers through one Collectives (the bench's counts them)
+        self.collectives = (collectives or Collectives(world_size, rank)) if world_size > 1 else None
         if self.collectives is not None:
             self.collectives.in_place_gather = device.type == "cuda"  # NCCL gathers from inside its output
         self.optimizers = build_optimizers(self.model, config, rank, world_size, compile_updates=use_compile,
@@ -2602,7 +2438,7 @@ class Runner:
         self.stepped_every_step = [p for p in self.model.parameters() if p not in self.adam_params]
         self.compiled = use_compile
         self.forward = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        self.exchange, self.step_ledgers = None, {}  # step_ledgers: the bench's collectives, by parity
+        self.exchange = None
         if world_size > 1:
             sparse = self.model.bigram.table if bigram_exchange_is_sparse(config, world_size) else None  # §9 its rows
             adam, muon = self.optimizers
@@ -2853,38 +2689,6 @@ def train(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
 
 # ---- what train() does besides training: resume, the non-finite check, validation, log lines
 
-ETA_FIRST_STEPS = 10  # steps timed before the console gives a time left
-
-
-class Eta:
-    """Wall-clock time left, validation included, from this process's pace so far per unit of the
-    schedule's work: a step's work is its tokens x its FLOPs per token at its windows (step_work), so
-    the batch ramp's small early steps and short windows do not make the estimate too low. Unknown
-    for the first ETA_FIRST_STEPS steps (console only: the log's step lines keep the speedrun's format)."""
-
-    def __init__(self, first_step: int, work: list[float]):
-        self.first_step, self.num_steps, self.t0 = first_step, len(work), time.perf_counter()
-        self.done_before = [0.0]  # work of the steps before step s
-        for w in work:
-            self.done_before.append(self.done_before[-1] + w)
-
-    def text(self, steps_done: int) -> str:
-        if steps_done >= self.num_steps or steps_done <= self.first_step:
-            return ""
-        if steps_done - self.first_step < ETA_FIRST_STEPS:
-            return " eta:unknown"
-        done = self.done_before[steps_done] - self.done_before[self.first_step]
-        left = (time.perf_counter() - self.t0) / done * (self.done_before[-1] - self.done_before[steps_done])
-        return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
-
-
-def step_work(config: Hyperparameters, weights_flops: float) -> list[float]:
-    """Each training step's model FLOPs: its batch's tokens x (the weights' FLOPs per token + its
-    windows' attention FLOPs per token): what a step costs, relative to the others."""
-    return [batch_tokens(s, config) * (weights_flops + attention_flops_per_token(config, *attention_windows(s, config)))
-            for s in range(config.num_iterations)]
-
-
 def stop_if_nonfinite(runner: Runner, step: int, last_checkpoint: Optional[Path]) -> None:
     """Raise NonFiniteLossError if any training loss so far was nan/inf (one host sync)."""
     bad, N = runner.nonfinite_step(), runner.config.num_iterations
@@ -2909,24 +2713,6 @@ def validate_and_log(runner: Runner, step: int, val_tokens: torch.Tensor, token_
     return dict(step=step, val_loss=val_loss, val_bpb=val_bpb, train_time_ms=train_time_ms,
                 package_ms=train_time_ms + 1000 * (time.perf_counter() - eval_start))
 
-
-def log_step0_loss(loss: torch.Tensor, world_size: int, log: RunLog) -> None:
-    """The step-0 training loss, needed to compare inits; one sync, outside the steady state."""
-    if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
-        loss = loss.clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        loss /= world_size
-    log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
-
-
-def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) -> None:
-    """The closing lines: final loss, perplexity, BPB and package time; learned lambdas; peak memory."""
-    bpb = f" val_bpb:{final['val_bpb']:.6f}" if final["val_bpb"] is not None else ""
-    log.write(f"final val_loss:{final['val_loss']:.6f} perplexity:{math.exp(final['val_loss']):.4f}{bpb} "
-              f"package_time:{final['package_ms']:.0f}ms (training + final evaluation)")
-    log.write_lines(learned_scalars_lines(runner.model), console=False)
-    allocated, reserved = peak_memory_mib(device)
-    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
 
 # ---- copies of the training state (the warm-up's restore; checkpoints use them too)
 
@@ -2971,93 +2757,35 @@ def restore_state(model: nn.Module, optimizers, saved: dict) -> None:
 # 7. main
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the trainer with command-line flags. Exit codes: 0 done, 1 stopped on a non-finite loss,
-    2 bad input (flags, data files, checkpoints, output folders; found before training starts),
+    """Run the trainer with command-line flags. Exit codes (exit_code): 0 done, 1 stopped on a non-finite
+    loss, 2 bad input (flags, data files, checkpoints, output folders; found before training starts),
     3 a checkpoint, the log or the synthetic data could not be written (disk full, permissions):
-    the run stops, a half-written checkpoint is removed, earlier ones stay intact; 130 Ctrl-C."""
+    the run stops, a half-written checkpoint is removed, earlier ones stay intact; 130 Ctrl-C; 143
+    SIGTERM, or a worker's launcher (torchrun) gone. The log's last line says which (run_ending)."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
     try:
         if "-h" in argv or "--help" in argv:
             print(help_text(), flush=True)
             return 0
-        return run_training(parse_args(argv), rank)
+        config = parse_args(argv)
+        with STOPS.armed(launcher=(PARENT_AT_START or os.getppid()) if "RANK" in os.environ else None):
+            return run_training(config, rank)  # Part III's run setup, then train()
     except BrokenPipeError:  # `--help | head`: the reader left; nothing more to say
         silence_stdout()
         return 0
-    except InputError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLossError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (InputError, NonFiniteLossError) as e:  # every rank meets these: said once (say_once)
+        say_once(f"error: {e}", rank)
+        return exit_code(e)
     except WriteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
-        return 3
-    except KeyboardInterrupt:  # Ctrl-C (torchrun passes it on to every rank): a line, not a traceback
+        return exit_code(e)
+    except KeyboardInterrupt as e:  # Ctrl-C (torchrun passes it on to every rank), SIGTERM: a line, not a traceback
         if rank == 0:
-            print("interrupted (Ctrl-C): the run stopped; its log and checkpoints so far are kept", file=sys.stderr)
-        return 130
-
-
-def run_training(config: Hyperparameters, rank: int) -> int:
-    """Everything between the parsed flags and the exit code: device, process group, data,
-    checkpoint checks, the log, the run."""
-    if config.dry_run:
-        return dry_run(config)
-    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    check_world_size(config, world_size)
-    device = resolve_device(config, local_rank)  # asks whether CUDA is there, without starting it
-    check_run_request(config, device)
-    notes = recipe_notes(config)
-    if device.type == "cuda":
-        use_expandable_segments()  # read when CUDA starts: before the first CUDA call
-        torch.cuda.set_device(device)
-        config = check_gpu(config, device, world_size, notes)  # Part III: what this GPU lacks, before any compile
-        if config.attention == "fa3":
-            check_fa3_device(device)
-        import torch._inductor.config as inductor_config
-        inductor_config.coordinate_descent_tuning = config.coordinate_descent_tuning
-    else:
-        notes.append(set_cpu_threads(config))
-    distributed = "RANK" in os.environ
-    if distributed:
-        # on GPUs NCCL, and gloo for host tensors (the bigram exchange's row counts: no device sync)
-        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
-    try:
-        if config.bench_steps:
-            return bench(config, device, rank, world_size)
-        if config.synthetic_data and rank == 0:
-            ensure_synthetic_data(config)
-        if distributed:
-            dist.barrier()
-        data = load_data(config)
-        resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
-        config = with_run_seed(config, world_size, resume)
-        on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
-        after = after_run_hooks(config, rank, world_size)  # None unless asked (and on ranks > 0)
-        log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
-        try:
-            if after:
-                after.attach(log, device, world_size)
-            result = train(config, device, rank, world_size, log, data, resume)
-            if after:  # untimed: train() has returned, its clock is stopped for good
-                after.evaluate(result, device, log)
-        except (InputError, NonFiniteLossError, WriteError) as e:
-            log.record_error(e)
-            raise
-        finally:
-            if after:
-                after.close()
-        if rank == 0:
-            print(run_summary(config, result, log))
-        return 0
-    finally:
-        if distributed:
-            dist.destroy_process_group()
+            cause = interruption_cause(e)
+            say(f"interrupted {'(Ctrl-C)' if cause == 'SIGINT' else 'by ' + cause}: the run stopped; its log and "
+                "checkpoints so far are kept")
+        return exit_code(e)
 
 
 # #############################################################################
@@ -3214,7 +2942,7 @@ def send_touched_rows(exchange: "GradientExchange", table: nn.Parameter) -> torc
     cuts = np.searchsorted(rows, np.arange(0, (W + 1) * n, n))
     send = torch.from_numpy(np.diff(cuts))
     send[rank] = 0  # its own rows stay
-    recv = send.clone() if coll.counting else torch.empty_like(send)  # counting: as many come back as go
+    recv = torch.empty_like(send)
     coll.all_to_all(recv, send, [1] * W, [1] * W, group).wait()
     send_sizes, recv_sizes = send.tolist(), recv.tolist()  # host tensors: no device sync
     index = torch.from_numpy(np.concatenate([rows[:cuts[rank]], rows[cuts[rank + 1]:]]))
@@ -4467,9 +4195,10 @@ def check_mudd_gate(cfg: Hyperparameters) -> None:
 
 # #############################################################################
 # Part III. Machinery: what a record diff does not touch. The command line and config checks; run
-# setup, called once before training (device, threads, seed, input and output checks, the log, the
-# byte table); checkpoints; accounting (also the log's parameter and FLOP lines); dry run;
-# benchmark. The timed loop's own helpers are in section 6.
+# setup, called once before training (run_training: device, threads, seed, input and output checks,
+# the data, the log and its console ETA, the byte table); checkpoints; accounting (also the log's
+# parameter and FLOP lines); dry run (with the collectives counted); benchmark. The timed loop's own
+# helpers are in section 6.
 # #############################################################################
 
 class ConfigError(InputError, ValueError):
@@ -4643,7 +4372,8 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
         if kind in ("float", "Optional[float]"):
             value = float(text)
             if not math.isfinite(value):
-                raise ValueError
+                raise argparse.ArgumentTypeError(f"{text} is not allowed; it must be a finite number "
+                                                 f"{range_text(f)}".rstrip())
             return value
         if kind == "tuple[Optional[int], ...]":  # 0,1,2,-,...
             return tuple(None if s.strip() == "-" else int(s) for s in text.split(","))
@@ -4656,7 +4386,8 @@ def from_text(f: dataclasses.Field, text: Optional[str]):
         if kind == "tuple[float, ...]":  # 1,1.52,2
             values = tuple(float(s) for s in text.split(",") if s.strip())
             if not all(math.isfinite(v) for v in values):
-                raise ValueError
+                raise argparse.ArgumentTypeError(f"{text}: {next(v for v in values if not math.isfinite(v))} is not "
+                                                 "allowed; give comma-separated finite numbers")
             return values
     except ValueError:
         example = dict(zip(("tuple[Optional[int], ...]", "tuple[tuple[int, int], ...]", "tuple[int, ...]",
@@ -4964,13 +4695,84 @@ def parse_args(argv: list[str]) -> Hyperparameters:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; flags look like --field=value (--help lists them)")
         name = arg[2:].split("=", 1)[0]
-        close = difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
+        close = close_field_names(name)
         hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
         raise ConfigError(f"unknown flag --{name}{hint} (--help lists every flag)")
     overrides = vars(namespace)
     return make_config(overrides.pop("preset", "medium"), overrides.pop("recipe", "bulk"), **overrides)
 
+
+def close_field_names(name: str) -> list[str]:
+    """The (at most two) fields a mistyped field name most likely meant, closest first; [] for none."""
+    return difflib.get_close_matches(name, [f.name for f in fields(Hyperparameters)], n=2, cutoff=0.75)
+
 # ---- run setup
+
+def run_training(config: Hyperparameters, rank: int) -> int:
+    """Everything between the parsed flags and the exit code: device, process group, data,
+    checkpoint checks, the log, the run."""
+    if config.dry_run:
+        return dry_run(config)
+    world_size, local_rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    check_world_size(config, world_size)
+    device = resolve_device(config, local_rank)  # asks whether CUDA is there, without starting it
+    check_run_request(config, device)
+    notes = recipe_notes(config)
+    if device.type == "cuda":
+        use_expandable_segments()  # read when CUDA starts: before the first CUDA call
+        torch.cuda.set_device(device)
+        config = check_gpu(config, device, world_size, notes)  # the GPU guard: before anything compiles
+        if config.attention == "fa3":
+            check_fa3_device(device)
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = config.coordinate_descent_tuning
+    else:
+        notes.append(set_cpu_threads(config))
+    distributed = "RANK" in os.environ
+    if distributed:
+        # on GPUs NCCL, and gloo for host tensors (the bigram exchange's row counts: no device sync)
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        if config.bench_steps:
+            return bench(config, device, rank, world_size)
+        if config.synthetic_data and rank == 0:
+            ensure_synthetic_data(config)
+        if distributed:
+            dist.barrier()
+        data = load_data(config)
+        resume, checkpoint_notes = prepare_checkpoints(config, weight_dtype(config, device), rank, world_size)
+        config = with_run_seed(config, world_size, resume)
+        on_rank0_for_all(lambda: check_output_folders(config), rank, world_size)
+        after = after_run_hooks(config, rank, world_size)  # None unless asked (and on ranks > 0)
+        log = open_run_log(config, device, world_size, notes + checkpoint_notes, rank)
+        try:
+            with warnings.catch_warnings():  # Python's warnings during the run: on the console and in the log
+                warnings.showwarning = log.python_warning(warnings.showwarning)
+                if after:
+                    after.attach(log, device, world_size)
+                result = train(config, device, rank, world_size, log, data, resume)
+                if after:  # untimed: train() has returned, its clock is stopped for good
+                    after.evaluate(result, device, log)
+            log.record_end(None)
+        except BaseException as e:
+            ended = STOPS.as_stop(e)  # an error after a stop was asked (a collective the others left) is that stop
+            if isinstance(ended, (InputError, NonFiniteLossError, WriteError)):
+                log.record_error(ended)
+            log.record_end(ended)
+            if ended is not e:
+                raise ended from e
+            raise
+        finally:
+            if after:
+                after.close()
+        if rank == 0:
+            print(run_summary(config, result, log))
+        return 0
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
 
 def check_world_size(config: Hyperparameters, world_size: int) -> None:
     """Every step must consume the same batch_slices slices whatever the world size, so W | batch_slices."""
@@ -5265,6 +5067,38 @@ def recipes_on_gpu(gpu: GpuProperties, world_size: int, preset: str = "medium") 
     return {name: gpu_verdict(make_config(preset, name), gpu, world_size)[2] for name in RECIPES}
 
 
+# On CUDA, inductor's FlexAttention kernels walk a BlockMask in tiles of 16 to 128 tokens (chosen by
+# the GPU, head dim and dtype; the backward's differ from the forward's) and refuse a mask whose block
+# is not a multiple of the tile. There the mask's blocks are grouped into blocks of a multiple of 128
+# tokens: the record's 128 stays as it is, the tiny preset's 16 become 128. The token rule (mask_mod)
+# is the whole mask, so grouping changes which tiles are skipped, not what is attended.
+FLEX_TILE_MULTIPLE = 128
+
+
+def flex_mask_block(config: Hyperparameters, device_type: str) -> int:
+    """The block size of the FlexAttention BlockMask on `device_type`: attn_block_size, or on CUDA the
+    least multiple of it that is a multiple of FLEX_TILE_MULTIPLE."""
+    bs = config.attn_block_size
+    return bs * FLEX_TILE_MULTIPLE // math.gcd(bs, FLEX_TILE_MULTIPLE) if device_type == "cuda" else bs
+
+
+def grouped_blocks(full: torch.Tensor, partial: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, partial) block lists over blocks of `group` x `group` blocks: a group is full if all
+    its blocks are, partial if some are selected, dropped otherwise. A last group that reaches past
+    the sequence is partial (flex bounds the mask_mod's indices there). (nb, nb) -> (ng, ng) bools."""
+    nb = full.size(-1)
+    ng = -(-nb // group)
+
+    def by_group(blocks):  # (nb, nb) -> (ng, group, ng, group), unselected past the end
+        padded = blocks.new_zeros(ng * group, ng * group)
+        padded[:nb, :nb] = blocks
+        return padded.view(ng, group, ng, group)
+
+    all_full = by_group(full).all(3).all(1)
+    selected = by_group(full | partial).any(3).any(1)
+    return all_full, selected & ~all_full
+
+
 # The caching allocator's settings: torch >= 2.8 reads PYTORCH_ALLOC_CONF, and the older
 # PYTORCH_CUDA_ALLOC_CONF as an alias of lower priority; a user's value under either name wins.
 # (2.9 ignored expandable_segments under the new name, fixed by 2.11: pytorch/pytorch#183387.)
@@ -5431,11 +5265,12 @@ class RunLog:
     def __init__(self, path: Optional[Path], echo: bool = True):
         self.path, self.echo = path, echo
         self.listeners = []  # called with each line after it is written (--metrics_jsonl, --tracker)
+        self.steps = None  # "s/N" of the last step line written: where the run was when it ended
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise WriteError(f"cannot create the log folder {path.parent} ({e.strerror or e})")
+                raise WriteError(f"cannot create the log folder {path.parent} {write_failure(e, '--log_dir')}")
 
     def write_lines(self, lines: list[str], console: bool = True) -> None:
         for line in lines:
@@ -5454,17 +5289,288 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(text + "\n")
         except OSError as e:
-            raise WriteError(f"cannot write the log {self.path} ({e.strerror or e})")
+            raise WriteError(f"cannot write the log {self.path} {write_failure(e, '--log_dir')}")
+        if text.startswith("step:"):
+            self.steps = text[5:].split(" ", 1)[0]
         for listener in self.listeners:
             listener(text)
 
+    def warn(self, text: str) -> None:
+        """A warning during the run: on stderr (every rank's own), and in rank 0's log."""
+        say(text)
+        self.write(text, console=False)
+
+    def python_warning(self, show):
+        """warnings.showwarning that also writes the warning to the log, in one line; `show` (the one it
+        replaces) still shows it."""
+        def show_and_log(message, category, filename, lineno, file=None, line=None):
+            show(message, category, filename, lineno, file, line)
+            self.write(f"warning: {category.__name__}: {message} ({filename}:{lineno})", console=False)
+        return show_and_log
+
     def record_error(self, error: Exception) -> None:
-        """The error that stops the run, as the log's last line if the log can still take it (the
+        """The error that stops the run, as a line of the log if the log can still take it (the
         message reaches stderr either way, so a log that fails here is let be)."""
         try:
             self.write(f"error: {error}", console=False)
         except WriteError:
             pass
+
+    def record_end(self, error: Optional[BaseException]) -> None:
+        """The log's last line: how the run ended (run_ending), if the log can still take it."""
+        try:
+            self.write(f"run ended: {run_ending(error, self.steps)}", console=False)
+        except WriteError:
+            pass
+
+
+def log_step0_loss(loss: torch.Tensor, world_size: int, log: RunLog) -> None:
+    """The step-0 training loss, needed to compare inits; one sync, outside the steady state."""
+    if world_size > 1:  # every rank's mean over its micro-steps -> the mean over all slices
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss /= world_size
+    log.write(f"step0_train_loss:{loss.item():.6f}", console=False)
+
+
+def log_run_end(runner: Runner, final: dict, device: torch.device, log: RunLog) -> None:
+    """The closing lines: final loss, perplexity, BPB and package time; learned lambdas; peak memory."""
+    bpb = f" val_bpb:{final['val_bpb']:.6f}" if final["val_bpb"] is not None else ""
+    log.write(f"final val_loss:{final['val_loss']:.6f} perplexity:{math.exp(final['val_loss']):.4f}{bpb} "
+              f"package_time:{final['package_ms']:.0f}ms (training + final evaluation)")
+    log.write_lines(learned_scalars_lines(runner.model), console=False)
+    allocated, reserved = peak_memory_mib(device)
+    log.write(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB")
+
+
+# ---- how a run ends: stops asked from outside, errors every rank meets, full disks, the log's last line
+
+class Interrupted(KeyboardInterrupt):
+    """A stop asked from outside the terminal: SIGTERM, or a worker's launcher gone (StopRequests). A
+    KeyboardInterrupt, so that whatever handles Ctrl-C handles it alike."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
+
+
+def interruption_cause(error: KeyboardInterrupt) -> str:
+    return error.cause if isinstance(error, Interrupted) else "SIGINT"
+
+
+LAUNCHER_POLL_S = 1.0  # how often a worker looks for its launcher
+LAUNCHER_GRACE_S = 10.0  # how long it then has to stop by the interruption's path before it exits at once
+
+
+class StopRequests:
+    """While main runs (`with STOPS.armed(launcher)`): SIGTERM raises Interrupted in the main thread, as
+    SIGINT raises KeyboardInterrupt, so a stop takes Ctrl-C's path (the log's last line, a save under
+    way removed, exit 143). Once a stop is under way a SIGTERM is ignored: torchrun answers Ctrl-C by
+    sending its workers SIGTERM, which would cut short the stop they are making (a second Ctrl-C still
+    interrupts, as Python's does). A worker (RANK set: torchrun's) also stops when its launcher's process is
+    gone, killed by any signal: a thread compares os.getppid() with the launcher's pid once a second
+    (an orphan is re-parented, so its parent's pid changes), then sends the main thread SIGTERM, and ends
+    it with os._exit after LAUNCHER_GRACE_S (a collective that waits for ranks already gone may never
+    return). Not prctl(PR_SET_PDEATHSIG): it is Linux-only, fires when the *thread* that started the
+    worker ends, not its process, and needs the same getppid check for a launcher that died before it
+    was set. The poll is a syscall a second in a thread that holds the GIL for microseconds."""
+
+    def __init__(self):
+        self.launcher, self.cause, self.done, self.previous = None, None, threading.Event(), {}
+
+    def armed(self, launcher: Optional[int]) -> "StopRequests":
+        """For one main(): `launcher`, the pid of the process that started this one (None: not a worker)."""
+        self.launcher, self.cause, self.done = launcher, None, threading.Event()
+        return self
+
+    def __enter__(self) -> "StopRequests":
+        self.previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        if self.launcher is not None:
+            threading.Thread(target=self.watch, args=(self.done,), name="launcher watch", daemon=True).start()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.done.set()
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        stop = self.as_stop(error) if error is not None else None
+        if stop is not None and stop is not error:
+            raise stop from error
+
+    def on_signal(self, signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.cause = self.cause or signal.Signals(signum).name
+        raise self.stop()
+
+    def stop(self) -> KeyboardInterrupt:
+        return KeyboardInterrupt() if self.cause == "SIGINT" else Interrupted(self.cause)
+
+    def launcher_gone(self) -> bool:
+        return self.launcher is not None and os.getppid() != self.launcher
+
+    def watch(self, done: threading.Event) -> None:
+        while not done.wait(LAUNCHER_POLL_S):
+            if self.launcher_gone():
+                self.cause = self.cause or f"its launcher's exit (pid {self.launcher})"
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # wakes it from a blocking call
+                if not done.wait(LAUNCHER_GRACE_S):
+                    say(f"interrupted by {self.cause}: not stopped after {LAUNCHER_GRACE_S:g} s; ended")
+                    os._exit(exit_code(Interrupted(self.cause)))
+                return
+
+    def as_stop(self, error: BaseException) -> BaseException:
+        """`error`, or the stop asked before it (SIGTERM, the launcher gone), of which it is a consequence:
+        a collective fails when the other ranks have already stopped."""
+        if not isinstance(error, Exception):
+            return error
+        if self.cause is None and self.launcher_gone():
+            self.cause = f"its launcher's exit (pid {self.launcher})"
+        return self.stop() if self.cause else error
+
+
+STOPS = StopRequests()  # main arms it; signal handlers are process-wide, so is it
+
+
+def exit_code(error: Optional[BaseException]) -> int:
+    """main's exit code for a run that ended with `error` (None: it finished)."""
+    if error is None:
+        return 0
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + (signal.SIGTERM if isinstance(error, Interrupted) else signal.SIGINT)
+    for kind, code in ((InputError, 2), (NonFiniteLossError, 1), (WriteError, 3)):
+        if isinstance(error, kind):
+            return code
+    return 1  # an uncaught exception: Python's exit code for it
+
+
+def run_ending(error: Optional[BaseException], steps: Optional[str]) -> str:
+    """What the log's last line says after `run ended: ` (records/runlogs.py reads it): finished;
+    interrupted by SIGINT, SIGTERM or its launcher's exit at step s/N; stopped by a non-finite loss or
+    an error at step s/N (a crash: its type and message, which no other line of the log holds); each
+    with its exit code. s/N: the last step line written (`steps`)."""
+    where = f"at step {steps}" if steps else "before its first step"
+    if error is None:
+        how = "finished"
+    elif isinstance(error, KeyboardInterrupt):
+        how = f"interrupted by {interruption_cause(error)} {where}"
+    elif isinstance(error, NonFiniteLossError):
+        how = f"stopped by a non-finite loss {where}"
+    elif isinstance(error, (InputError, WriteError)):  # its message is the line above
+        how = f"stopped by an error {where}"
+    else:
+        message = str(error).strip().splitlines()
+        how = f"stopped by an error {where}: {type(error).__name__}" + (f": {message[0][:200]}" if message else "")
+    return f"{how} (exit {exit_code(error)})"
+
+
+def say(line: str) -> None:
+    """A line on stderr; a console that is gone (a killed launcher's pipe) is let be."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+SAID_WAIT_S = 5.0  # how long a rank waits for another to say the line it did not say itself
+
+
+def launch_folder() -> Optional[Path]:
+    """The folder torchrun makes for this launch's workers on this machine (<log dir>/<run>_*/attempt_<k>/,
+    worker r's TORCHELASTIC_ERROR_FILE in its <r>/), or None outside torchrun or in another layout."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return None
+    own = Path(error_file).parent
+    if own.name != os.environ.get("LOCAL_RANK") or not own.parent.name.startswith("attempt_"):
+        return None
+    return own.parent
+
+
+def say_once(line: str, rank: int) -> None:
+    """An error every rank meets (bad input, a non-finite loss), said once however the ranks race. Under
+    torchrun the first rank to get here says it: when one worker exits, torchrun ends the others, so rank
+    0 alone was often ended before it spoke. The workers of a machine agree through a file named after
+    the line in torchrun's folder for the launch (created once: O_EXCL); the others wait until it is said
+    (at most SAID_WAIT_S) before they exit. Elsewhere (no torchrun, another layout of its folder): rank 0."""
+    folder = launch_folder()
+    if folder is None:
+        if rank == 0:
+            say(line)
+        return
+    mark = folder / f"said-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
+    try:
+        fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        deadline = time.monotonic() + SAID_WAIT_S
+        while time.monotonic() < deadline and not (mark.exists() and mark.stat().st_size):
+            time.sleep(0.05)
+        return
+    except OSError:  # no mark can be made: each rank says it rather than none
+        say(line)
+        return
+    say(line)
+    os.write(fd, b"said\n")
+    os.close(fd)
+
+
+NO_ROOM = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
+
+
+def write_failure(e: OSError, flag: str) -> str:
+    """A failed write as the run's lines tell it: `(the OS's reason)`, and for a full disk what to do,
+    `(No space left on device): the disk is full; free space there or give another --log_dir`."""
+    text = f"({e.strerror or e})"
+    if e.errno in NO_ROOM:
+        text += f": {NO_ROOM[e.errno]}; free space there or give another {flag}"
+    return text
+
+
+def torch_save_no_room(path: Path, obj) -> Optional[OSError]:
+    """torch.save's writer reports a failed write as a RuntimeError without the OS's error (`unexpected
+    pos A vs B`). The folder's free space tells a full disk: less than the bytes of the tensors being
+    saved. Then an OSError(ENOSPC) with both sizes; else None (torch's error stands)."""
+    need = sum(t.nbytes for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t))
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    if free >= need:
+        return None
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free / 2**20:,.1f} MiB free, the file needs "
+                                 f"about {need / 2**20:,.1f} MiB")
+
+
+# the console's time left after train()'s step lines (RunLog.write's console_suffix; the log file has none)
+ETA_FIRST_STEPS = 10  # steps timed before the console gives a time left
+
+
+class Eta:
+    """Wall-clock time left, validation included, from this process's pace so far per unit of the
+    schedule's work: a step's work is its tokens x its FLOPs per token at its windows (step_work), so
+    the batch ramp's small early steps and short windows do not make the estimate too low. Unknown
+    for the first ETA_FIRST_STEPS steps (console only: the log's step lines keep the speedrun's format)."""
+
+    def __init__(self, first_step: int, work: list[float]):
+        self.first_step, self.num_steps, self.t0 = first_step, len(work), time.perf_counter()
+        self.done_before = [0.0]  # work of the steps before step s
+        for w in work:
+            self.done_before.append(self.done_before[-1] + w)
+
+    def text(self, steps_done: int) -> str:
+        if steps_done >= self.num_steps or steps_done <= self.first_step:
+            return ""
+        if steps_done - self.first_step < ETA_FIRST_STEPS:
+            return " eta:unknown"
+        done = self.done_before[steps_done] - self.done_before[self.first_step]
+        left = (time.perf_counter() - self.t0) / done * (self.done_before[-1] - self.done_before[steps_done])
+        return f" eta:{int(left) // 60}m{int(left) % 60:02d}s"
+
+
+def step_work(config: Hyperparameters, weights_flops: float) -> list[float]:
+    """Each training step's model FLOPs: its batch's tokens x (the weights' FLOPs per token + its
+    windows' attention FLOPs per token): what a step costs, relative to the others."""
+    return [batch_tokens(s, config) * (weights_flops + attention_flops_per_token(config, *attention_windows(s, config)))
+            for s in range(config.num_iterations)]
 
 
 def hardware_description(device: torch.device) -> str:
@@ -5526,6 +5632,96 @@ def run_summary(config: Hyperparameters, result: dict, log: RunLog) -> str:
         summary += (f" nats/token (synthetic data: true conditional entropy {m['conditional_entropy']:.4f}, "
                     f"unigram entropy {m['unigram_entropy']:.4f})")
     return f"{summary}\nlog: {log.path}"
+
+
+# what a run reads before anything is built: its shards (checked against the steps the run needs), the
+# validation tokens and the byte table
+
+class ShardNotFoundError(ShardError, FileNotFoundError):
+    """No file matches a shard pattern."""
+
+
+def shard_files(pattern: str, flag: str) -> list[str]:
+    """The files a shard pattern matches, sorted; ShardError naming the flag if there are none, or if
+    one is a folder or cannot be opened (found here, before anything is built, not mid-run)."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        hint = ("; download them with `python data/cached_fineweb10B.py 30`" if "fineweb" in pattern else
+                "; make them with `python data/synthetic.py --out FOLDER` (--synthetic_data writes only "
+                "the tiny preset's own folder)" if "synthetic" in pattern else "")
+        raise ShardNotFoundError(f"--{flag}: no files match {pattern!r}{hint}")
+    for path in files:
+        if os.path.isdir(path):
+            raise ShardError(f"--{flag}: {path} is a folder, not a shard; make the pattern match shard files "
+                             "only (e.g. end it in *.bin)")
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ShardError(f"--{flag}: {path} cannot be read ({e.strerror or e}); fix its permissions or "
+                             "leave it out of the pattern")
+    return files
+
+
+def steps_available(files: list[str], step_tokens: int) -> int:
+    """How many training steps the shards can feed (headers only)."""
+    return sum(max(shard_token_count(f) - 1, 0) // step_tokens for f in files)  # an empty shard feeds 0, not -1
+
+
+def steps_fed(files: list[str], config: Hyperparameters) -> int:
+    """How many of the run's steps the shards feed, each step with its own size, from the headers
+    only. Contiguous slices: exact (a step needs its tokens + 1 inside one shard). Whole documents:
+    an upper bound (each slice needs its tokens + 1; the cut and skipped parts of documents are
+    known only once a shard is read, and the loader stops with an error if they run out)."""
+    sizes = [shard_token_count(f) for f in files]
+    aligned = config.document_aligned_batches
+    shard, position = 0, 0
+    for step in range(config.num_iterations):
+        tokens = batch_tokens(step, config)
+        needed = tokens + (config.batch_slices if aligned else 1)
+        while shard < len(sizes) and position + needed > sizes[shard]:
+            shard, position = shard + 1, 0
+        if shard == len(sizes):
+            return step
+        position += needed if aligned else tokens
+    return config.num_iterations
+
+
+@dataclass
+class RunData:
+    """What a run reads before anything is built: the train shards, the validation tokens, and the
+    bytes per token id for val_bpb (None, with the reason, when the run reports no val_bpb)."""
+    train_files: list[str]
+    val_tokens: torch.Tensor
+    token_bytes: Optional[np.ndarray]
+    no_token_bytes_reason: str = ""
+
+
+def load_data(config: Hyperparameters) -> RunData:
+    """The train shard list, the validation tokens and the byte table, checked against what the run
+    needs before anything is built or written (a bad table stops the run here, not after its log
+    was opened)."""
+    cfg = config
+    train_files, val_files = shard_files(cfg.train_files, "train_files"), shard_files(cfg.val_files, "val_files")
+    if cfg.batch_schedule or cfg.document_aligned_batches:
+        available = steps_fed(train_files, cfg)
+        if available < cfg.num_iterations:
+            bound = " at most" if cfg.document_aligned_batches else ""
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed{bound} {available} of the run's "
+                             f"{cfg.num_iterations} steps; add shards or lower --num_iterations")
+    else:
+        available = steps_available(train_files, cfg.batch_slices * cfg.train_seq_len)
+        if available < cfg.num_iterations:
+            raise ShardError(f"--train_files: {len(train_files)} shard(s) feed {available} steps of "
+                             f"{cfg.batch_slices * cfg.train_seq_len} tokens, the run needs {cfg.num_iterations}; "
+                             "add shards or lower --num_iterations")
+    val_tokens = torch.cat([read_shard(f) for f in val_files])
+    if val_tokens.numel() < cfg.val_tokens + 1:
+        raise ShardError(f"--val_files: {val_tokens.numel()} validation tokens, --val_tokens needs {cfg.val_tokens + 1}")
+    token_bytes, why_not = read_token_bytes(cfg)
+    if cfg.prefix_loss_weight:  # §16 --prefix_loss_weight: its byte files checked before the log opens
+        prefix_table(cfg)
+    return RunData(train_files, val_tokens[:cfg.val_tokens + 1], token_bytes, why_not)
 
 
 def read_token_bytes(config: Hyperparameters) -> tuple[Optional[np.ndarray], str]:
@@ -5675,7 +5871,13 @@ def _write_durably(path: Path, obj) -> dict:
         if path.suffix == ".json":
             f.write(json.dumps(obj, indent=1).encode())
         else:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, f)
+            except RuntimeError as e:
+                no_room = torch_save_no_room(path, obj)
+                if no_room is None:
+                    raise
+                raise no_room from e
         f.flush()
         os.fsync(f.fileno())
     return dict(bytes=path.stat().st_size, sha256=file_sha256(path))
@@ -5695,8 +5897,8 @@ class _CheckpointWrite:
         if self.failure is None:
             try:
                 return write()
-            except OSError as e:
-                self.failure = f"cannot write {path} ({e.strerror or e})"
+            except OSError as e:  # a full disk: said so, with the fix (torch.save's own form: _write_durably)
+                self.failure = f"cannot write {path} {write_failure(e, '--checkpoint_dir')}"
             except RuntimeError as e:  # torch.save: "PytorchStreamWriter failed writing file ...: file write failed"
                 lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # torch's reason: the last
                 self.failure = f"cannot write {path} ({lines[-1][-200:] if lines else type(e).__name__})"
@@ -5732,6 +5934,27 @@ def adam_checkpoint_state(adam: CautiousAdam, names: dict) -> tuple[dict, dict]:
     return whole, rows
 
 
+def loader_state(loader: DataLoader) -> dict:
+    """Where a training loader's next step starts (DataLoader's and DocumentAlignedLoader's alike: the
+    shard, its token count and a token position), the shard named (not numbered) so that added shards
+    don't move it."""
+    path = loader.files[loader.file_index]
+    return dict(file=Path(path).name, file_tokens=shard_token_count(path), position=loader.position)
+
+
+def load_loader_state(loader: DataLoader, state: dict) -> None:
+    """The loader goes on from loader_state's record: its shard found by name and checked by size."""
+    names = [Path(f).name for f in loader.files]
+    if state["file"] not in names:
+        raise ShardError(f"the checkpoint's data position is in shard {state['file']}, which is not among "
+                         f"--train_files ({len(names)} shards)")
+    index = names.index(state["file"])
+    if shard_token_count(loader.files[index]) != state["file_tokens"]:
+        raise ShardError(f"{loader.files[index]}: {shard_token_count(loader.files[index])} tokens, but the "
+                         f"checkpoint's shard of that name had {state['file_tokens']}; not the same data")
+    loader.file_index, loader.position, loader.tokens = index, state["position"], None  # read again from there
+
+
 def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float) -> Path:
     """<checkpoint_dir>/<run>/step_<N>/: rank r writes rank_<r>.pt (the Muon momentum and low bits
     of the matrices it owns, its rows of Adam's sharded moments, its RNG states), rank 0 also main.pt
@@ -5739,10 +5962,21 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     file is complete, meta.json (sizes and hashes of the files, which file holds which matrix and
     which rows). All of it is written under step_<N>.partial and renamed
     at the end, so an interrupted save is never taken for a checkpoint. A write that fails on any
-    rank stops every rank with WriteError and leaves no partial folder behind."""
+    rank stops every rank with WriteError and leaves no partial folder behind; so does a stop during
+    the save (Ctrl-C, SIGTERM, the launcher's exit: rank 0 removes the folder). One left by a kill is
+    never read, and the next save of its step clears it."""
+    partial = checkpoint_run_dir(runner.config) / f"step_{step:06d}.partial"
+    try:
+        return _write_checkpoint(runner, loader, step, train_time_ms, partial)
+    except KeyboardInterrupt:
+        if runner.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _write_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms: float, partial: Path) -> Path:
     cfg, rank, W = runner.config, runner.rank, runner.world_size
-    run_dir = checkpoint_run_dir(cfg)
-    final, partial = run_dir / f"step_{step:06d}", run_dir / f"step_{step:06d}.partial"
+    final = partial.with_suffix("")
     save = _CheckpointWrite(runner, partial)
     if rank == 0:
         save.attempt(partial, lambda: _empty_folder(partial))
@@ -5758,7 +5992,7 @@ def save_checkpoint(runner: Runner, loader: DataLoader, step: int, train_time_ms
     if rank == 0:  # the model and the Adam state stepped whole are the same on every rank
         model_state = {k: _copy(v, "cpu") for k, v in runner.model.state_dict().items()}
         records["main.pt"] = save.attempt(partial / "main.pt", lambda: _write_durably(partial / "main.pt", dict(
-            format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader.state(),
+            format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms, loader=loader_state(loader),
             model=model_state, optimizers=[adam_whole], config=config_record(cfg, runner.model.dtype))))
     save.all_ranks_ok()
     shards = {name: [own_file, *piece["rows"]] for name, piece in adam_rows_here.items()}
@@ -5822,12 +6056,25 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
     return notes
 
 
+def checkpoint_folder_problem(path: Path) -> Optional[str]:
+    """Why `path` is not even a folder (missing, or a file: one of a checkpoint's own files names the
+    folder meant), or None; validate_checkpoint checks the rest. Reads no file (the tools ask first)."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    if not path.exists():
+        return f"{path}: no such checkpoint folder"
+    if (path.parent / "meta.json").is_file():
+        return f"{path}: a file of the checkpoint {path.parent}; give the folder itself: {path.parent}"
+    return f"{path}: a file, not a checkpoint folder; give a step_<N> folder of --checkpoint_dir"
+
+
 def validate_checkpoint(path: Path) -> dict:
     """meta.json of a complete, unmodified checkpoint; CheckpointError naming the file otherwise."""
     path = Path(path)
     meta_path = path / "meta.json"
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if problem := checkpoint_folder_problem(path):
+        raise CheckpointError(problem)
     if not meta_path.exists():
         if (path / "main.pt").exists() or any(path.glob("rank_*.pt")):
             raise CheckpointError(f"{meta_path}: missing, so {path} is not a complete checkpoint (an interrupted save?)")
@@ -5949,7 +6196,7 @@ def load_checkpoint(runner: Runner, loader: DataLoader, path: Path, meta: dict) 
     states = [dict(state={n: muon_state[n] for n in owned[opt]}) if opt in owned else dict(state=adam_state)
               for opt in runner.optimizers]
     restore_state(runner.model, runner.optimizers, dict(model=main_file["model"], optimizers=states))
-    loader.load_state(main_file["loader"])
+    load_loader_state(loader, main_file["loader"])
     rng_file = f"rank_{runner.rank:03d}.pt" if f"rank_{runner.rank:03d}.pt" in meta["files"] else "rank_000.pt"
     set_rng_states(_load(path / rng_file)["rng"], runner.device)
     return main_file["step"], main_file["train_time_ms"]
@@ -6304,6 +6551,72 @@ def dry_run_world_size(config: Hyperparameters, environ=os.environ) -> int:
     return config.gpu_count or int(environ.get("WORLD_SIZE", PEAK_WORLD_SIZE))
 
 
+class Collective(NamedTuple):
+    """One collective call as a rank sees it: its kind, the parameter group it moves, the bytes of the
+    whole tensor it is about (the payload) and the bytes this rank sends for it."""
+    kind: str
+    group: str
+    payload: int
+    sent: int
+
+
+class _Done:
+    """What a counted collective returns in place of torch.distributed's work handle."""
+
+    def wait(self):
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CountedCollectives(Collectives):
+    """The run's Collectives, counted: while `ledger` is a list, each call is appended to it
+    (Collective) before it runs (the bench); with `counting`, no process group and nothing moves
+    (the dry run's one rank of many, on meta tensors), and an all-to-all's out receives what this
+    rank sends, as if every rank sent as many as it (its counts are read on the host). Bytes sent
+    per rank are the ring algorithm's: an all-reduce of N bytes sends 2 (W-1)/W N, a reduce-scatter
+    or an all-gather (W-1)/W N, an all-to-all what it sends to the other ranks."""
+
+    def __init__(self, world_size: int, rank: int = 0, counting: bool = False):
+        super().__init__(world_size, rank)
+        self.counting, self.ledger = counting, None
+
+    def _record(self, kind: str, group: str, payload: int, sent: float) -> None:
+        if self.ledger is not None:
+            self.ledger.append(Collective(kind, group, payload, round(sent)))
+
+    def all_reduce(self, t: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("all_reduce", group, _nbytes(t), 2 * (W - 1) / W * _nbytes(t))
+        return _Done() if self.counting else super().all_reduce(t, group)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("reduce_scatter", group, _nbytes(inp), (W - 1) / W * _nbytes(inp))
+        return _Done() if self.counting else super().reduce_scatter(out, inp, group)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("all_gather", group, _nbytes(out), (W - 1) / W * _nbytes(out))
+        return _Done() if self.counting else super().all_gather(out, inp, group)
+
+    def all_gather_list(self, outs: list[torch.Tensor], inp: torch.Tensor, group: str):
+        W = self.world_size
+        self._record("all_gather", group, W * _nbytes(inp), (W - 1) * _nbytes(inp))
+        return _Done() if self.counting else super().all_gather_list(outs, inp, group)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group: str):
+        row = _nbytes(inp[0]) if inp.numel() else inp.element_size() * math.prod(inp.shape[1:])
+        self._record("all_to_all", group, row * sum(in_splits), row * (sum(in_splits) - in_splits[self.rank]))
+        if not self.counting:
+            return super().all_to_all(out, inp, out_splits, in_splits, group)
+        out.copy_(inp)  # as many come back as go
+        return _Done()
+
+
 def step_collectives(config: Hyperparameters, world_size: int, odd: bool, rank: int = 0,
                      dtype: torch.dtype = torch.bfloat16) -> list[Collective]:
     """One rank's collectives of one training step of `config` on world_size ranks (after the split,
@@ -6314,7 +6627,7 @@ def step_collectives(config: Hyperparameters, world_size: int, odd: bool, rank: 
     --adam_odd_steps_only the one where Adam steps). dtype: the weights' (the run's device's)."""
     with torch.device("meta"):
         model = GPT(config, dtype)
-        counted = Collectives(world_size, rank, counting=True)
+        counted = CountedCollectives(world_size, rank, counting=True)
         adam, muon = build_optimizers(model, config, rank, world_size, collectives=counted)
         sparse = model.bigram.table if bigram_exchange_is_sparse(config, world_size) else None
         exchange = GradientExchange(adam.param_groups, muon.param_groups, rank, world_size, counted, sparse, hooks=False)
@@ -6648,18 +6961,20 @@ def point_steps(step: int, config: Hyperparameters) -> list[int]:
     return [step]
 
 
-def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch) -> tuple[list[int], list[float], list]:
+def time_steps(runner: Runner, step: int, gen: torch.Generator, clock: Stopwatch,
+               ledgers: dict[str, list]) -> tuple[list[int], list[float], list]:
     """One untimed step at each of the point's steps (point_steps: their windows and lr), then
     bench_steps timed ones alternating between them, each between device synchronizations (and
     barriers). Returns the timed steps' numbers and milliseconds, and every step's loss (unsynced
-    device tensors, the untimed ones first)."""
+    device tensors, the untimed ones first). ledgers: each step's collectives (the runner's
+    CountedCollectives, on more than one rank), kept by parity."""
     steps = point_steps(step, runner.config)
     sequence = [steps[i % len(steps)] for i in range(len(steps) + runner.config.bench_steps)]
     timed, times, losses = [], [], []
     for i, s in enumerate(sequence):
         batches, host_inputs = runner.random_step(gen, slice_tokens(s, runner.config))
-        if runner.collectives is not None:  # this step's collectives, kept by parity (runner.step_ledgers)
-            runner.collectives.ledger = runner.step_ledgers["odd" if s % 2 else "even"] = []
+        if runner.collectives is not None:  # this step's collectives, kept by parity
+            runner.collectives.ledger = ledgers["odd" if s % 2 else "even"] = []
         clock.start()
         losses.append(runner.train_step(s, batches, host_inputs=host_inputs))
         elapsed = clock.stop()
@@ -6692,7 +7007,8 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     No data files are read and nothing is written."""
     cfg = dataclasses.replace(config, val_tokens=config.batch_slices * config.val_seq_len)  # one evaluation step
     start = compile_counts()  # the process may have compiled before (tests call main in-process)
-    runner = Runner(cfg, device, rank, world_size)
+    counted = CountedCollectives(world_size, rank) if world_size > 1 else None
+    runner, ledgers = Runner(cfg, device, rank, world_size, collectives=counted), {}
     points = bench_points(cfg)
     # --bench_at_step: the warm-up compiles that point's phase only (its steps), not the whole grid
     warmup_steps = runner.warmup(point_steps(points[0], cfg) if cfg.bench_at_step is not None else None)
@@ -6701,7 +7017,7 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     results = []
     for step in points:
         before = compile_counts()
-        timed, times, losses = time_steps(runner, step, gen, clock)
+        timed, times, losses = time_steps(runner, step, gen, clock, ledgers)
         results.append(dict(step=step, window_blocks=attention_windows(step, cfg)[0],
                             tokens_per_step=batch_tokens(step, cfg), timed_steps=timed, times_ms=times,
                             losses=losses, **compiled_since(before, "_added")))
@@ -6723,7 +7039,7 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
         result.update(times_ms=step_times, losses=step_losses)
     if rank == 0:
         report = bench_report(runner, results, memory.tolist(), dict(warmup=warmup, evaluation=evaluation,
-                                                                      **compiled_since(start)))
+                                                                      **compiled_since(start)), ledgers)
         print("\n".join(bench_lines(report)), flush=True)
         print(json.dumps(report), flush=True)
     if world_size > 1:
@@ -6734,9 +7050,11 @@ def bench(config: Hyperparameters, device: torch.device, rank: int = 0, world_si
     return 0
 
 
-def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], compiled_counts: dict) -> dict:
+def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], compiled_counts: dict,
+                 ledgers: dict[str, list]) -> dict:
     """The benchmark's numbers: per point the step times and losses of every rank reduced, and what
-    follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs."""
+    follows from them (tokens/s, TFLOP/s, MFU); the device, memory peaks and compiled graphs; this
+    rank's collectives of its last timed step of each parity (ledgers)."""
     cfg, device, world_size = runner.config, runner.device, runner.world_size
     gpu = gpu_properties(device) if device.type == "cuda" else None
     name = gpu.name if gpu else platform.processor() or platform.machine()
@@ -6754,7 +7072,7 @@ def bench_report(runner: Runner, results: list[dict], memory_mib: list[float], c
                       tokens_per_s=per_process * world_size, tflops_per_process=tflops, tflops=tflops * world_size,
                       mfu=tflops / peak if peak else None)
     return dict(
-        collectives={parity: ledger_summary(ledger) for parity, ledger in sorted(runner.step_ledgers.items())},
+        collectives={parity: ledger_summary(ledger) for parity, ledger in sorted(ledgers.items())},
         bench_steps=cfg.bench_steps, world_size=world_size, device=device.type, device_name=name,
         compile=compile_enabled(cfg, device), attention=attention_backend(cfg, device.type),
         dtype=str(runner.model.dtype).removeprefix("torch."), tokens_per_step=step_tokens, flops_per_token=flops,

@@ -652,7 +652,9 @@ def check_sweep(sweep: Sweep, out: Path) -> None:
     known = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
     for name, _ in sweep.grid:
         if name not in known:
-            raise SweepError(f"--grid {name}=...: unknown field {name!r} (fields of the trainer's Hyperparameters)")
+            close = tg.close_field_names(name)
+            hint = f"did you mean {' or '.join(close)}?" if close else "python train_gpt_medium.py --help lists them"
+            raise SweepError(f"--grid {name}=...: unknown field {name!r} (fields are the trainer's flags); {hint}")
     experiments = {}
     for run in plan(sweep, out)[:len(sweep.arms())]:  # the first seed's block: validity does not depend on the seed
         try:

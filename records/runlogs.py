@@ -21,6 +21,12 @@ A log, as the trainer writes it (upstream logs have the same step lines and no c
     final val_loss:<x> ... package_time:<ms>ms ...
     lambdas layer <i>: <name>:<value> ...
     peak memory allocated: <MiB> MiB reserved: <MiB> MiB
+    run ended: <how> (exit <code>)               the last line: finished, interrupted by SIGINT at step
+                                                 <s>/<N>, stopped by a non-finite loss or an error at ...
+
+A run that did not finish is reported by its last line (`skip_reason`): "interrupted by SIGTERM at
+step 37/190 (exit 143)"; a log without one (killed, crashed before the trainer wrote it, an older or
+upstream log) "did not finish (last step seen: 37/190)".
 
 A metrics stream (the trainer's --metrics_jsonl, tools/metrics.py), named as a file ending in
 .jsonl, is read as the log it was made from (`parse_metrics_text`); a folder is searched for *.txt
@@ -160,6 +166,7 @@ class RunLog:
     peak_memory_mib: int | None = None
     params_total: int | None = None
     lambdas: dict = field(default_factory=dict)  # {layer: {name: value}} from the final `lambdas layer` lines
+    ended: str | None = None  # how the run ended, from its `run ended: ` line (None: the log has none)
 
     @property
     def finished(self) -> bool:
@@ -232,6 +239,7 @@ _EXTRA_LINES = {  # the trainer's lines beside the step lines
     "peak_memory_mib": re.compile(r"peak memory allocated: (\d+) MiB"),
     "lambdas": re.compile(r"lambdas layer (\d+): (.*)$"),
     "device": re.compile(r"world_size \d+, .*device (\w+)"),
+    "ended": re.compile(r"run ended: (.+)$"),
 }
 
 
@@ -262,8 +270,8 @@ def _read_extra(log: RunLog, key: str, hit: re.Match) -> None:
         log.package_time_s = int(hit[1]) / 1000
     elif key == "step0_train_loss":
         log.step0_train_loss = float(hit[1])
-    elif key == "device":
-        log.device = hit[1]
+    elif key in ("device", "ended"):
+        setattr(log, key, hit[1])
     else:
         setattr(log, key, int(hit[1].replace(",", "")))
 
@@ -317,9 +325,19 @@ def parse_metrics_text(text: str, path: Path = Path("<metrics>"), content_digest
             log.package_time_s = record["package_time_ms"] / 1000
         elif kind == "peak_memory":
             log.peak_memory_mib = record["allocated_mib"]
+        elif kind == "end":
+            log.ended = record.get("how")
     if log.result is None:
-        log.skip_reason = f"did not finish (last step seen: {last_seen or 'none'})"
+        log.skip_reason = unfinished_reason(log, f"last step seen: {last_seen or 'none'}")
     return log
+
+
+def unfinished_reason(log: RunLog, seen: str) -> str:
+    """Why a log holds no result: how the run ended, as its last line says (interrupted at step s/N, ...),
+    or for a log without that line "did not finish (<seen>)"."""
+    if log.ended and not log.ended.startswith("finished"):
+        return log.ended
+    return f"did not finish ({seen})"
 
 
 def parse_text(text: str, path: Path = Path("<text>"), content_digest: str = "") -> RunLog:
@@ -366,8 +384,9 @@ def parse_text(text: str, path: Path = Path("<text>"), content_digest: str = "")
                 _read_extra(log, key, hit)
                 break
     if log.result is None:
-        log.skip_reason = f"did not finish (last step seen: {last_seen or 'none'}"
-        log.skip_reason += f"; {len(log.warnings)} unparseable step line(s))" if log.warnings else ")"
+        seen = f"last step seen: {last_seen or 'none'}"
+        log.skip_reason = unfinished_reason(log, seen + (f"; {len(log.warnings)} unparseable step line(s)"
+                                                         if log.warnings else ""))
     return log
 
 

@@ -365,12 +365,17 @@ def time_test(times: list[float], ref: TimeReference, alpha: float) -> dict:
             "holds": bool(res.pvalue < alpha), "note": None}
 
 
-def target_hint(losses: list[float], target: float) -> str | None:
-    """A hint when every run is FAR_FROM_TARGET or more above (or below) the target: probably the wrong --target."""
+def target_hint(losses: list[float], target: float, logs: list[RunLog] = ()) -> str | None:
+    """A hint when every run is FAR_FROM_TARGET or more above (or below) the target: probably the wrong
+    --target, unless the logs show runs that are not medium-track runs (a tiny, synthetic-data run's
+    loss is on no track's scale: another target would not help)."""
     lo, hi, mean = min(losses), max(losses), float(np.mean(losses))
     if lo <= target + FAR_FROM_TARGET and hi >= target - FAR_FROM_TARGET:
         return None
     where = "above" if lo > target else "below"
+    if not_record_kind(logs):
+        return (f"every run is far {where} the target {target}, and they are not medium-track runs (the verdict "
+                "says why): no --target makes them a record claim")
     near = [t for t in KNOWN_TARGETS if t != target and abs(mean - t) < FAR_FROM_TARGET]
     if near:
         t = min(near, key=lambda t: abs(mean - t))
@@ -489,7 +494,7 @@ def analyse(losses: list[float], times: list[float | None], target: float, alpha
     out = {"val_loss": describe(losses), "t_test": claim_test(losses, target, alpha),
            "power": power_estimate(losses, target, alpha), "single_run_below": single_run_chance(losses, target),
            "train_time_s": describe(known_times) if known_times else None, "time_vs": None,
-           "hint": target_hint(losses, target), "latest_record": against_latest(losses, known_times, target, alpha, logs)}
+           "hint": target_hint(losses, target, logs), "latest_record": against_latest(losses, known_times, target, alpha, logs)}
     out["no_verdict"] = no_verdict_reason(losses, target, logs, time_vs)
     if time_vs is not None:
         if out["no_verdict"] and time_vs.record is not None:  # a published record's time is no yardstick for them

@@ -228,7 +228,10 @@ def test_two_arms_of_one_seed_start_with_identical_shared_tensors():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--grid", "lore_inptu=false,true"], "error: --grid lore_inptu=...: unknown field 'lore_inptu'"),
+    (["--grid", "lore_inptu=false,true"], "error: --grid lore_inptu=...: unknown field 'lore_inptu' (fields are the "
+                                          "trainer's flags); did you mean lore_input or lore_init?\n"),
+    (["--grid", "zzz=1,2"], "error: --grid zzz=...: unknown field 'zzz' (fields are the trainer's flags); "
+                            "python train_gpt_medium.py --help lists them\n"),
     (["--grid", "lore_init=none,sideways"], "error: arm lore_init=sideways: --lore_init: "),
     (["--grid", "seed=1,2"], "error: --grid seed=...: the sweep sets --seed itself"),
     (["--grid", "lore_input=true,1", "--", UNTIED], "error: arms lore_input=true and lore_input=1 are the same configuration"),

@@ -190,7 +190,7 @@ def test_bench_on_two_processes_prints_once_and_sees_the_same_losses(tmp_path):
     halves), exact in either order, and every other operation sees the same shapes at the same
     thread count. (Adam on odd steps only adds
     four terms in another order on two processes, which no tolerance bounds once the points train
-    on from each other: tests/test_bulk_recipe.py compares that case's logged losses.)"""
+    on from each other: docs/scale.md, "Which resumes are bit for bit", gives a measured case.)"""
     flag = "--adam_odd_steps_only=false"
     (one_cwd := tmp_path / "one").mkdir()
     (two_cwd := tmp_path / "two").mkdir()

@@ -282,7 +282,7 @@ def exchange_cases(rank: int, world_size: int):
         dense = table.grad.clone()
         torch.distributed.all_reduce(dense)
         mine = table.grad.clone()
-        collectives = tg.Collectives(world_size, rank)
+        collectives = tg.CountedCollectives(world_size, rank)
         exchange = tg.GradientExchange([dict(params=[table], name="bigram")], [], rank, world_size, collectives,
                                        sparse_table=table, hooks=False)
         exchange.touched[:] = keep.numpy()  # the rows this rank's tokens read

@@ -311,10 +311,10 @@ def test_a_resumed_loader_continues_with_the_same_slices_across_a_size_change(do
     loader = aligned_loader(files)
     for seq_len in RAMP[:stop_after]:
         loader.next_batch(seq_len)
-    state = loader.state()
+    state = tg.loader_state(loader)
     assert set(state) == {"file", "file_tokens", "position"} and state["file"].startswith("docs_")
     resumed = aligned_loader(files)
-    resumed.load_state(state)
+    tg.load_loader_state(resumed, state)
     for step, seq_len in enumerate(RAMP[stop_after:], stop_after):
         assert as_lists(resumed.next_batch(seq_len)) == as_lists(loader.next_batch(seq_len)), f"step {step}"
 
@@ -325,7 +325,7 @@ def test_a_position_inside_a_document_resumes_at_the_next_document(tmp_path):
     E = EOT
     files = write_shards(tmp_path, [[E, 1, 2, 3, E, 4, 5, E, 6, 7, 8, 9, E, 1, 1, 1, 1, 1]])
     loader = aligned_loader(files, num_slices=1)
-    loader.load_state(dict(file="docs_000.bin", file_tokens=18, position=5))
+    tg.load_loader_state(loader, dict(file="docs_000.bin", file_tokens=18, position=5))
     assert loader.next_batch(5)[0][0].tolist() == [E, 6, 7, 8, 9]
 
 
@@ -490,7 +490,8 @@ def test_each_rank_reads_its_own_slices_of_the_one_process_step(synthetic_dir):
         for r, loader in enumerate(ranks):
             got = loader.next_batch(seq_len)
             assert len(got) == 1 and all(torch.equal(a, b) for a, b in zip(got[0], whole[r])), (step, r)
-    assert [loader.state() for loader in ranks] == [one.state()] * 2  # the same position: a checkpoint resumes
+    # the same position: a checkpoint resumes
+    assert [tg.loader_state(loader) for loader in ranks] == [tg.loader_state(one)] * 2
 
 
 def test_bench_times_each_batch_size_of_the_grid(tmp_path, monkeypatch, capsys):
@@ -520,7 +521,7 @@ def test_too_few_shards_for_the_grid_are_refused_naming_the_flag(synthetic_dir):
     ("window_schedule", "3,0", "each at least 1 block"),
     ("window_schedule", "", "needs at least one window"),
     ("lr_peaks", "", "needs at least one multiplier"),
-    ("lr_peaks", "1,nan", "expected comma-separated numbers"),
+    ("lr_peaks", "1,nan", "1,nan: nan is not allowed; give comma-separated finite numbers"),
 ])
 def test_grid_flags_out_of_range_are_refused_naming_the_flag(flag, value, message):
     with pytest.raises(tg.ConfigError, match=f"--{flag}") as err:

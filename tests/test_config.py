@@ -94,6 +94,25 @@ def test_dry_run_flops_equal_a_recount_from_the_shapes_and_the_window_schedule(c
     assert summary["flops_per_token_attention"] == pytest.approx(total / tokens, rel=1e-9)
 
 
+def test_the_readmes_dry_run_figures_are_the_dry_runs():
+    """The record's parameters and FLOPs per token and transfer's parameters and predicted peak, as the
+    README quotes them, from the functions the dry run prints (a changed model cannot leave them stale)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    figures = {}
+    for recipe in ("bulk", "transfer"):
+        config = tg.make_config(recipe=recipe)
+        with torch.device("meta"):
+            model = tg.GPT(config, tg.weight_dtype(config, "cuda"))
+        figures[recipe] = (tg.parameter_counts(model)["total"], tg.flops_per_token(config, model),
+                           tg.predicted_peak_mib(config))
+    params, flops, _ = figures["bulk"]
+    assert (f"in total ({params:,} for the record) and model FLOPs per token ({flops['total'] / 1e9:.4f}e9: "
+            f"{flops['weights'] / 1e9:.4f}e9 from the matmul weights, {flops['attention'] / 1e9:.4f}e9 from "
+            "attention)") in readme
+    params, _, peak = figures["transfer"]
+    assert f"The dry run counts {params:,} parameters and predicts a peak of {peak:,} MiB per GPU on 8xH100" in readme
+
+
 # ---- errors: exit code 2 and a message naming the flag
 
 
@@ -113,6 +132,14 @@ def test_unknown_flag_exits_2_naming_it_with_did_you_mean_and_a_pointer_to_help(
 def test_badly_typed_value_exits_2_naming_the_flag_and_the_value(capsys, argv, flag, bad):
     err = error_of(argv, capsys)
     assert flag in err and repr(bad) in err
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+def test_a_number_that_is_not_finite_is_refused_as_not_allowed_with_the_bounds(text):
+    """float() reads these; a bound compares false with nan, so the refusal says what is allowed."""
+    with pytest.raises(tg.ConfigError) as refusal:
+        tg.parse_args([f"--prefix_loss_weight={text}"])
+    assert str(refusal.value) == f"--prefix_loss_weight: {text} is not allowed; it must be a finite number >= 0 and <= 10.0"
 
 
 def test_unknown_preset_exits_2_naming_the_flag_and_the_presets(capsys):

@@ -295,7 +295,7 @@ def checkpoints(tmp_path):
 
 @pytest.mark.parametrize("folder, fragment", [
     ("nowhere", "{tmp}/nowhere: no such checkpoint folder"),
-    ("a_file", "{tmp}/a_file: no such checkpoint folder"),
+    ("a_file", "{tmp}/a_file: a file, not a checkpoint folder; give a step_<N> folder of --checkpoint_dir"),
     ("no_meta", "{tmp}/no_meta: not a checkpoint folder (no meta.json)"),
     ("meta_is_a_folder", "{tmp}/meta_is_a_folder/meta.json: Is a directory"),
     ("meta_not_json", "{tmp}/meta_not_json/meta.json: unreadable"),

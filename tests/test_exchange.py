@@ -28,7 +28,7 @@ def test_each_rank_holds_its_rows_of_the_sharded_moments_and_the_small_ones_whol
     config = tg.make_config("tiny")
     with torch.device("meta"):
         model = tg.GPT(config, torch.float32)
-        adam, _ = tg.build_optimizers(model, config, 1, 2, collectives=tg.Collectives(2, 1, counting=True))
+        adam, _ = tg.build_optimizers(model, config, 1, 2, collectives=tg.CountedCollectives(2, 1, counting=True))
     for p, state in adam.state.items():
         rows = tg.adam_rows(p, 1, 2)
         want = p.shape if rows is None else (p.shape[0] // 2, *p.shape[1:])
@@ -53,7 +53,7 @@ def exchanged(rank: int, world_size: int):
     matrices = [torch.nn.Parameter(torch.zeros(MATRIX[1:])) for _ in range(MATRIX[0])]
     table, small = torch.nn.Parameter(torch.zeros(ROWS)), torch.nn.Parameter(torch.zeros(SMALL))
     grads = [torch.randn(p.shape, generator=gen) for p in (*matrices, table, small)]
-    collectives = tg.Collectives(world_size, rank)
+    collectives = tg.CountedCollectives(world_size, rank)
     exchange = tg.GradientExchange([dict(params=[table, small], name="adam")], [dict(params=matrices, name="muon")],
                                    rank, world_size, collectives)
     collectives.ledger, exchange.armed = [], True
@@ -98,7 +98,7 @@ def test_the_records_even_step_sends_twice_seven_eighths_of_its_padded_muon_grad
     config = tg.make_config()
     with torch.device("meta"):
         model = tg.GPT(config, torch.bfloat16)
-        _, muon = tg.build_optimizers(model, config, 0, 8, collectives=tg.Collectives(8, 0, counting=True))
+        _, muon = tg.build_optimizers(model, config, 0, 8, collectives=tg.CountedCollectives(8, 0, counting=True))
     padded = sum(-(-len(g["params"]) // 8) * 8 * g["params"][0].numel() * g["params"][0].element_size()
                  for g in muon.param_groups)
     ledger = tg.step_collectives(config, 8, odd=False)

@@ -1,6 +1,8 @@
 """tools/export.py: a checkpoint's weights to safetensors and back, bit for bit, with the config as
 metadata; the file stands in for the checkpoint in the other tools."""
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -99,6 +101,38 @@ def test_bad_input_is_refused_before_anything_is_written(bf16_checkpoint, tmp_pa
     assert export.main([str(tmp_path / "step_000001"), "--out", str(tmp_path / "b.safetensors")]) == 2
     assert "not a checkpoint folder (no meta.json)" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*tmp*"))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_file_takes_the_permissions_of_every_other_output(bf16_checkpoint, tmp_path, umask):
+    """The mode open() gives a new file under the same umask (safetensors' writer alone makes 0600)."""
+    previous = os.umask(umask)
+    try:
+        assert export.main([str(bf16_checkpoint), "--out", str(tmp_path / "m.safetensors")]) == 0
+        (tmp_path / "log.txt").write_text("a log line\n")
+    finally:
+        os.umask(previous)
+    mode = lambda name: stat.S_IMODE((tmp_path / name).stat().st_mode)
+    assert mode("m.safetensors") == mode("log.txt") != 0o600
+
+
+def test_the_inspector_reads_the_file_as_it_reads_its_checkpoint(bf16_checkpoint, synthetic_dir, tmp_path, capsys):
+    out = tmp_path / "m.safetensors"
+    assert export.main([str(bf16_checkpoint), "--out", str(out)]) == 0
+    capsys.readouterr()
+    printed = []
+    for source in (bf16_checkpoint, out):
+        assert ic.main([str(source), "--seq_len=64", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}"]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and "value embedding of layer" in printed[0]
+
+
+def test_a_file_of_a_checkpoint_is_refused_naming_its_folder(bf16_checkpoint, tmp_path, capsys):
+    out = tmp_path / "m.safetensors"
+    assert export.main([str(bf16_checkpoint / "main.pt"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: {bf16_checkpoint / 'main.pt'}: a file of the checkpoint "
+                                       f"{bf16_checkpoint}; give the folder itself: {bf16_checkpoint}\n")
+    assert not out.exists()
 
 
 def test_a_safetensors_file_of_another_program_is_refused_naming_it(tmp_path):

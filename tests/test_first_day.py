@@ -89,8 +89,8 @@ def test_metrics_jsonl_auto_in_any_case_is_the_file_beside_the_log(synthetic_dir
     assert log.with_suffix(".jsonl").is_file() and not (tmp_path / "AUTO").exists()
 
 
-def test_a_full_disk_under_the_metrics_stream_is_said_once_and_the_run_goes_on(synthetic_dir, tmp_path,
-                                                                              monkeypatch, capsys):
+def test_a_full_disk_under_the_metrics_stream_is_said_once_in_the_log_too_and_the_run_goes_on(
+        synthetic_dir, tmp_path, monkeypatch, capsys):
     from tools import metrics
     real, writes = metrics.MetricsStream.emit, []
 
@@ -105,8 +105,11 @@ def test_a_full_disk_under_the_metrics_stream_is_said_once_and_the_run_goes_on(s
     assert tg.main(run_argv(synthetic_dir, tmp_path, f"--metrics_jsonl={out}", N=4)) == 0
     err = capsys.readouterr().err
     assert err.count("warning: --metrics_jsonl") == 1 and "No space left on device" in err
+    assert "the disk is full; free space there or give another --metrics_jsonl" in err  # what to do
     assert len(out.read_text().splitlines()) == 2  # the records before the disk filled
     assert "final val_loss:" in log_text(tmp_path)  # the run finished
+    warned = [line for line in log_text(tmp_path).splitlines() if line.startswith("warning: --metrics_jsonl")]
+    assert len(warned) == 1 and warned[0] in err  # a log read later has the warning too
 
 
 # ---- the time left, the seed of a resumed run, old checkpoints

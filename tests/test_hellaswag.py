@@ -193,7 +193,8 @@ def test_the_hub_set_is_read_from_the_cache_without_the_network(tmp_path):
 
 def test_the_trainer_scores_after_training_in_a_line_of_its_own(synthetic_dir, fixture_file, tmp_path, monkeypatch):
     """After train() has returned (so outside its clock): one `hellaswag:` line after the record's
-    closing lines; every line before it is a line the run writes without the flag."""
+    closing lines, before the log's last (how the run ended); every line before it is a line the run
+    writes without the flag."""
     events, real_train, real_evaluate = [], tg.train, hs.evaluate
 
     def train(*args, **kwargs):
@@ -210,8 +211,8 @@ def test_the_trainer_scores_after_training_in_a_line_of_its_own(synthetic_dir, f
     assert events == ["train returned", "evaluate at step 4"]
     (log,) = (tmp_path / "logs").glob("*.txt")
     body = log.read_text().split("=" * 100 + "\n")[-1].splitlines()
-    assert body[-1].startswith("hellaswag: acc_norm:") and "items:120 step:4" in body[-1]
-    assert body[-2].startswith("peak memory allocated:")
+    assert body[-2].startswith("hellaswag: acc_norm:") and "items:120 step:4" in body[-2]
+    assert body[-3].startswith("peak memory allocated:") and body[-1] == "run ended: finished (exit 0)"
     assert sum(line.startswith("hellaswag") for line in body) == 1
 
 
@@ -231,8 +232,8 @@ def test_a_failure_of_the_evaluation_after_training_is_a_line_and_the_run_still_
     assert tg.main(run_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
     (log,) = (tmp_path / "logs").glob("*.txt")
     lines = log.read_text().splitlines()
-    assert lines[-1] == "hellaswag: not scored (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)"
-    assert lines[-2].startswith("peak memory allocated:")
+    assert lines[-2] == "hellaswag: not scored (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)"
+    assert lines[-3].startswith("peak memory allocated:") and lines[-1] == "run ended: finished (exit 0)"
 
 
 def test_a_folder_given_as_the_hellaswag_file_is_called_a_folder(tmp_path):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -231,9 +232,11 @@ def test_a_checkpoint_write_that_fails_midway_exits_3_and_keeps_the_last_good_ch
     failed = run_dir / "step_000004.partial" / "main.pt"
     assert written[-1] == failed
     assert f"cannot write {failed} (No space left on device)" in err and len(err.strip().splitlines()) == 1
+    assert "the disk is full; free space there or give another --checkpoint_dir" in err  # what to do
     assert sorted(p.name for p in run_dir.iterdir()) == ["step_000002"]
     assert tg.validate_checkpoint(run_dir / "step_000002")["step"] == 2
     assert "error: checkpoint step_000004.partial not saved: cannot write" in log_text(tmp_path)
+    assert log_text(tmp_path).splitlines()[-1] == "run ended: stopped by an error at step 4/4 (exit 3)"
 
     monkeypatch.setattr(tg, "_write_durably", real_write)
     assert tg.main(argv_with(synthetic_dir, tmp_path, "--save_every=2", "--resume=latest")) == 0
@@ -241,26 +244,64 @@ def test_a_checkpoint_write_that_fails_midway_exits_3_and_keeps_the_last_good_ch
     assert tg.validate_checkpoint(run_dir / "step_000004")["step"] == 4
 
 
-def test_torch_saves_own_error_on_a_full_disk_is_the_same_one_line_exit_3(synthetic_dir, tmp_path, monkeypatch,
-                                                                          capsys):
+TORCH_FULL_DISK = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3091904 vs 3091792")
+
+
+def free_space(free: int):
+    """shutil.disk_usage, for every folder: `free` bytes left."""
+    return lambda folder: types.SimpleNamespace(total=2**40, used=2**40 - free, free=free)
+
+
+def test_torch_saves_own_error_on_a_full_disk_says_the_disk_is_full_in_one_line_exit_3(
+        synthetic_dir, tmp_path, monkeypatch, capsys):
     """On a full disk torch.save does not raise an OSError: its zip writer raises a RuntimeError
-    ("PytorchStreamWriter failed writing file ...: file write failed"). That too stops the run with
-    exit 3 and one line, and the half-written step_N.partial is removed."""
+    (`unexpected pos A vs B`) that names no cause. With less room in the folder than the save needs,
+    the line says the disk is full and what to do, not torch's internals; exit 3, and the
+    half-written step_N.partial is removed."""
     real_save, calls = torch.save, []
 
     def save_on_a_full_disk(obj, f, *args, **kwargs):
         calls.append(getattr(f, "name", f))
         if len(calls) == 4:  # step 4's main.pt (each save: rank_000.pt, then main.pt)
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1024 vs 0\n"
-                               "PytorchStreamWriter failed writing file data/3: file write failed")
+            raise TORCH_FULL_DISK
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(tg.torch, "save", save_on_a_full_disk)
+    monkeypatch.setattr(tg.shutil, "disk_usage", free_space(0))
     assert tg.main(argv_with(synthetic_dir, tmp_path, "--save_every=2")) == 3
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "file write failed" in err and "not saved" in err
     run_dir = tmp_path / "ck" / "tiny"
+    assert len(err.splitlines()) == 1 and "not saved" in err and "enforce fail" not in err
+    assert f"cannot write {run_dir / 'step_000004.partial' / 'main.pt'} (No space left on device: 0.0 MiB free" in err
+    assert "the disk is full; free space there or give another --checkpoint_dir" in err
     assert sorted(p.name for p in run_dir.iterdir()) == ["step_000002"]  # no step_000004.partial left
+
+
+def test_torch_saves_error_names_the_room_a_save_needed(tmp_path, monkeypatch):
+    """The room a save needs: the bytes of the tensors it holds (here 4 MiB of float32 and 1 MiB of
+    int64); with less free, torch's error becomes the OS's full-disk error, saying both sizes."""
+    def failing_save(obj, f, *args, **kwargs):
+        raise TORCH_FULL_DISK
+
+    monkeypatch.setattr(tg.torch, "save", failing_save)
+    monkeypatch.setattr(tg.shutil, "disk_usage", free_space(3 * 2**20 + 2**19))
+    state = dict(model={"w": torch.zeros(1024, 1024)}, rows=[torch.zeros(2**17, dtype=torch.int64)], step=4)
+    with pytest.raises(OSError) as raised:
+        tg._write_durably(tmp_path / "main.pt", state)
+    assert raised.value.errno == errno.ENOSPC and raised.value.__cause__ is TORCH_FULL_DISK
+    assert raised.value.strerror == "No space left on device: 3.5 MiB free, the file needs about 5.0 MiB"
+
+
+def test_torch_saves_error_with_room_to_spare_is_torchs_own(tmp_path, monkeypatch):
+    """A failure that is not a full disk (room for the whole save) is not called one."""
+    def failing_save(obj, f, *args, **kwargs):
+        raise TORCH_FULL_DISK
+
+    monkeypatch.setattr(tg.torch, "save", failing_save)
+    monkeypatch.setattr(tg.shutil, "disk_usage", free_space(5 * 2**20))
+    with pytest.raises(RuntimeError) as raised:
+        tg._write_durably(tmp_path / "main.pt", dict(model={"w": torch.zeros(1024, 1024)}))
+    assert raised.value is TORCH_FULL_DISK
 
 
 def test_a_log_that_cannot_be_written_midway_exits_3_keeping_what_it_holds(synthetic_dir, tmp_path, monkeypatch,
@@ -285,7 +326,8 @@ def test_a_log_that_cannot_be_written_midway_exits_3_keeping_what_it_holds(synth
     err = capsys.readouterr().err
     full.clear()
     (log,) = (tmp_path / "logs").glob("*.txt")
-    assert f"cannot write the log {log} (No space left on device)" in err
+    assert f"cannot write the log {log} (No space left on device): the disk is full; free space there or give " \
+           "another --log_dir" in err
     body = log.read_text().split("=" * 100 + "\n")[-1]
     assert body.rstrip().splitlines()[-1].startswith("step:2/4 val_loss:")  # all it held is still there
 
@@ -421,6 +463,7 @@ def test_a_nonfinite_loss_stops_the_run_at_the_first_check_after_it(synthetic_di
     assert f"non-finite training loss (nan or inf) in step {bad}/{N}" in err and f"stopped at step {stop} " in err
     logged = [int(line.split("/")[0].removeprefix("step:")) for line in log_lines(tmp_path, "step:")]
     assert max(logged) == stop - 1
+    assert log_text(tmp_path).splitlines()[-1] == f"run ended: stopped by a non-finite loss at step {stop - 1}/{N} (exit 1)"
 
 
 # ---- synthetic data only in its own folder

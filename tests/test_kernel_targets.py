@@ -160,7 +160,7 @@ def launches() -> list[Launch]:
         for name in ("_FUSED_CE_KERNELS", "_TRANSPOSE_KERNEL", "bf16_rounded", "row_lse_and_loss", "block_terms",
                      "pr261_gradient"):
             mp.setattr(kernels, name, None)
-        fused, transpose = kernels._fused_ce_kernels(), kernels._transpose_kernel()
+        fused, transpose = kernels._fused_ce_kernels(), kernels.fp8_transpose_kernel()
         mp.setattr(kernels, "_FUSED_CE_KERNELS", tuple(Recorder(k, made, current) for k in fused))
         mp.setattr(kernels, "_TRANSPOSE_KERNEL", Recorder(transpose, made, current))
         logits, transposed = kernels._fused_ce_logits, kernels.fp8_transpose
@@ -267,7 +267,7 @@ def compiled_for(launches, tmp_path_factory):
 def test_the_trainer_launches_every_kernel_of_triton_kernels(launches):
     """The recording reaches each kernel (so each is compiled below): rows and gradient (pr252), the
     one-pass kernel (pr261), the transpose (--fp8); and each K the schedule and prefix term give."""
-    made = {k.fn.__name__ for k in (*kernels._fused_ce_kernels(), kernels._transpose_kernel())}
+    made = {k.fn.__name__ for k in (*kernels._fused_ce_kernels(), kernels.fp8_transpose_kernel())}
     assert {launch.kernel.fn.__name__ for launch in launches} == made == {
         "rows_kernel", "dlogits_kernel", "rows_dlogits_kernel", "transpose_kernel"}
     assert {launch.kwargs.get("K") for launch in launches} == {None, 1, 2, 3, 4}

@@ -120,7 +120,8 @@ def test_one_record_per_step_line_and_per_validation_each_with_its_step(runs):
         assert line.startswith(f"step:{record['step']}/{N} ")
     assert all("step" in r for r in runs["records"])
     assert runs["records"][0]["kind"] == "run" and runs["records"][0]["log"] == str(runs["log"])
-    assert [r["kind"] for r in runs["records"][-2:]] == ["final", "peak_memory"]
+    assert [r["kind"] for r in runs["records"][-3:]] == ["final", "peak_memory", "end"]
+    assert runs["records"][-1] == dict(kind="end", step=N, how="finished (exit 0)")  # the log's last line
 
 
 def test_the_records_hold_the_logs_numbers(runs):
@@ -189,11 +190,11 @@ def test_the_stream_brings_nothing_to_the_host_that_the_run_does_not(runs):
 def test_the_tracker_gets_the_numbers_of_the_same_records(runs):
     fake = runs["wandb"]
     assert len(fake.inits) == 1 and fake.inits[0]["name"] == runs["log"].stem and fake.finished == 1
-    fed = [r for r in runs["records"] if r["kind"] != "run"]
+    fed = [r for r in runs["records"] if r["kind"] not in ("run", "end")]  # the two without a number
     assert [step for step, _ in fake.logged] == [r["step"] for r in fed]
     assert [data for _, data in fake.logged] == [metrics.numbers(r) for r in fed]
     val = next(data for step, data in fake.logged if "val/val_loss" in data and step == N)
-    assert val["val/val_loss"] == runs["records"][-3]["val_loss"]
+    assert val["val/val_loss"] == runs["records"][-4]["val_loss"]
 
 
 def test_trackers_are_imported_only_when_asked(runs):

@@ -673,6 +673,13 @@ def test_runs_far_from_target_give_a_hint(tmp_path, capsys, losses, target, code
     assert expected in data["hint"]
 
 
+def test_tiny_runs_far_from_the_target_are_not_sent_to_another_target(tmp_path, capsys):
+    code, data = run_json(capsys, make_tiny_set(tmp_path / "tiny"))
+    assert code == 3
+    assert data["hint"] == ("every run is far below the target 2.92, and they are not medium-track runs (the verdict "
+                            "says why): no --target makes them a record claim")
+
+
 def test_close_to_target_gives_no_hint(tmp_path, capsys):
     _, data = run_json(capsys, make_set(tmp_path / "r", FAIL_LOSSES))
     assert data["hint"] is None

@@ -141,6 +141,29 @@ def test_a_continued_batch_counts_the_runs_already_in_its_folder(tmp_path, loggi
     assert len(list(folder.glob("*.txt"))) == 5
 
 
+def test_the_continue_line_repeats_the_launch_environment_that_defines_the_run(tmp_path):
+    """A 2-process batch on 2 nodes that stopped would have continued as 1 process on 1 node: the
+    variables run.sh reads (interpreter, script, processes, GPUs, nodes) come before the command, as
+    they were set (set but empty too); those not set stay unset."""
+    python = tmp_path / "python"  # records/summary.py runs; the launch of the first run fails (exit 7)
+    python.write_text(f'#!/usr/bin/env bash\nif [ "$1" = records/summary.py ]; then exec {shlex.quote(sys.executable)} '
+                      f'"$@"; fi\ncase "$2" in *torch.distributed.run*) exit 7 ;; esac\nexit 0\n')
+    python.chmod(0o755)
+    args = ["--preset=tiny", f"--log_dir={tmp_path / 'batch'}"]
+    launch = dict(PYTHON=str(python), TRAINER="train_gpt_medium.py", NPROC_PER_NODE="2", CUDA_VISIBLE_DEVICES="",
+                  NNODES="2", NODE_RANK="1", MASTER_ADDR="node 0", MASTER_PORT="29511")
+    env = {**clean_env(RUNS="2"), **launch}
+    proc = subprocess.run(["./run.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    assert shlex.split(proc.stdout.splitlines()[-1]) == ["continue:", "RUNS=2", *map("=".join, launch.items()),
+                                                         "./run.sh", *args]
+    env = {k: v for k, v in clean_env(RUNS="2", PYTHON=str(python), NPROC_PER_NODE="2").items()
+           if k not in ("TRAINER", "CUDA_VISIBLE_DEVICES")}
+    proc = subprocess.run(["./run.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert shlex.split(proc.stdout.splitlines()[-1]) == ["continue:", "RUNS=2", f"PYTHON={python}", "NPROC_PER_NODE=2",
+                                                         "./run.sh", *args]
+
+
 # ---- stopping a batch: real tiny runs
 
 
@@ -214,7 +237,8 @@ def test_ctrl_c_ends_a_batch_with_its_summary_and_the_command_that_continues_it(
     assert "run.sh: interrupted in run 1 of 3; not starting the remaining 2" in out
     assert f"batch: {tmp_path / 'logs'}: 0 finished run(s) of 3 asked, 1 unfinished log(s)" in out
     last = out.splitlines()[-1]
-    assert shlex.split(last) == ["continue:", "RUNS=3", "./run.sh", *args]
+    assert shlex.split(last) == ["continue:", "RUNS=3", f"PYTHON={sys.executable}", f"NPROC_PER_NODE={nproc}",
+                                 "CUDA_VISIBLE_DEVICES=", "./run.sh", *args]
 
 
 @pytest.mark.skipif(not has_pdeathsig(), reason="needs util-linux setpriv --pdeathsig")

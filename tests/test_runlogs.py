@@ -11,7 +11,7 @@ import pytest
 from test_plot import write_run_log
 from test_records import OUR_CONFIG, OUR_GROUPS, PASS_LOSSES, make_our_set, run_json, write_log
 
-from records import ablate, diff, plot, runlogs
+from records import ablate, diff, plot, runlogs, stats, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,3 +249,44 @@ def test_a_log_embeds_the_trainer_and_its_kernels_file_each_under_its_own_header
     log = tmp_path / "run.txt"
     log.write_text(source + "\n" + runlogs.SEPARATOR + "\nversions\n" + runlogs.SEPARATOR + "\nstep:1/1 train_time:1ms step_avg:1.00ms\n")
     assert runlogs.read_log(log).script == runlogs.script_digest(runlogs.logged_source(ROOT / "train_gpt_medium.py"))
+
+
+# ---------------------------------------------------------------- how a run ended (its log's last line)
+
+
+def stopped_log(path, how: str):
+    """A run of ours that logged 5 of its 10 steps, then `run ended: <how>`."""
+    write_log(path, 0.0, 0.0, finish=False, config={**OUR_CONFIG, "seed": 7}, groups=OUR_GROUPS)
+    path.write_text(path.read_text() + f"run ended: {how}\n")
+    return path
+
+
+def test_an_interrupted_run_is_reported_as_interrupted_where_it_stopped(tmp_path, capsys):
+    """stats.py and a batch's summary read the log's last line: not "did not finish" (a crash, a kill)
+    but the stop and its step."""
+    folder = make_our_set(tmp_path / "r", PASS_LOSSES)
+    how = "interrupted by SIGINT at step 5/10 (exit 130)"
+    log = runlogs.read_log(stopped_log(folder / "zz_stopped.txt", how))
+    assert not log.finished and log.ended == how and log.skip_reason == how
+    assert stats.main([str(folder)]) == 0
+    assert f"  skipped {folder / 'zz_stopped.txt'}: {how}" in capsys.readouterr().out.splitlines()
+    assert f"zz_stopped.txt: {how}" in summary.summary(folder)
+
+
+def test_a_log_without_its_last_line_did_not_finish(tmp_path):
+    """Killed (SIGKILL, the machine lost), or written before the line existed: the last step seen."""
+    path = write_log(tmp_path / "a.txt", 0.0, 0.0, finish=False, config={**OUR_CONFIG, "seed": 7}, groups=OUR_GROUPS)
+    log = runlogs.read_log(path)
+    assert log.ended is None and log.skip_reason == "did not finish (last step seen: 5/10)"
+
+
+def test_a_metrics_stream_says_how_its_run_ended_as_the_log_does(tmp_path):
+    how = "interrupted by SIGTERM at step 3/10 (exit 143)"
+    records = [dict(kind="run", step=0, num_iterations=10, config={}, script="abc"),
+               dict(kind="step", step=3, train_time_ms=30.0, step_avg_ms=10.0), dict(kind="end", step=3, how=how)]
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log = runlogs.read_log(path)
+    assert log.ended == how and log.skip_reason == how
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))  # a stream cut short
+    assert runlogs.parse_log(path).skip_reason == "did not finish (last step seen: 3/10)"

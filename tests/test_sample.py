@@ -188,6 +188,8 @@ def test_a_cached_tokenizer_is_read_without_the_network(tmp_path):
     (["--prompt=hello"], "--prompt: this checkpoint's vocabulary has 500 tokens, not GPT-2's 50257"),
     (["--prompt=a", "--prompt_ids=1"], "not allowed with argument"),
     (["--max_new_tokens=0"], "--max_new_tokens must be at least 1"),
+    (["--prompt_ids=" + ",".join(["1"] * 512)], "--prompt_ids: 512 tokens, and with the leading end-of-text more "
+                                                "than the 512 this checkpoint's model attends over"),
 ])
 def test_bad_input_is_one_line_and_exit_2(synthetic_dir, tmp_path, capsys, argv, message):
     code, out, err = run_cli(capsys, random_checkpoint(synthetic_dir, tmp_path), *argv)
@@ -220,7 +222,41 @@ def test_more_new_tokens_than_the_model_attends_over_are_refused_in_one_line(syn
     longest = ic.longest_sequence(config)
     code, out, err = run_cli(capsys, path, "--stop_at_eot=false", "--max_new_tokens=100000000")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert f"--max_new_tokens 100000000: at most {longest:,}, the longest sequence" in err
+    assert f"--max_new_tokens 100000000: at most {longest:,} with no prompt: the model attends over {longest:,}" in err
+
+
+def test_every_forward_up_to_the_cap_sees_the_whole_prompt_and_one_more_token_would_not(synthetic_dir, tmp_path,
+                                                                                       monkeypatch):
+    """The contexts generate runs the model over (the model replaced: each forward's ids recorded), at the
+    cap room_for_new_tokens gives and one past it: 3 prompt tokens after end-of-text leave 512 - 4 + 1."""
+    model, config, step = ic.load_model(random_checkpoint(synthetic_dir, tmp_path))
+    prompt = [5, 17, 42]
+    assert ic.longest_sequence(config) == 512 and sm.room_for_new_tokens(config, prompt) == 509
+    contexts = []
+
+    def logits(model, ids, window):
+        contexts.append(ids.tolist())
+        return torch.zeros(config.vocab_size)
+    monkeypatch.setattr(sm, "next_token_logits", logits)
+    sm.generate(model, config, step, prompt, 509, temperature=0, stop_at_eot=False)
+    assert len(contexts) == 509 and all(c[:4] == [config.eot_token, *prompt] for c in contexts)
+    assert len(contexts[-1]) == 512
+    contexts.clear()
+    sm.generate(model, config, step, prompt, 510, temperature=0, stop_at_eot=False)
+    assert contexts[-1][:3] == prompt  # the leading end-of-text fell out of the last forward
+
+
+def test_the_new_token_cap_counts_the_prompt(synthetic_dir, tmp_path, capsys, monkeypatch):
+    """With 3 prompt tokens, 512 - 3 new tokens are run (generate replaced: nothing is sampled) and one more is
+    refused in one line."""
+    path = random_checkpoint(synthetic_dir, tmp_path)
+    asked = []
+    monkeypatch.setattr(sm, "generate", lambda model, config, step, prompt, n, *args, **kwargs: asked.append(n) or [])
+    code, _, err = run_cli(capsys, path, "--prompt_ids=5,17,42", "--max_new_tokens=509")
+    assert code == 0 and asked == [509], err
+    code, out, err = run_cli(capsys, path, "--prompt_ids=5,17,42", "--max_new_tokens=510")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--max_new_tokens 510: at most 509 with this 3-token prompt" in err
 
 
 def test_streamed_gpt2_text_is_the_whole_texts_decoding():

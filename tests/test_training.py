@@ -119,7 +119,8 @@ def test_tiny_preset_learns_and_logs_in_the_documented_format(tiny_seed0_run):
     assert all(vals) and all(trains)
     assert [int(m[1]) for m in vals] == [0, 38, 76, 114, 152, 190]
     assert [int(m[1]) for m in trains] == list(range(1, 191))
-    assert re.fullmatch(r"peak memory allocated: \d+ MiB reserved: \d+ MiB", body.splitlines()[-1])
+    assert re.fullmatch(r"peak memory allocated: \d+ MiB reserved: \d+ MiB", body.splitlines()[-2])
+    assert body.splitlines()[-1] == "run ended: finished (exit 0)"
     first, final = float(vals[0][3]), float(vals[-1][3])
     # untrained: nearly uniform over the 512 padded rows. The head starts at N(0, 0.005^2), so the
     # capped logits spread by a few hundredths and the loss sits above ln 512 by about half their

@@ -34,7 +34,7 @@ class AfterRun:
         if log.path is None or not (cfg.metrics_jsonl or cfg.tracker != "none"):
             return
         self.stream = metrics.MetricsStream(cfg, metrics.metrics_path(cfg, Path(log.path)), device, world_size,
-                                            log.path, metrics.make_tracker(cfg, Path(log.path)))
+                                            log.path, metrics.make_tracker(cfg, Path(log.path)), warn=log.warn)
         log.listeners.append(self.stream)
 
     def evaluate(self, result: dict, device, log: tg.RunLog) -> None:

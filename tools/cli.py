@@ -6,7 +6,8 @@ script exit with code 2, without a traceback, before anything is written.
 
 One policy for every output file the tools and the trainer write (output_file_problem): a missing
 folder is made (where its nearest existing folder is writable), a folder is not a file, and a file
-that exists is never overwritten unless asked (--overwrite where the tool has it).
+that exists is never overwritten unless asked (--overwrite where the tool has it); a file written
+under a temporary name takes the umask's permissions when moved into place (move_into_place).
 
 A reader that leaves early (`| head`) ends the script quietly (run_main: BrokenPipeError).
 """
@@ -79,6 +80,16 @@ def output_file_problem(path: Path, flag: str, overwrite: bool = False, how: str
 def make_parent(path: Path) -> None:
     """The folder of an output file, made with its parents where missing."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+def move_into_place(temporary: Path, path: Path) -> None:
+    """Rename a finished temporary file to `path` (atomically), with the permissions open() gives a new
+    file (0666 less the umask), as every other output has: a library that writes through a private
+    temporary file of its own (safetensors' save_file: mode 0600) would otherwise leave that mode."""
+    umask = os.umask(0)  # read by setting it: the only portable way
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)
+    os.replace(temporary, path)
 
 
 def run_main(main, *args) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tools.cli import (  # noqa: E402
-    OneLineParser, fail, first_line, make_parent, os_error_line, output_file_problem, run_main)
+    OneLineParser, fail, first_line, make_parent, move_into_place, os_error_line, output_file_problem, run_main)
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +64,8 @@ def metadata(config: dict, step: int, dtype: str, source: Path) -> dict[str, str
 
 
 def write_safetensors(checkpoint: Path, out: Path, dtype: str = "fp32") -> dict[str, torch.Tensor]:
-    """Write the checkpoint's weights to `out` (atomically: a temporary name, then renamed); returns
-    the tensors written."""
+    """Write the checkpoint's weights to `out` (atomically: a temporary name, then renamed, with the
+    umask's permissions as every output); returns the tensors written."""
     import os
     from safetensors.torch import save_file
     state, config, step = checkpoint_weights(checkpoint)
@@ -73,7 +73,7 @@ def write_safetensors(checkpoint: Path, out: Path, dtype: str = "fp32") -> dict[
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata(config, step, dtype, checkpoint))
-        os.replace(tmp, out)
+        move_into_place(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return tensors
@@ -138,9 +138,9 @@ def main(argv=None) -> int:
         parser.error(f"--out {args.out}: give a file name ending in .safetensors")
     if problem := output_file_problem(args.out, "--out", args.overwrite):
         return fail(problem)
-    if not args.checkpoint.is_dir():
-        return fail(f"{args.checkpoint}: no such checkpoint folder")
     import train_gpt_medium as tg
+    if problem := tg.checkpoint_folder_problem(args.checkpoint):  # before --out's folder is made
+        return fail(problem)
     from safetensors import SafetensorError
     try:
         make_parent(args.out)

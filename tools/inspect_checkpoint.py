@@ -67,14 +67,20 @@ class ToolInputError(Exception):
     """A tool's input that cannot be used: one line saying which and why (the tools print it as error:)."""
 
 
+def missing_checkpoint(checkpoint: Path) -> str | None:
+    """The error line for a checkpoint path that does not exist, or None: asked before torch loads (a
+    file where a folder is meant is the trainer's validate_checkpoint's to name)."""
+    return None if checkpoint.exists() else f"{checkpoint}: no such checkpoint folder or .safetensors file"
+
+
 def load_for_tool(checkpoint: Path, device_flag: str, purpose: str) -> tuple[tg.GPT, tg.Hyperparameters, int, str]:
     """(model, config, step, device) for an after-run tool (--device auto|cuda|cpu): a checkpoint folder or
     a .safetensors file, fp32 on the CPU and in the trained dtype on CUDA. ToolInputError naming the file and
     what could not be done with it (`purpose`: "sampled", "scored") otherwise."""
+    if problem := missing_checkpoint(checkpoint):
+        raise ToolInputError(problem)
     import torch
     import train_gpt_medium as tg
-    if not checkpoint.exists():
-        raise ToolInputError(f"{checkpoint}: no such checkpoint folder or .safetensors file")
     if device_flag == "cuda" and not torch.cuda.is_available():
         raise ToolInputError("--device cuda: no CUDA device here; use --device cpu")
     device = "cuda" if device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available()) else "cpu"
@@ -252,7 +258,8 @@ def read_val_tokens(pattern: str, min_tokens: int) -> torch.Tensor:
 
 def main(argv=None) -> int:
     parser = OneLineParser(__file__, description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN, holding meta.json)")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN, holding meta.json) or a "
+                                                     ".safetensors file of tools/export.py")
     parser.add_argument("--val_files", help="validation shards (default: the checkpoint's config)")
     parser.add_argument("--position", type=int, default=100, help="position of the logit lens in the first sequence")
     parser.add_argument("--top_k", type=int, default=5, help="tokens shown per lens, 1..vocab_size")
@@ -266,8 +273,8 @@ def main(argv=None) -> int:
         parser.error(f"--top_k must be at least 1, got {args.top_k}")
     if args.position < 0:
         parser.error(f"--position must be at least 0, got {args.position}")
-    if not args.checkpoint.is_dir():  # the trainer's check too, here before torch loads
-        return fail(f"{args.checkpoint}: no such checkpoint folder")
+    if problem := missing_checkpoint(args.checkpoint):
+        return fail(problem)
     import train_gpt_medium as tg
     try:
         model, config, step = load_model(args.checkpoint)

@@ -22,7 +22,9 @@ Records (every one has `kind` and `step`, the number of training steps done):
   windows (blocks and tokens), tokens_seen, memory; the first also train_loss (the step-0 loss line);
 - val: one per `step:s/N val_loss:...` line: val_loss, val_bpb, train_time_ms, the windows of the
   validation, tokens_seen, memory;
-- final, peak_memory, checkpoint, resume, hellaswag: from their lines (hellaswag at full precision).
+- final, peak_memory, checkpoint, resume, hellaswag: from their lines (hellaswag at full precision);
+- end: from the log's last line (`run ended: ...`): `how` the run ended (finished; interrupted by
+  SIGINT at step s/N; ...), for records/runlogs.py; no tracker gets it (it holds no number).
 The file is appended to and flushed line by line (a crash keeps every record before it).
 
 --tracker feeds the numbers of the same records to wandb (wandb.init in the log folder, run name =
@@ -53,6 +55,7 @@ FORMAT = 1  # the run record's "format"
 _FINAL = re.compile(r"final val_loss:(\S+) perplexity:(\S+)(?: val_bpb:(\S+))? package_time:(\d+)ms")
 _PEAK = re.compile(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 _RESUMED = re.compile(r"resumed from (\S+) at step (\d+)/(\d+)")
+_ENDED, _AT_STEP = "run ended: ", re.compile(r" at step (\d+)/\d+")
 
 
 def metrics_path(config: tg.Hyperparameters, log_path: Path) -> Optional[Path]:
@@ -135,8 +138,10 @@ class MetricsStream:
     given to `tracker.log(record)` (if any)."""
 
     def __init__(self, config: tg.Hyperparameters, path: Optional[Path], device, world_size: int,
-                 log_path: Optional[Path] = None, tracker=None):
+                 log_path: Optional[Path] = None, tracker=None, warn=None):
+        import train_gpt_medium as tg
         self.config, self.tracker = config, tracker
+        self.warn = warn or tg.say  # the run log's warn: stderr and the log
         self.schedule, self.memory = Schedule(config), memory_reader(device)
         if path is not None:
             from tools.cli import make_parent
@@ -187,6 +192,10 @@ class MetricsStream:
             return dict(kind="checkpoint", step=int(found[1]) if found else None, path=line.partition(": ")[2])
         if m := _RESUMED.match(line):
             return dict(kind="resume", step=int(m[2]), num_iterations=int(m[3]), checkpoint=m[1])
+        if line.startswith(_ENDED):
+            at = _AT_STEP.search(line)
+            done = int(at[1]) if at else N if line.startswith(_ENDED + "finished") else 0
+            return dict(kind="end", step=done, how=line[len(_ENDED):])
         return None
 
     def emit(self, record: dict) -> None:
@@ -195,10 +204,12 @@ class MetricsStream:
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()
             except OSError as e:  # bookkeeping must not stop a record attempt: say it once, go on without it
-                print(f"warning: --metrics_jsonl {self.path}: cannot write ({e.strerror or e}); the metrics "
-                      "stream stops here, the run goes on (its log has every line)", file=sys.stderr, flush=True)
-                self.drop_file()
-        if self.tracker is not None and record["kind"] != "run":
+                import train_gpt_medium as tg
+                self.drop_file()  # first: the warning goes through the log, whose listener this stream is
+                why = tg.write_failure(e, "--metrics_jsonl")
+                self.warn(f"warning: --metrics_jsonl {self.path}: cannot write {why}; the metrics stream stops here, "
+                          "the run goes on (its log has every line)")
+        if self.tracker is not None and record["kind"] not in ("run", "end"):
             self.tracker.log(record)
 
     def drop_file(self) -> None:

@@ -15,7 +15,8 @@ dtype it trained in.
 
 The sample is one document: it starts with end-of-text, as every training document does, then the
 prompt, and stops at the next end-of-text (--stop_at_eot=false: goes on into the next document).
-A context longer than the longest sequence the run used (its rotary tables) keeps its last tokens.
+The whole sample stays within the longest sequence the run used (its rotary tables): --max_new_tokens
+is refused past what the prompt leaves of it, where the context would drop the prompt.
 
 No key-value cache: each new token runs the model's own forward over the whole context again,
 O(T^2) per token on a short context. A cache would need a second, incremental implementation of
@@ -96,6 +97,19 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
     return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen))
 
 
+def document_start(config: tg.Hyperparameters, prompt: list[int]) -> list[int]:
+    """The context before the first new token: end-of-text, then the prompt (unless it starts with one)."""
+    return list(prompt) if prompt[:1] == [config.eot_token] else [config.eot_token, *prompt]
+
+
+def room_for_new_tokens(config: tg.Hyperparameters, prompt: list[int]) -> int:
+    """The most new tokens whose every forward still sees the whole document start (longest_sequence
+    minus what the start takes; the last new token is never fed back, so it costs no room). Below 1:
+    the start alone is longer than the model attends over."""
+    from tools.inspect_checkpoint import longest_sequence
+    return longest_sequence(config) - len(document_start(config, prompt)) + 1
+
+
 def generate(model: tg.GPT, config: tg.Hyperparameters, step: int, prompt: list[int], max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, gen: torch.Generator | None = None,
              stop_at_eot: bool = True, on_token=None) -> list[int]:
@@ -106,7 +120,7 @@ def generate(model: tg.GPT, config: tg.Hyperparameters, step: int, prompt: list[
     from tools.inspect_checkpoint import at_step, longest_sequence
     gen = gen or torch.Generator().manual_seed(0)
     window = at_step(model, config, step).to(next(model.parameters()).device)
-    context = list(prompt) if prompt[:1] == [config.eot_token] else [config.eot_token, *prompt]
+    context = document_start(config, prompt)
     longest, new = longest_sequence(config), []
     device = window.device
     for _ in range(max_new_tokens):
@@ -210,11 +224,17 @@ def main(argv=None) -> int:
             return fail(str(e))
     if bad := [t for t in prompt_ids if not 0 <= t < config.vocab_size]:
         return fail(f"--prompt_ids: {bad[0]} is not a token id of this checkpoint (0..{config.vocab_size - 1})")
-    longest = longest_sequence(config)
-    if args.max_new_tokens > longest:
-        return fail(f"--max_new_tokens {args.max_new_tokens}: at most {longest:,}, the longest sequence this "
-                    "checkpoint's model attends over (past it the context keeps only its last tokens, and the start "
-                    "of the sample is forgotten)")
+    # past the longest sequence the context keeps only its last tokens: the prompt would be forgotten
+    longest, room = longest_sequence(config), room_for_new_tokens(config, prompt_ids)
+    if room < 1:
+        flag = "--prompt" if args.prompt is not None else "--prompt_ids"
+        return fail(f"{flag}: {len(prompt_ids):,} tokens, and with the leading end-of-text more than the {longest:,} "
+                    "this checkpoint's model attends over (its longest sequence); shorten the prompt")
+    if args.max_new_tokens > room:
+        prompt_text = f"this {len(prompt_ids):,}-token prompt" if prompt_ids else "no prompt"
+        return fail(f"--max_new_tokens {args.max_new_tokens}: at most {room:,} with {prompt_text}: the model attends "
+                    f"over {longest:,} tokens (its longest sequence), end-of-text, the prompt and every new token but "
+                    "the last; past that the context would drop the prompt")
     vocab, gen = Vocabulary(config.vocab_size), torch.Generator().manual_seed(args.seed)
     for k in range(args.num_samples):
         # each token printed as it is made (one forward per token: a long sample shows as it grows)
