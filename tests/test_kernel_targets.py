@@ -9,8 +9,6 @@ wheel) reads the cubin. A launch that cannot compile for an architecture must be
 GPU guard refuses there. This compiles; it runs no kernel (tests/test_fused_ce.py and
 tests/test_fp8_head.py check the kernels' numbers under Triton's interpreter)."""
 import itertools
-import re
-import subprocess
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 import train_gpt_medium as tg  # noqa: E402
+from tools import offline_compile as offline  # noqa: E402
 import triton_kernels as kernels  # noqa: E402
 
 # The most shared memory a block may opt into, bytes: the CUDA C++ Programming Guide's table
@@ -32,7 +31,7 @@ import triton_kernels as kernels  # noqa: E402
 # and CUTLASS (sm100_smem_capacity_bytes = 232,448) have them.
 OPT_IN_SHARED_MEMORY = {80: 166_912, 89: 101_376, 90: 232_448, 100: 232_448}
 REGISTERS_PER_BLOCK = 65_536  # on each of them (the same table)
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+CUOBJDUMP = offline.cuobjdump()
 
 # the trainer compiles its kernels under the same default (triton 3.9 warns that 3.10 changes it)
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -221,15 +220,6 @@ class CompileOnly:
         return None
 
 
-def resource_usage(cubin: bytes, folder: Path) -> dict[str, int]:
-    """cuobjdump -res-usage of a kernel's cubin: REG, STACK, SHARED (static), LOCAL, ... as numbers."""
-    path = folder / "kernel.cubin"
-    path.write_bytes(cubin)
-    out = subprocess.run([str(CUOBJDUMP), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
-    (line,) = [line for line in out.splitlines() if "REG:" in line]
-    return {key: int(value) for key, value in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", line)}
-
-
 def refusals(config, gpu: tg.GpuProperties) -> list:
     """What the trainer's GPU guard (gpu_verdict) refuses of config on this GPU for lack of a feature
     (the guard's memory check aside: these GPUs are the architectures, of any memory)."""
@@ -297,7 +287,7 @@ def test_each_launch_compiles_within_the_shared_memory_and_registers_without_spi
                 problems.append(f"{launch} does not compile ({str(kernel).splitlines()[-1]}), yet on "
                                 f"{target.gpu.name} the guard lets {allowed[0]} run, which launches it")
             continue
-        use = resource_usage(kernel.asm["cubin"], target.folder)
+        use = offline.resource_usage(kernel.asm["cubin"], target.folder)
         shared, threads = kernel.metadata.shared + use["SHARED"], kernel.metadata.num_warps * 32
         if shared > OPT_IN_SHARED_MEMORY[capability]:
             problems.append(f"{launch}: {shared:,} B of shared memory, more than {OPT_IN_SHARED_MEMORY[capability]:,}")

@@ -6,6 +6,7 @@
     tools/gpu_check.sh --preset tiny      # the same checks at toy size; on the CPU where there is no GPU
     tools/gpu_check.sh --compile=false    # any trainer flag is passed on to every run
     tools/gpu_check.sh --time_limit=900   # seconds each trainer process may take (quick: 240, full: 600)
+    tools/gpu_check.sh --offline --arch 9.0 [--recipe all]   # no GPU: compile for one (tools/offline_compile.py)
 
 --quick runs two processes on one GPU, each compiling one phase of the step grid only: a benchmark at
 the first full-batch step (its two parities, warm-up limited to that phase, one evaluation step), then
@@ -104,12 +105,14 @@ class Run:
         return json.loads(lines[-1]) if lines else None
 
 
-def run_trainer(name: str, flags: list[str], processes: int, time_limit: float = RUN_TIMEOUT_S) -> Run:
-    """train_gpt_medium.py with `flags`, as one process or through torchrun, from the repository root,
-    stopped (with every process it started: its own session) after time_limit seconds."""
-    command = [sys.executable, str(TRAINER)] if processes <= 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", str(TRAINER)]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+def run_trainer(name: str, flags: list[str], processes: int, time_limit: float = RUN_TIMEOUT_S,
+                script: Path = TRAINER, environment: dict | None = None) -> Run:
+    """`script` (train_gpt_medium.py) with `flags`, as one process or through torchrun, from the repository
+    root, with `environment`'s variables added, stopped (with every process it started: its own session)
+    after time_limit seconds."""
+    command = [sys.executable, str(script)] if processes <= 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", str(script)]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | (environment or {})
     print(f"[gpu_check] {name} (time limit {time_limit:.0f} s) ...", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(command + flags, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -547,12 +550,150 @@ def finish(rows: list[dict], reference: Run, gpus: int, dtype: str, tolerance: f
     return 0
 
 
+def offline_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
+    """(--offline, --arch's text or None, the other flags)."""
+    offline, arch, rest, args = False, None, [], iter(argv)
+    for arg in args:
+        if arg in ("--offline", "--offline=true"):
+            offline = True
+        elif arg == "--offline=false":
+            offline = False
+        elif arg == "--arch":
+            arch = next(args, "")
+        elif arg.startswith("--arch="):
+            arch = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+    return offline, arch, rest
+
+
+def recipe_runs(argv: list[str]) -> list[list[str]]:
+    """The trainer flags of each compile: argv, or with --recipe all one set per recipe of tg.RECIPES."""
+    flags, recipe, args = [], None, iter(argv)
+    for arg in args:
+        if arg == "--recipe":
+            recipe = next(args, "")
+        elif arg.startswith("--recipe="):
+            recipe = arg.partition("=")[2]
+        else:
+            flags.append(arg)
+    if recipe != "all":
+        return [argv]
+    return [[f"--recipe={name}", *flags] for name in tg.RECIPES]
+
+
+def offline_rows(name: str, run: Run, limit_text: str) -> list[dict]:
+    """A recipe's compile, its kernels' shared memory, registers and spills against the arch's limits."""
+    report = run.json()
+    if report is None:
+        return failed_run(f"compile, {name}", run)
+    error, breaks = report["error"], report["graph_breaks"]
+    seconds = max(report["seconds"].values(), default=0)
+    failure = None
+    if error:
+        avoid = f" (avoid it: {error['flag']})" if error["flag"] else ""
+        failure = f"compile, {name}: {error['phase']}: {error['error']}{avoid}"
+    elif breaks:
+        failure = f"compile, {name}: {breaks} graph break(s): {report['break_reasons'][0]}"
+    rows = [row(f"compile, {name}", f"{report['graphs']} graphs, {breaks} graph breaks, {report['recompiles']} "
+                f"recompiles, {report['kernels']} Triton kernels ({report['binaries']} binaries), {seconds:,} s",
+                "step 0, the last step and an evaluation compile; 0 graph breaks", failure)]
+    shared, registers, unfit = report["largest_shared"], report["largest_registers"], report["over_limits"]
+    if shared is None:  # no Triton kernel compiled
+        return rows
+    dropped = (f"; {report['configs_over_limits']} config(s) over a limit, which Triton refuses to load (each "
+               "kernel keeps others)" if report["configs_over_limits"] else "")
+    too_big = [k for k in unfit if k["shared"] > report["shared_limit"]]
+    too_many = [k for k in unfit if k not in too_big]
+    rows.append(row(f"shared memory, {name}", f"largest {shared['bytes']:,} B ({shared['kernel']}){dropped}",
+                    f"<= {report['shared_limit']:,} B per block ({limit_text}), a config of each kernel",
+                    f"shared memory, {name}: {too_big[0]['kernel']} needs {too_big[0]['shared']:,} B in its smallest "
+                    "config" if too_big else None))
+    rows.append(row(f"registers, {name}", f"largest {registers['registers']} per thread ({registers['kernel']}, "
+                    f"{registers['num_warps']} warps)", "<= 255 per thread, <= 65,536 per block, a config of each kernel",
+                    f"registers, {name}: {too_many[0]['kernel']} uses {too_many[0]['registers']} per thread at "
+                    f"{too_many[0]['num_warps']} warps" if too_many else None))
+    spills, spilling = report["spills"], report["spilling_configs"]
+    measured = ("; ".join(f"{kernel} {local:,} B per thread" for kernel, local in spills[:3])
+                + (f" (+{len(spills) - 3} more)" if len(spills) > 3 else "")) if spills else (
+        f"none ({spilling} config(s) spill; each of their kernels has one that does not)"
+        if spilling else "none")
+    rows.append(row(f"spills, {name}", measured, "a config without spills for each kernel",
+                    f"spills, {name}: every config of {len(spills)} kernel(s) spills registers to local memory"
+                    if spills else None))
+    return rows
+
+
+def offline_main(arch_text: str | None, argv: list[str], limit: float | None) -> int:
+    """--offline --arch CC: the guard with the arch's properties, then each recipe's step compiled for the
+    arch in a process of its own (tools/offline_compile.py)."""
+    from tools import offline_compile as offline
+    try:
+        capability = offline.parse_arch(arch_text)
+        runs = [(flags, tg.parse_args(flags)) for flags in recipe_runs(argv)]
+    except tg.InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = offline.arch_gpu(capability)
+    many = len(runs) > 1
+    rows, admitted = [], []
+    for flags, config in runs:
+        memory = None if config.gpu_memory_gib is None else int(config.gpu_memory_gib * 2**30)
+        refusals = tg.gpu_verdict(config, gpu, tg.PEAK_WORLD_SIZE, memory)[2]
+        if refusals and not many:
+            print("error: " + "\n".join(refusals), file=sys.stderr)
+            return 2
+        where = f"{tg.PEAK_WORLD_SIZE} GPUs like {gpu.label}"
+        rows.append(row(f"GPU guard, {config.recipe}", f"refused: {refusals[0]}" if refusals else f"runs on {where}",
+                        "the guard's verdict (what it refuses is not compiled)"))
+        if not refusals:
+            admitted.append((flags, config))
+    problem = offline.environment_problem() if admitted else None
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    reports = {}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_offline_") as tmp:
+        tmp = Path(tmp)
+        if admitted:
+            try:
+                library = offline.build_shim(tmp)
+            except RuntimeError as e:
+                print(f"error: --offline: {e}", file=sys.stderr)
+                return 2
+        for flags, config in admitted:
+            folder = tmp / config.recipe
+            run = run_trainer(f"compile {config.recipe} for {capability[0]}.{capability[1]}", [str(folder), *flags],
+                              1, limit or offline.COMPILE_TIMEOUT_S, script=Path(offline.__file__),
+                              environment=offline.child_environment(capability, folder, library))
+            reports[config.recipe] = run.json()
+            rows += offline_rows(config.recipe, run, f"{gpu.name}'s opt-in")
+    if not admitted:
+        rows.append(row("GPU guard", f"refuses every recipe on {gpu.label}", "a recipe that runs",
+                        f"the GPU guard refuses every recipe on {gpu.label} (each row says why)"))
+    print()
+    print_table(rows)
+    failures = [r["reason"] for r in rows if not r["ok"]]
+    print(json.dumps(dict(ok=not failures, offline=True, arch=f"{capability[0]}.{capability[1]}", gpu=gpu.label,
+                          world_size=tg.PEAK_WORLD_SIZE, checks=rows, compiles=reports)), flush=True)
+    if failures:
+        print("gpu_check: FAILED: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
+    offline, arch, argv = offline_flags(argv)
     try:
         quick, limit, argv = own_flags(argv)
+        if arch is not None and not offline:
+            raise tg.ConfigError("--arch: names the GPU to compile for with --offline (tools/gpu_check.sh --offline "
+                                 "--arch 9.0); a check on this machine's GPUs takes none")
+        if offline:
+            return offline_main(arch, argv, limit)
         config = tg.parse_args(argv)
     except tg.InputError as e:
         print(f"error: {e}", file=sys.stderr)
