@@ -81,7 +81,7 @@ def counted_run(synthetic_dir, out, *flags):
         mp.setattr(tg.Runner, "window", window)
         for owner, name in SYNCS:
             mp.setattr(getattr(torch, owner), name, counting(getattr(getattr(torch, owner), name)))
-        assert tg.main(run_argv(synthetic_dir, out, "--seed=0", *flags, N=N)) == 0
+        assert tg.main(run_argv(synthetic_dir, out, "--seed=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}", *flags, N=N)) == 0
     seen["warmup_steps"] = 1  # run_argv's --warmup_steps: its steps come first in the lists above
     return seen
 
@@ -94,7 +94,7 @@ def runs(synthetic_dir, tmp_path_factory):
     with_dir, without_dir = tmp_path_factory.mktemp("with"), tmp_path_factory.mktemp("without")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "wandb", fake.module)
-        mp.chdir(with_dir)
+        mp.chdir(with_dir)  # (the byte table by its absolute path: counted_run)
         streamed = counted_run(synthetic_dir, with_dir, "--metrics_jsonl=AUTO", "--tracker=wandb")
     sys.meta_path.insert(0, watcher)
     try:
