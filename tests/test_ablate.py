@@ -1,6 +1,6 @@
 """records/ablate.py (seed-matched sweeps) and records/stats.py's paired_test.
 
-The sweep test trains for real: a 2 x 2 grid (lore_input x lore_output) x 2 seeds of 4-step tiny runs,
+The sweep test trains for real: a 2 x 2 grid (lore_input x lore_output) x 2 seeds of 2-step tiny runs,
 through a launcher wrapper that counts its calls and, the first time, crashes from the sixth call on.
 Expected statistics are computed here with scipy from the CSV's numbers. LoRE runs on the record
 untied from the start (--untie_embed_after_step=0: the record's head doubles as its input table
@@ -79,7 +79,10 @@ def sweep(tmp_path_factory, synthetic_dir):
     """The sweep interrupted after 5 runs, then rerun to completion; what each round left behind."""
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "out"
-    trainer = [UNTIED, "--num_iterations=4", "--val_every=2", "--warmup_steps=0", "--val_tokens=2048", "--synthetic_data=false",
+    # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2: what
+    # the sweep reads of a run (its log's numbers, the seed, the arm's parameters) does not need more
+    trainer = [UNTIED, "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0",
+               "--val_tokens=1024", "--synthetic_data=false",
                f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
                f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
     argv = ["--preset", "tiny", *GRID, "--seeds", "1,2", "--out", str(out), "--band-loss", "0.01", "--band-time", "1.5"]

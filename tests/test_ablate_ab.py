@@ -1,7 +1,7 @@
 """records/ablate.py --arm: interleaved A/Bs of whole commands (script, flags, launcher settings).
 
 Two kinds of A/B are made here. A real one: three arms through ./run.sh (the live script, the live
-script with another Muon lr, and the frozen x01 script through TRAINER=) x 2 slots of 4-step tiny
+script with another Muon lr, and the frozen x01 script through TRAINER=) x 2 slots of 2-step tiny
 runs. And fake ones, with stand-in scripts that need no torch: one of this project's kind (it takes
 --seed, --run_id, --log_dir) and one of upstream's kind (it reads no flags and writes
 logs/<uuid>.txt under its working folder, its own source first). The fakes hang on request, so
@@ -116,7 +116,10 @@ def real_ab(tmp_path_factory, synthetic_dir):
     argv = ["--preset", "tiny", "--arm", f"base={launcher}", "--arm", f"cand={launcher} --muon_lr=0.03",
             "--arm", f"x01=TRAINER=records/x01_lineage/train_gpt_medium.py {launcher}", "--seeds", "1,2",
             "--out", str(out), "--",
-            "--num_iterations=4", "--val_every=2", "--warmup_steps=0", "--val_tokens=2048", "--synthetic_data=false",
+            # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2:
+            # the A/B reads a run's log, its script, seed and flags, none of which needs more
+            "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0", "--val_tokens=1024",
+            "--synthetic_data=false",
             f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
             f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
     rc = ablate.main(argv)
@@ -140,7 +143,7 @@ def test_each_arm_runs_its_own_script_and_every_arm_of_a_slot_gets_its_seed(real
     assert {log.script for log in logs["x01"].values()} == {runlogs.script_digest(X01.read_text())}
     for arm in REAL_ARMS:
         assert {k: log.seed for k, log in logs[arm].items()} == {1: "1", 2: "2"}
-        assert all(log.config["preset"] == "'tiny'" and log.steps == 4 for log in logs[arm].values())
+        assert all(log.config["preset"] == "'tiny'" and log.steps == 2 for log in logs[arm].values())
     assert {log.config["muon_lr"] for log in logs["cand"].values()} == {"0.03"}
     assert {log.config["muon_lr"] for log in logs["base"].values()} != {"0.03"}
 

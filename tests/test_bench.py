@@ -38,27 +38,64 @@ def bench(argv, tmp_path, monkeypatch, capsys) -> tuple[int, list[str], dict]:
     return code, lines, json.loads(lines[-1]) if code == 0 else None
 
 
+class Recorded:
+    """gpu_check.run_trainer that keeps each finished trainer run by its name."""
+
+    def __init__(self):
+        self.runs, self.run_trainer = {}, gpu_check.run_trainer
+
+    def __call__(self, name, *args, **kwargs):
+        self.runs[name] = self.run_trainer(name, *args, **kwargs)
+        return self.runs[name]
+
+
 @pytest.fixture(scope="module")
-def tiny_bench(tmp_path_factory):
-    """--preset tiny --bench_steps=3 with shard patterns that match nothing, from an empty folder."""
-    folder = tmp_path_factory.mktemp("bench_cwd")
-    out, cwd = io.StringIO(), os.getcwd()
-    os.chdir(folder)
-    try:
-        with contextlib.redirect_stdout(out):
-            code = tg.main(["--preset=tiny", "--bench_steps=3", f"--train_files={folder}/none_*.bin",
-                            f"--val_files={folder}/none_*.bin"])
-    finally:
-        os.chdir(cwd)
-    lines = out.getvalue().strip().splitlines()
-    return dict(code=code, lines=lines, report=json.loads(lines[-1]), folder=folder)
+def several_gpus_check(tmp_path_factory):
+    """tools/gpu_check.sh --preset tiny with two GPUs counted (patched; the trainer's processes find
+    none and run on the CPU over gloo), in-process through gpu_check.main, without shards (the
+    pattern matches nothing): every check on one process, then the benchmark and the training run
+    again on 2 processes. Fewer steps than gpu_check's own (3 timed bench steps, 6 training steps
+    validated every 3): the same checks and rows; one thread per trainer process. With Adam
+    stepping every step (a trainer flag, which gpu_check passes to every run): then 2 processes
+    compute each loss of the benchmark bit for bit as 1 does (see the test below), so the
+    trainer's runs serve the benchmark's own tests too. Returns the exit code, what gpu_check
+    printed, its summary and each trainer run (gpu_check.Run) by name."""
+    recorded, out, err = Recorded(), io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu_check, "BENCH_STEPS", 3)
+        mp.setattr(gpu_check, "TRAIN_STEPS", 6)
+        mp.setattr(gpu_check, "VAL_EVERY", 3)
+        mp.setenv("OMP_NUM_THREADS", "1")
+        mp.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+        mp.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
+        mp.setattr(gpu_check, "run_trainer", recorded)
+        none = tmp_path_factory.mktemp("no_shards") / "none_*.bin"
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = gpu_check.main(["--preset=tiny", f"--train_files={none}", "--adam_odd_steps_only=false"])
+    summary = json.loads(out.getvalue().strip().splitlines()[-1])
+    return dict(code=code, out=out.getvalue(), err=err.getvalue(), summary=summary, runs=recorded.runs)
 
 
-def test_bench_exits_0_and_writes_nothing_in_the_working_folder(tiny_bench):
-    assert tiny_bench["code"] == 0
-    assert list(tiny_bench["folder"].iterdir()) == []
+@pytest.fixture(scope="module")
+def tiny_bench(several_gpus_check):
+    """--preset tiny --bench_steps=3 on one process: the several-GPU check's one-process benchmark
+    (gpu_check adds --seed=0 --warmup_steps=1), its printed lines and its report (the last line)."""
+    run = several_gpus_check["runs"]["bench, 1 GPU(s)"]
+    assert run.failure is None, run.output[-3000:]
+    lines = run.output.strip().splitlines()
+    return dict(lines=lines, report=json.loads(lines[-1]))
 
 
+def test_bench_exits_0_and_writes_nothing_in_the_working_folder(tmp_path, monkeypatch, capsys):
+    """From an empty folder, with shard patterns that match nothing: random tokens, no data, no log."""
+    code, lines, report = bench(["--bench_steps=1", "--bench_at_step=0", "--warmup_steps=0",
+                                 f"--train_files={tmp_path}/none_*.bin", f"--val_files={tmp_path}/none_*.bin"],
+                                tmp_path, monkeypatch, capsys)
+    assert code == 0 and lines[0].startswith("bench: 1 process(es) on cpu") and report["points"][0]["step"] == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_bench_times_the_first_step_of_each_batch_size_and_the_last_step(tiny_bench):
     points = tiny_bench["report"]["points"]
     assert [p["step"] for p in points] == BENCH_POINTS and BENCH_POINTS[-1] == TINY.num_iterations - 1
@@ -69,6 +106,7 @@ def test_bench_times_the_first_step_of_each_batch_size_and_the_last_step(tiny_be
         assert len(p["losses"]) == 5  # the two untimed first steps' too
 
 
+@pytest.mark.slow
 def test_bench_alternates_the_two_parities_of_each_point_and_says_which_steps_it_timed(tiny_bench):
     """Each point times its step and the next one (the last step of the run: the one before),
     alternately, so an odd step (Adam steps) and an even one (Adam holds) are both in the numbers."""
@@ -90,20 +128,24 @@ def test_a_point_keeps_its_partner_inside_its_phase():
     assert tg.point_steps(0, one_step) == [0]
 
 
+@pytest.mark.slow
 def test_bench_prints_a_line_per_point_before_the_json_line(tiny_bench):
     lines = tiny_bench["lines"]
     assert lines[0].startswith("bench: 1 process(es) on cpu")
-    assert [line.split(" (")[0] for line in lines if line.startswith("step ")] == [f"step {s}" for s in BENCH_POINTS]
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == [
+        f"step {s} (long window {w} blocks, {t:,} tokens)" for s, w, t in zip(BENCH_POINTS, BENCH_WINDOWS, BENCH_TOKENS)]
     assert any(line.startswith("peak memory: ") for line in lines)
     assert any(line.startswith("compiled graphs: ") for line in lines)
 
 
+@pytest.mark.slow
 def test_bench_flops_per_token_is_the_dry_runs(tiny_bench, tmp_path, monkeypatch, capsys):
     code, _, dry = bench(["--dry_run"], tmp_path, monkeypatch, capsys)
     assert code == 0
     assert tiny_bench["report"]["flops_per_token"] == dry["flops_per_token"]
 
 
+@pytest.mark.slow
 def test_bench_rates_follow_from_the_median_step_time(tiny_bench):
     """The point's step time is the mean over its two steps of each one's median (a run's typical
     step, both parities); tokens/s = the point's tokens per step / that time; TFLOP/s = FLOPs per
@@ -124,6 +166,7 @@ def test_bench_rates_follow_from_the_median_step_time(tiny_bench):
     assert report["peak_tflops_per_device"] is None
 
 
+@pytest.mark.slow
 def test_bench_reports_memory_and_compiled_graphs(tiny_bench):
     report = tiny_bench["report"]
     assert report["peak_memory_allocated_mib"] > 0 and report["device_memory_mib"] is None  # CPU: peak RSS
@@ -162,50 +205,48 @@ def test_bench_at_a_step_beyond_the_run_exits_2_naming_the_flag(tmp_path, monkey
     assert "--bench_at_step" in capsys.readouterr().err
 
 
-def test_activation_checkpointing_bench_losses_equal_the_plain_ones(tiny_bench, tmp_path, monkeypatch, capsys):
-    """The same seed and random tokens: recomputing blocks changes no loss (fp32, CPU: exactly)."""
-    code, _, report = bench(["--bench_steps=3", "--bench_at_step=0", "--activation_checkpointing"], tmp_path,
-                            monkeypatch, capsys)
-    assert code == 0
-    assert report["points"][0]["losses"] == tiny_bench["report"]["points"][0]["losses"]
-
-
-def bench_processes(nproc: int, cwd: Path, *flags: str) -> list[dict]:
-    """run.sh --preset tiny --device=cpu --bench_steps=3 on `nproc` processes (0: one plain
-    process) at one thread each; the JSON report lines it printed."""
-    env = {k: v for k, v in os.environ.items() if k not in gpu_check.LAUNCHER_VARIABLES}
-    env.update(NPROC_PER_NODE=str(nproc), OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    done = subprocess.run(["bash", str(ROOT / "run.sh"), "--preset=tiny", "--device=cpu", "--bench_steps=3", *flags],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+def bench_report(several_gpus_check, name: str) -> dict:
+    """The benchmark report a trainer run of the several-GPU check printed (its only JSON line)."""
+    run = several_gpus_check["runs"][name]
+    assert run.failure is None, run.output[-3000:]
+    (line,) = [line for line in run.output.splitlines() if line.startswith("{")]
+    return json.loads(line)
 
 
 @pytest.mark.slow
-def test_bench_on_two_processes_prints_once_and_sees_the_same_losses(tmp_path):
-    """torchrun (run.sh) with 2 gloo processes: rank 0 alone prints; each step draws the whole step's
-    slices and each rank takes its own, so every loss of every point is the one-process run's bit for
-    bit. Both run with Adam stepping every step: then each reduction across ranks is a sum of two
-    terms (the two slices' gradients; the report's losses, summed in fp32 as one process sums its
-    halves), exact in either order, and every other operation sees the same shapes at the same
-    thread count. (Adam on odd steps only adds
-    four terms in another order on two processes, which no tolerance bounds once the points train
-    on from each other: docs/scale.md, "Which resumes are bit for bit", gives a measured case.)"""
-    flag = "--adam_odd_steps_only=false"
-    (one_cwd := tmp_path / "one").mkdir()
-    (two_cwd := tmp_path / "two").mkdir()
-    [one] = bench_processes(0, one_cwd, flag)
-    reports = bench_processes(2, two_cwd, flag)
-    assert len(reports) == 1 and reports[0]["world_size"] == 2 and one["world_size"] == 1
-    points = list(zip(reports[0]["points"], one["points"], strict=True))
-    for two, single in points:
-        assert two["step"] == single["step"] and two["losses"] == single["losses"], two["step"]
-        assert two["tokens_per_s"] == pytest.approx(2 * two["tokens_per_s_per_process"])
+def test_activation_checkpointing_bench_losses_equal_the_plain_ones(several_gpus_check):
+    """The same seed and random tokens: recomputing blocks changes no loss (fp32, CPU: exactly). The
+    check's checkpointed benchmark (2 timed steps at step 0) runs the plain one's first 4 steps."""
+    checkpointed = bench_report(several_gpus_check, "bench with activation checkpointing")["points"][0]
+    plain = bench_report(several_gpus_check, "bench, 1 GPU(s)")["points"][0]
+    assert checkpointed["step"] == plain["step"] == 0 and len(checkpointed["losses"]) == 4
+    assert checkpointed["losses"] == plain["losses"][:4]
+
+
+@pytest.mark.slow
+def test_bench_on_two_processes_prints_once_and_sees_the_same_losses(several_gpus_check):
+    """torchrun with 2 gloo processes (the several-GPU check's benchmark): rank 0 alone prints; each
+    step draws the whole step's slices and each rank takes its own, so every loss of every point is
+    the one-process run's bit for bit. Both run with Adam stepping every step: then each reduction
+    across ranks is a sum of two terms (the two slices' gradients; the report's losses, summed in
+    fp32 as one process sums its halves), exact in either order, and every other operation sees the
+    same shapes at the same thread count. (Adam on odd steps only adds four terms in another order
+    on two processes, which no tolerance bounds once the points train on from each other:
+    docs/scale.md, "Which resumes are bit for bit", gives a measured case.)"""
+    two, one = (bench_report(several_gpus_check, f"bench, {n} GPU(s)") for n in (2, 1))
+    output = several_gpus_check["runs"]["bench, 2 GPU(s)"].output
+    (headline,) = [line for line in output.splitlines() if line.startswith("bench: ")]
+    assert headline.startswith("bench: 2 process(es) on cpu")
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    points = list(zip(two["points"], one["points"], strict=True))
+    for two_point, single in points:
+        assert two_point["step"] == single["step"] and two_point["losses"] == single["losses"], two_point["step"]
+        assert two_point["tokens_per_s"] == pytest.approx(2 * two_point["tokens_per_s_per_process"])
     # the collectives rank 0 ran in its last timed steps (189 and 188: after the split, the full
     # batch) are those the dry run counts on meta tensors for two ranks, call for call
     config = tg.make_config("tiny", adam_odd_steps_only=False)
     counted = lambda odd: tg.ledger_summary(tg.step_collectives(config, 2, odd, dtype=torch.float32))  # CPU weights
-    assert reports[0]["collectives"] == {"even": counted(False), "odd": counted(True)}
+    assert two["collectives"] == {"even": counted(False), "odd": counted(True)}
     assert one["collectives"] == {}
 
 
@@ -220,16 +261,6 @@ def test_peak_bf16_tflops_by_device_name(name, peak):
 # ---- tools/gpu_check.sh: in-process through gpu_check.main (each check is a trainer process anyway)
 
 
-@pytest.fixture
-def short_gpu_check(monkeypatch):
-    """gpu_check's logic with fewer steps per run (2 timed bench steps, 6 training steps validated
-    every 3): the same checks and rows, in about half the time; one thread per trainer process."""
-    monkeypatch.setattr(gpu_check, "BENCH_STEPS", 2)
-    monkeypatch.setattr(gpu_check, "TRAIN_STEPS", 6)
-    monkeypatch.setattr(gpu_check, "VAL_EVERY", 3)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
 def run_gpu_check(capsys, *flags) -> tuple[int, str, str, dict]:
     """gpu_check on the CPU with the tiny preset: (exit code, stdout, stderr, the summary JSON)."""
     code = gpu_check.main(["--preset=tiny", "--device=cpu", *flags])
@@ -238,30 +269,28 @@ def run_gpu_check(capsys, *flags) -> tuple[int, str, str, dict]:
 
 
 @pytest.mark.slow
-def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(short_gpu_check, capsys):
+def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(monkeypatch, capsys):
     """An attention scale of 1e38 turns every score into inf: nan losses from the first forward (the
-    training run looks for them after every step, so it stops at the first)."""
-    code, _, err, summary = run_gpu_check(capsys, "--quick", "--attn_scale=1e38", "--nonfinite_check_every=1")
+    training run looks for them after every step, so it stops at the first). Nan from the first
+    step does not depend on the step's size: one timed benchmark step and a 256-token batch
+    throughout (the tiny grid's smallest; its full batch is 1,024 tokens)."""
+    monkeypatch.setattr(gpu_check, "QUICK_BENCH_STEPS", 1)
+    code, _, err, summary = run_gpu_check(capsys, "--quick", "--attn_scale=1e38", "--nonfinite_check_every=1",
+                                          "--batch_schedule=256")
     assert code == 1
     assert not summary["ok"]
     assert "gpu_check: FAILED" in err and "non-finite" in err
 
 
 @pytest.mark.slow
-def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(tmp_path, short_gpu_check, monkeypatch,
-                                                                       capsys):
-    """Two GPUs counted (patched; the trainer's processes find none and run on the CPU over gloo):
-    every check on one process, then the benchmark and the training run again on 2 processes, whose
-    first losses match one process's. Without shards (the pattern matches nothing) the training
-    check trains on generated tokens. The step grid: a bench point per batch size, none of which
-    compiles again after the warm-up, and a short training run (its extension steps dropped: 6 steps
-    span the grid). (--quick's test runs the checks under the CPU's labels.)"""
-    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
-    code = gpu_check.main(["--preset=tiny", f"--train_files={tmp_path / 'none_*.bin'}"])
-    out = capsys.readouterr().out
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert code == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
+def test_gpu_check_with_several_gpus_repeats_the_checks_on_all_of_them(several_gpus_check):
+    """Every check on one process, then the benchmark and the training run again on 2 processes,
+    whose first losses match one process's. Without shards the training check trains on generated
+    tokens. The step grid: a bench point per batch size, none of which compiles again after the
+    warm-up, and a short training run (its extension steps dropped: 6 steps span the grid).
+    (--quick's test runs the checks under the CPU's labels.)"""
+    summary, out = several_gpus_check["summary"], several_gpus_check["out"]
+    assert several_gpus_check["code"] == 0, [c["reason"] for c in summary["checks"] if not c["ok"]]
     names = [c["check"] for c in summary["checks"]]
     assert summary["ok"] and all(c["ok"] for c in summary["checks"])
     for step, window in zip(BENCH_POINTS, BENCH_WINDOWS):
@@ -343,15 +372,20 @@ def test_the_training_check_keeps_every_phase_of_the_bulk_recipe_at_its_length()
 
 
 @pytest.mark.slow
-def test_the_quick_check_gives_its_verdict_from_a_benchmark_and_a_one_phase_training_run(tmp_path, capsys):
+def test_the_quick_check_gives_its_verdict_from_a_benchmark_and_a_one_phase_training_run(tmp_path, monkeypatch,
+                                                                                        capsys):
     """Without shards the training run trains on generated tokens; one benchmark point (the first
-    full-batch step, 47 in the tiny grid) and a 10-step training run validated once."""
+    full-batch step, 47 in the tiny grid) and a short training run validated once, whose validation
+    loss must fall below its step-0 loss. Fewer steps than gpu_check's own (4 timed, 10 training):
+    2 timed steps (one of each parity) and 5 training steps give the same rows."""
+    monkeypatch.setattr(gpu_check, "QUICK_BENCH_STEPS", 2)
+    monkeypatch.setattr(gpu_check, "QUICK_TRAIN_STEPS", 5)
     code, out, err, summary = run_gpu_check(capsys, "--quick", f"--train_files={tmp_path / 'none_*.bin'}")
     assert code == 0, out[-3000:] + err[-3000:]
     assert summary["ok"] and summary["quick"]
     names = [c["check"] for c in summary["checks"]]
     assert names == ["attention backends", "GPU class", "bench, CPU, step 47 (window 13)", "compiled graphs after warm-up, CPU", "into evaluation, CPU",
-                     "peak memory, CPU", "allocator, CPU", "training 10 steps at one phase, CPU"]
+                     "peak memory, CPU", "allocator, CPU", "training 5 steps at one phase, CPU"]
     assert "generated tokens" in summary["checks"][-1]["measured"]
     assert "(time limit 240 s)" in out
 

@@ -4,9 +4,9 @@ Schedules: the values of the record's step table at every boundary, and at every
 re-derivation from the record's formulas written out here.
 Loader: documents, cuts, targets, shard changes and the split over ranks equal a plain loop over
 end-of-text positions written here; it resumes exactly, across a batch-size change too. Wiring:
-the warm-up and the benchmark visit every batch shape, train() feeds each step its own shape, a
-resumed run and a 2-process run end bit-identical to the plain one."""
-import json
+the warm-up visits every batch shape, train() feeds each step its own shape, a resumed run ends
+bit-identical to the plain one, and two ranks read the one-process run's slices. (The benchmark
+times the first step of each batch size: tests/test_bench.py.)"""
 from pathlib import Path
 
 import numpy as np
@@ -427,10 +427,11 @@ def test_the_schedules_reach_the_optimizers():
 
 
 def test_validation_is_the_same_contiguous_chunks_with_aligned_batches_too():
-    plain = tg.Runner(tg.make_config("tiny", dtype="float32", seed=3, document_aligned_batches=False),
-                      torch.device("cpu"))
-    aligned = tg.Runner(tg.make_config("tiny", dtype="float32", seed=3, document_aligned_batches=True),
-                        torch.device("cpu"))
+    """Two evaluation steps of 1,024 tokens (the preset's 8 would show nothing more)."""
+    plain = tg.Runner(tg.make_config("tiny", dtype="float32", seed=3, document_aligned_batches=False,
+                                     val_tokens=2048), torch.device("cpu"))
+    aligned = tg.Runner(tg.make_config("tiny", dtype="float32", seed=3, document_aligned_batches=True,
+                                       val_tokens=2048), torch.device("cpu"))
     val = torch.randint(0, 500, (plain.config.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
     assert plain.evaluate(0, val) == aligned.evaluate(0, val)
 
@@ -446,15 +447,24 @@ def grid_argv(synthetic_dir, out, *extra, N=12):
             "--warmup_steps=0", f"--log_dir={out / 'logs'}", f"--checkpoint_dir={out / 'ck'}", *extra]
 
 
-def test_train_feeds_each_step_the_aligned_slices_of_its_batch_size(synthetic_dir, tmp_path, monkeypatch):
-    fed, train_step = [], tg.Runner.train_step
+@pytest.fixture(scope="module")
+def grid_run(synthetic_dir, tmp_path_factory):
+    """The 12-step grid run, checkpointed every 4 steps, with the slices train() fed each step:
+    (its folder, the fed slices as lists)."""
+    out, fed, train_step = tmp_path_factory.mktemp("grid_run"), [], tg.Runner.train_step
 
     def recording(self, step, batches, **kwargs):
         fed.append(as_lists(batches))
         return train_step(self, step, batches, **kwargs)
 
-    monkeypatch.setattr(tg.Runner, "train_step", recording)
-    assert tg.main(grid_argv(synthetic_dir, tmp_path)) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tg.Runner, "train_step", recording)
+        assert tg.main(grid_argv(synthetic_dir, out, "--save_every=4")) == 0
+    return out, fed
+
+
+def test_train_feeds_each_step_the_aligned_slices_of_its_batch_size(grid_run, synthetic_dir, tmp_path):
+    _, fed = grid_run
     config = tg.parse_args(grid_argv(synthetic_dir, tmp_path))
     files = tg.shard_files(config.train_files, "train_files")
     shards = [tg.read_shard(f).numpy() for f in files]
@@ -463,10 +473,9 @@ def test_train_feeds_each_step_the_aligned_slices_of_its_batch_size(synthetic_di
     assert [len(step[0][0]) for step in fed] == [128, 128, 256, 256, 384, 384, 512, 512, 512, 512, 512, 512]
 
 
-def test_a_run_resumed_before_a_batch_size_change_ends_bit_identical(synthetic_dir, tmp_path):
+def test_a_run_resumed_before_a_batch_size_change_ends_bit_identical(grid_run, synthetic_dir, tmp_path):
     from test_distributed import assert_bit_identical, checkpoint_tensors
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    assert tg.main(grid_argv(synthetic_dir, whole, "--save_every=4")) == 0
+    (whole, _), resumed = grid_run, tmp_path / "resumed"
     saved = whole / "ck/tiny/step_000004"  # steps 2, 3 had 512 tokens, step 4 (the resumed run's first) has 768
     assert tg.main(grid_argv(synthetic_dir, resumed, "--save_every=4", f"--resume={saved}")) == 0
     for step in (8, 12):
@@ -492,19 +501,6 @@ def test_each_rank_reads_its_own_slices_of_the_one_process_step(synthetic_dir):
             assert len(got) == 1 and all(torch.equal(a, b) for a, b in zip(got[0], whole[r])), (step, r)
     # the same position: a checkpoint resumes
     assert [tg.loader_state(loader) for loader in ranks] == [tg.loader_state(one)] * 2
-
-
-def test_bench_times_each_batch_size_of_the_grid(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert tg.main(["--preset=tiny", "--bench_steps=1", "--warmup_steps=0",
-                    f"--train_files={tmp_path}/none_*.bin", f"--val_files={tmp_path}/none_*.bin"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    report = json.loads(lines[-1])
-    assert [(p["step"], p["tokens_per_step"]) for p in report["points"]] == [
-        (0, 256), (16, 512), (32, 768), (47, 1024), (189, 1024)]
-    for p in report["points"]:
-        assert p["tokens_per_s"] == pytest.approx(p["tokens_per_step"] / (p["median_ms"] / 1000))
-    assert "step 16 (long window 7 blocks, 512 tokens)" in "\n".join(lines)
 
 
 def test_too_few_shards_for_the_grid_are_refused_naming_the_flag(synthetic_dir):

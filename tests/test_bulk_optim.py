@@ -538,9 +538,21 @@ def run_muon(rank: int = 0, world_size: int = 1):
     return [p.detach().clone() for p in params], {index[p]: s for p, s in opt.state.items()}
 
 
+def on_two_ranks(rank: int, world_size: int):
+    """Both of this file's jobs for a gloo group (run_muon, then run_held_gradients): one group of
+    processes serves both tests (each process's start, an import of torch, costs more than its job)."""
+    return run_muon(rank, world_size), run_held_gradients(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each rank's (run_muon, run_held_gradients) of one 2-process gloo group, by rank."""
+    return on_ranks(on_two_ranks, 2, tmp_path_factory.mktemp("two_ranks"))
+
+
 @pytest.mark.slow
-def test_muon_sharded_over_two_processes_equals_one_process_bit_for_bit(tmp_path):
-    results = on_ranks(run_muon, 2, tmp_path)
+def test_muon_sharded_over_two_processes_equals_one_process_bit_for_bit(two_ranks):
+    results = [muon for muon, _ in two_ranks]
     want_params, want_state = run_muon()
     owners = {}
     for rank, (params, state) in enumerate(results):
@@ -752,10 +764,10 @@ def run_held_gradients(rank: int, world_size: int):
 
 
 @pytest.mark.slow
-def test_held_gradients_are_summed_on_each_rank_and_reduced_once(tmp_path):
+def test_held_gradients_are_summed_on_each_rank_and_reduced_once(two_ranks):
     """The record's order: on the odd step each rank's own two gradients are added, then the sum
     over ranks is taken once (two processes: the exact sums, bit for bit)."""
-    results = on_ranks(run_held_gradients, 2, tmp_path)
+    results = [held for _, held in two_ranks]
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     data = torch.randn(2, 2, 5, 4, generator=torch.Generator().manual_seed(1))

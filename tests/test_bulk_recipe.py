@@ -48,6 +48,10 @@ def test_the_tiny_bulk_recipe_learns(uninterrupted):
 @pytest.mark.slow
 def test_a_resume_before_the_split_and_the_last_batch_change_ends_bit_for_bit(uninterrupted, synthetic_dir,
                                                                               tmp_path):
+    """--resume=<the step-4 checkpoint>: the split after step 5, the last batch change and the last
+    YaRN change at 6 and the extension are ahead of the resumed run (the short grid's test). The
+    live recipe's (the tiny preset's) resume from a checkpoint before the split: this test is the
+    suite's (one on a 12-step grid of the same recipe ran the same code path over fewer events)."""
     saved = uninterrupted / "ck" / "tiny" / "step_000004"
     assert tg.main(run_argv(synthetic_dir, tmp_path, *SHORT_GRID, f"--resume={saved}", N=N)) == 0
     assert f"resumed from {saved} at step 4/{N}" in log_text(tmp_path)
@@ -57,7 +61,10 @@ def test_a_resume_before_the_split_and_the_last_batch_change_ends_bit_for_bit(un
 
 @pytest.mark.slow
 def test_a_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthetic_dir, tmp_path):
-    """SIGKILL as soon as the step-8 checkpoint (after the split) exists; --resume latest finishes."""
+    """SIGKILL as soon as the step-8 checkpoint (after the split) exists; --resume latest finds the
+    newest whole checkpoint the killed process left and finishes the run bit for bit. The suite's
+    SIGKILL resume of the live recipe (one killed at step 2 of a 12-step grid of the same recipe
+    ran the same code path)."""
     kill_when_saved(run_argv(synthetic_dir, tmp_path, *SHORT_GRID, N=N), tmp_path, 8)
     assert not (tmp_path / "ck" / "tiny" / f"step_{N:06d}").exists()
     assert tg.main(run_argv(synthetic_dir, tmp_path, *SHORT_GRID, "--resume=latest", N=N)) == 0

@@ -1,8 +1,10 @@
-"""Checkpoints in one process: a round trip restores every state bit for bit (bf16 low bits
-included), damaged or half-written checkpoints are refused naming the file, `--resume latest`
-falls back to the newest valid one, a nan stops the run without saving over the last good
-checkpoint, and a resumed config that changes training is refused unless forced. The multi-process
-resume tests are in test_distributed.py."""
+"""Checkpoints in one process: a round trip restores every state bit for bit, damaged or
+half-written checkpoints are refused naming the file, `--resume latest` falls back to the newest
+valid one, a nan stops the run without saving over the last good checkpoint, and a resumed config
+that changes training is refused unless forced. Whole runs resumed (from a checkpoint before the
+embedding split, and after a SIGKILL) ending bit for bit where the uninterrupted run does are
+tests/test_bulk_recipe.py's (this file's kill_when_saved), the multi-process ones
+test_distributed.py's."""
 import contextlib
 import io
 import json
@@ -20,7 +22,7 @@ import torch
 
 import make_golden  # tests/golden, on sys.path through tests/conftest.py
 import train_gpt_medium as tg
-from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env
+from test_distributed import clean_env
 from test_training import all_state, assert_same_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,68 +88,30 @@ def train_loader_of(config):
     return tg.train_loader(config, tg.shard_files(config.train_files, "train_files"), 0, 1, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("fp32_block_weights", [True, False], ids=["fp32_blocks", "bf16_blocks"])
-def test_checkpoint_round_trip_restores_every_state_bit_for_bit_bf16(synthetic_dir, tmp_path, fp32_block_weights):
-    """bf16 tables and gates with Adam's bf16 moments, NorMuon's momentum and row statistics, and
-    (--fp32_block_weights=false) bf16 block matrices whose fp32 masters Muon keeps as low 16 bits:
-    model, optimizer states, the data position and the next step all come back identical. Saved
-    after step 3 (odd: Adam has just stepped, no gradient waits), then steps 4 and 5 (Adam's next
-    step, on the gradients of both) are the same steps."""
-    config = tg.make_config("tiny", dtype="bfloat16", warmup_steps=0, fp32_block_weights=fp32_block_weights,
-                            checkpoint_dir=str(tmp_path / "ck"),
+def test_checkpoint_round_trip_restores_every_state_bit_for_bit_bf16(synthetic_dir, tmp_path):
+    """bf16 tables and gates with Adam's bf16 moments, NorMuon's momentum and row statistics, fp32
+    block matrices: model, optimizer states, the document-aligned loader's position and the next
+    step all come back identical. Saved after step 1 (odd: Adam has just stepped, no gradient
+    waits), then steps 2 and 3 (Adam's next step, on the gradients of both) are the same steps.
+    (bf16 block matrices, whose fp32 masters Muon keeps as low 16 bits, --fp32_block_weights=false:
+    tests/test_bulk_optim.py's test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit.)"""
+    config = tg.make_config("tiny", dtype="bfloat16", warmup_steps=0, checkpoint_dir=str(tmp_path / "ck"),
                             train_files=str(synthetic_dir / "synthetic_train_*.bin"))
     batch = lambda loader, step: loader.next_batch(tg.slice_tokens(step, config))
     runner, loader = tg.Runner(config, torch.device("cpu")), train_loader_of(config)
-    for step in range(4):
+    for step in range(2):
         runner.train_step(step, batch(loader, step))
-    path = tg.save_checkpoint(runner, loader, 4, 123.0)
-    assert any("low_bits" in s for s in runner.optimizers[1].state.values()) == (not fp32_block_weights)
+    path = tg.save_checkpoint(runner, loader, 2, 123.0)
+    assert config.fp32_block_weights and not any("low_bits" in s for s in runner.optimizers[1].state.values())
     assert any(p.dtype == torch.bfloat16 for p in runner.optimizers[0].state)  # Adam's moments in bf16
     resumed, resumed_loader = tg.Runner(config, torch.device("cpu")), train_loader_of(config)
-    assert tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path)) == (4, 123.0)
+    assert tg.load_checkpoint(resumed, resumed_loader, path, tg.validate_checkpoint(path)) == (2, 123.0)
     assert_same_state(all_state(resumed), all_state(runner))
     assert tg.loader_state(resumed_loader) == tg.loader_state(loader)
-    for step in (4, 5):
+    for step in (2, 3):
         assert torch.equal(runner.train_step(step, batch(loader, step)),
                            resumed.train_step(step, batch(resumed_loader, step)))
     assert_same_state(all_state(resumed), all_state(runner))
-
-
-# The live recipe on a 12-step grid (10 scheduled + 2 extension steps): batches of 256, 512, 768
-# and then 1024 tokens, the tied embeddings split after step 3, checkpoints every 2 steps: a run
-# resumed at step 2 still has the split and the last batch change ahead of it.
-RESUME_FLAGS = ("--save_every=2", "--seed=0")
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_run(synthetic_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    assert tg.main(run_argv(synthetic_dir, out, *RESUME_FLAGS, N=12)) == 0
-    return out / "ck" / "tiny"
-
-
-@pytest.mark.slow
-def test_a_run_resumed_before_the_split_ends_bit_for_bit_where_the_uninterrupted_run_does(
-        uninterrupted_run, synthetic_dir, tmp_path):
-    saved = uninterrupted_run / "step_000002"
-    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, N=12))
-    assert tg.untie_step(config) == 3 and tg.batch_tokens(2, config) < tg.batch_tokens(3, config)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, f"--resume={saved}", N=12)) == 0
-    assert f"resumed from {saved} at step 2/12" in log_text(tmp_path)
-    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000012"),
-                         checkpoint_tensors(uninterrupted_run / "step_000012"))
-
-
-@pytest.mark.slow
-def test_a_run_killed_with_sigkill_resumes_bit_for_bit(uninterrupted_run, synthetic_dir, tmp_path):
-    """SIGKILL as soon as the step-2 checkpoint exists (the run is then in step 2 or 3, or saving
-    step 4); `--resume latest` finishes it exactly as the uninterrupted run."""
-    first = kill_when_saved(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, N=12), tmp_path, 2)
-    assert first.exists() and not (tmp_path / "ck" / "tiny" / "step_000012").exists()
-    assert tg.main(run_argv(synthetic_dir, tmp_path, *RESUME_FLAGS, "--resume=latest", N=12)) == 0
-    assert resumed_step(tmp_path) in (2, 4)
-    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000012"),
-                         checkpoint_tensors(uninterrupted_run / "step_000012"))
 
 
 # ---- damaged and half-written checkpoints

@@ -1,7 +1,7 @@
 """Several processes, gloo on the CPU, launched the way GPUs are (./run.sh -> torchrun): two
 processes train exactly like one process accumulating two micro-steps, a checkpoint resumes bit for
-bit on the same and on another world size, Muon's round-robin sharding is exact for any world size,
-and a world size that does not divide the step's slices is refused."""
+bit on the same and on another world size, and a world size that does not divide the step's slices
+is refused. (Muon's round-robin sharding over 4 processes: tests/test_exchange.py.)"""
 import os
 import re
 import socket
@@ -16,8 +16,8 @@ import torch.distributed as dist
 import train_gpt_medium as tg
 
 ROOT = Path(__file__).resolve().parent.parent
-N = 8  # steps (6 scheduled + 2 extension: batches of 256, 768, then 1024 tokens, the split after step 1);
-# validation every 2, checkpoints at 4 and 8
+N = 6  # steps (4 scheduled + 2 extension: batches of 256, then 1024 tokens, the split after step 1);
+# validation every 2, checkpoints at 4 and 6: a run resumed at 4 has the extension ahead of it
 # The live recipe with Adam stepping every step: then the one cross-rank reduction of a step is a sum
 # of two terms (g0/2 + g1/2), exact in either order, so world size 2 equals world size 1 with 2
 # micro-steps bit for bit. With Adam on odd steps only (the default) Adam sums four terms, in step
@@ -129,10 +129,11 @@ def assert_bit_identical(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def one_process(synthetic_dir, tmp_path_factory):
-    """The reference: one plain process (no process group), 2 micro-steps per step."""
+    """The reference: one plain process (no process group), 2 micro-steps per step; in this process
+    (tg.main: the launch is not what it shows)."""
     out = tmp_path_factory.mktemp("one_process")
-    return launch([([sys.executable, "train_gpt_medium.py", *run_args(synthetic_dir, out, *EVERY_STEP)], clean_env())],
-                  out)
+    assert tg.main(run_args(synthetic_dir, out, *EVERY_STEP)) == 0
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,7 @@ def two_nodes(synthetic_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_two_processes_log_the_same_losses_as_one_process_with_two_micro_steps(one_process, two_nodes):
     one, two = val_losses(one_process), val_losses(two_nodes)
-    assert sorted(one) == sorted(two) == [0, 2, 4, 6, 8]
+    assert sorted(one) == sorted(two) == [0, 2, 4, 6]
     diffs = {s: abs(float(one[s]) - float(two[s])) for s in one}
     assert max(diffs.values()) <= VAL_TOLERANCE, diffs
     # the first step's training loss is the mean over both slices on both (the 2 ranks' means, averaged)
@@ -167,8 +168,10 @@ def test_two_processes_train_to_bit_identical_parameters_and_optimizer_states(on
     """Stronger than the losses: the only cross-rank reduction in training is the gradient
     all-reduce, a sum of two terms (g0/2 + g1/2), which is exact-commutative; one process adds the
     same two terms while accumulating. So every parameter, Adam moment and Muon (NorMuon) buffer is
-    the same, before and after the embedding split and the batch changes."""
-    for step in (4, 8):
+    the same, before and after the embedding split and the batch change."""
+    config = tg.parse_args(run_args(Path("unused"), Path("unused")))
+    assert tg.untie_step(config) == 1 and tg.batch_tokens(0, config) < tg.batch_tokens(1, config)
+    for step in (4, N):
         assert_bit_identical(checkpoint_tensors(one_process / "ck/tiny" / f"step_{step:06d}"),
                              checkpoint_tensors(two_nodes / "ck/tiny" / f"step_{step:06d}"))
 
@@ -179,51 +182,34 @@ def test_two_processes_train_to_bit_identical_parameters_and_optimizer_states(on
 @pytest.mark.slow
 def test_resume_on_two_processes_is_bit_identical_to_the_uninterrupted_run(two_nodes, synthetic_dir, tmp_path):
     """A new 2-process job (./run.sh with NPROC_PER_NODE=2: torchrun --standalone) resumes the
-    uninterrupted run's step-4 checkpoint and runs to step 8."""
+    uninterrupted run's step-4 checkpoint and runs to its end (step 6)."""
     saved = two_nodes / "ck/tiny/step_000004"
     launch([(["./run.sh", *run_args(synthetic_dir, tmp_path, *EVERY_STEP, f"--resume={saved}")],
              clean_env(NPROC_PER_NODE="2"))], tmp_path)
     log = body(tmp_path)
     saved_ms = torch.load(saved / "main.pt", weights_only=True)["train_time_ms"]
-    assert f"resumed from {saved} at step 4/8, train_time {saved_ms:.0f}ms (saved by 2 process(es), now 2)" in log
+    assert f"resumed from {saved} at step 4/{N}, train_time {saved_ms:.0f}ms (saved by 2 process(es), now 2)" in log
     resumed, uninterrupted = val_losses(tmp_path), val_losses(two_nodes)
-    assert sorted(resumed) == [4, 6, 8]
+    assert sorted(resumed) == [4, 6]
     assert resumed == {s: uninterrupted[s] for s in resumed}
     assert int(VAL_LINE.search(log)[3]) >= int(saved_ms)  # the clock continues from the saved time
-    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000008"),
-                         checkpoint_tensors(two_nodes / "ck/tiny/step_000008"))
+    assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{N:06d}"),
+                         checkpoint_tensors(two_nodes / f"ck/tiny/step_{N:06d}"))
 
 
 @pytest.mark.slow
 def test_a_checkpoint_of_two_processes_resumes_on_one(one_process, two_nodes, synthetic_dir, tmp_path):
-    """The Muon state saved in two rank files is re-dealt to one process: the run ends exactly where
-    the uninterrupted 1-process run (bit-identical to the 2-process one, see above) ends."""
+    """The Muon state saved in two rank files is re-dealt to one process (this one: tg.main): the run
+    ends exactly where the uninterrupted 1-process run (bit-identical to the 2-process one, see
+    above) ends."""
     saved = two_nodes / "ck/tiny/step_000004"
-    launch([([sys.executable, "train_gpt_medium.py",
-              *run_args(synthetic_dir, tmp_path, *EVERY_STEP, f"--resume={saved}")], clean_env())], tmp_path)
+    assert tg.main(run_args(synthetic_dir, tmp_path, *EVERY_STEP, f"--resume={saved}")) == 0
     assert "(saved by 2 process(es), now 1)" in body(tmp_path)
-    assert_bit_identical(checkpoint_tensors(tmp_path / "ck/tiny/step_000008"),
-                         checkpoint_tensors(one_process / "ck/tiny/step_000008"))
+    assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{N:06d}"),
+                         checkpoint_tensors(one_process / f"ck/tiny/step_{N:06d}"))
 
 
-# ---- Muon's round-robin sharding for any world size
-
-# Groups of 1, 3 and 6 matrices (one shape each): with 4 processes, two groups have fewer matrices
-# than processes and none is a multiple of 4, so every padding path of the all-gather runs.
-MUON_SHAPES = [(16, 32)] + [(24, 8)] * 3 + [(8, 8)] * 6
-
-
-def run_muon(rank: int = 0, world_size: int = 1):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16)) for s in MUON_SHAPES]
-    opt = tg.Muon([dict(params=params)], lr=0.02, momentum=0.9, weight_decay=0.01, rank=rank, world_size=world_size)
-    for step in range(3):
-        grads = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=grads).to(torch.bfloat16)
-        opt.step()
-    index = {p: i for i, p in enumerate(params)}
-    return [p.detach().clone() for p in params], {index[p]: s for p, s in opt.state.items()}
+# ---- a job on several spawned processes (tests/test_exchange.py, test_bulk_optim.py, ...)
 
 
 def _rank_worker(rank: int, world_size: int, port: int, out: Path, job) -> None:
@@ -249,25 +235,6 @@ def on_ranks(job, world_size: int, out: Path) -> list:
     group; each rank's result, by rank (saved under out)."""
     torch.multiprocessing.spawn(_rank_worker, args=(world_size, free_port(), out, job), nprocs=world_size)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
-
-
-@pytest.mark.slow
-def test_muon_sharded_over_four_processes_equals_one_process_bit_for_bit(tmp_path):
-    results = on_ranks(run_muon, 4, tmp_path)
-    want_params, want_state = run_muon()
-    owners: dict[int, list[int]] = {}
-    for rank, (params, state) in enumerate(results):
-        for i, (got, want) in enumerate(zip(params, want_params)):
-            assert torch.equal(got, want), f"rank {rank}, matrix {i}"
-        for i, s in state.items():
-            owners.setdefault(i, []).append(rank)
-            assert s.keys() == want_state[i].keys() == {"momentum_buffer", "low_bits", "row_mean_square"}
-            for k in s:
-                assert torch.equal(s[k], want_state[i][k]), f"rank {rank}, matrix {i}, {k}"
-    # every matrix has exactly one owner, dealt round-robin within its shape group
-    assert owners == {0: [0], 1: [0], 2: [1], 3: [2], 4: [0], 5: [1], 6: [2], 7: [3], 8: [0], 9: [1]}
-    initial = (torch.randn(MUON_SHAPES[0], generator=torch.Generator().manual_seed(0)) * 0.1).to(torch.bfloat16)
-    assert not torch.equal(want_params[0], initial)  # the steps did update the matrices
 
 
 # ---- world sizes that cannot work

@@ -1,6 +1,7 @@
 """The exchange (docs/exchange.md): which rank receives which gradient sum, what it holds of Adam,
-what the collectives move (counted from the code path by the dry run and the bench), the compiled
-fp32 Adam update, and Adam's sharded state resharded on load."""
+Muon's round-robin sharding over 4 processes (exact, bit for bit), what the collectives move (counted
+from the code path by the dry run and the bench), the compiled fp32 Adam update, and Adam's sharded
+state resharded on load."""
 import pytest
 import torch
 
@@ -40,7 +41,7 @@ def test_each_rank_holds_its_rows_of_the_sharded_moments_and_the_small_ones_whol
         for n, ps in tg.parameter_groups(model).items() if not n.startswith("muon") for p in ps) < whole
 
 
-# ---- the sums each rank receives (4 gloo processes)
+# ---- the sums each rank receives and Muon sharded over them (one group of 4 gloo processes)
 
 MATRIX, ROWS, SMALL = (3, 16, 8), (64, 32), (7,)
 
@@ -65,14 +66,45 @@ def exchanged(rank: int, world_size: int):
             exchange.reduced[small].clone(), kinds)
 
 
+# Muon's round-robin sharding: groups of 1, 3 and 6 matrices (one shape each): with 4 processes, two
+# groups have fewer matrices than processes and none is a multiple of 4, so every padding path of
+# the all-gather runs.
+MUON_SHAPES = [(16, 32)] + [(24, 8)] * 3 + [(8, 8)] * 6
+
+
+def run_muon(rank: int = 0, world_size: int = 1):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16)) for s in MUON_SHAPES]
+    opt = tg.Muon([dict(params=params)], lr=0.02, momentum=0.9, weight_decay=0.01, rank=rank, world_size=world_size)
+    for step in range(3):
+        grads = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=grads).to(torch.bfloat16)
+        opt.step()
+    index = {p: i for i, p in enumerate(params)}
+    return [p.detach().clone() for p in params], {index[p]: s for p, s in opt.state.items()}
+
+
+def on_four_ranks(rank: int, world_size: int):
+    """Both of this file's jobs for a gloo group (exchanged, then run_muon): one group of processes
+    serves both tests (each process's start, an import of torch, costs more than its job)."""
+    return exchanged(rank, world_size), run_muon(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Each rank's (exchanged, run_muon) of one 4-process gloo group, by rank."""
+    return on_ranks(on_four_ranks, 4, tmp_path_factory.mktemp("four_ranks"))
+
+
 @pytest.mark.slow
-def test_four_ranks_receive_the_sums_they_step_with_to_the_rounding_of_a_sums_order(tmp_path):
+def test_four_ranks_receive_the_sums_they_step_with_to_the_rounding_of_a_sums_order(four_ranks):
     """The owner of Muon matrix i (rank i: the bucket of 4 holds 3 and a zero pad) alone holds its sum;
     each rank holds the sum of its 16 rows of the sharded tensor and all of the small one: each the
     float64 sum within what an fp32 sum of 4 terms may round by in any order (gloo's ring adds them
     in its own order)."""
     W = 4
-    results = on_ranks(exchanged, W, tmp_path)
+    results = [exchange for exchange, _ in four_ranks]
     per_tensor = [torch.stack([r[0][i].double() for r in results]) for i in range(MATRIX[0] + 2)]  # (W, ...)
 
     def close(got, terms):
@@ -86,6 +118,25 @@ def test_four_ranks_receive_the_sums_they_step_with_to_the_rounding_of_a_sums_or
         assert rows.shape == (16, 32) and close(rows, per_tensor[3][:, 16 * rank:16 * (rank + 1)])
         assert close(small, per_tensor[4])
         assert kinds == [("all_reduce", "adam"), ("reduce_scatter", "adam"), ("reduce_scatter", "muon")]
+
+
+@pytest.mark.slow
+def test_muon_sharded_over_four_processes_equals_one_process_bit_for_bit(four_ranks):
+    results = [muon for _, muon in four_ranks]
+    want_params, want_state = run_muon()
+    owners: dict[int, list[int]] = {}
+    for rank, (params, state) in enumerate(results):
+        for i, (got, want) in enumerate(zip(params, want_params)):
+            assert torch.equal(got, want), f"rank {rank}, matrix {i}"
+        for i, s in state.items():
+            owners.setdefault(i, []).append(rank)
+            assert s.keys() == want_state[i].keys() == {"momentum_buffer", "low_bits", "row_mean_square"}
+            for k in s:
+                assert torch.equal(s[k], want_state[i][k]), f"rank {rank}, matrix {i}, {k}"
+    # every matrix has exactly one owner, dealt round-robin within its shape group
+    assert owners == {0: [0], 1: [0], 2: [1], 3: [2], 4: [0], 5: [1], 6: [2], 7: [3], 8: [0], 9: [1]}
+    initial = (torch.randn(MUON_SHAPES[0], generator=torch.Generator().manual_seed(0)) * 0.1).to(torch.bfloat16)
+    assert not torch.equal(want_params[0], initial)  # the steps did update the matrices
 
 
 # ---- what the collectives move, counted from the code path

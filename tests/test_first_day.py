@@ -82,13 +82,6 @@ def test_an_empty_output_folder_is_refused(flag, capsys):
 # ---- bookkeeping never stops a record attempt
 
 
-def test_metrics_jsonl_auto_in_any_case_is_the_file_beside_the_log(synthetic_dir, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--metrics_jsonl=AUTO", N=4)) == 0
-    (log,) = (tmp_path / "logs").glob("*.txt")
-    assert log.with_suffix(".jsonl").is_file() and not (tmp_path / "AUTO").exists()
-
-
 def test_a_full_disk_under_the_metrics_stream_is_said_once_in_the_log_too_and_the_run_goes_on(
         synthetic_dir, tmp_path, monkeypatch, capsys):
     from tools import metrics
@@ -133,18 +126,19 @@ def test_the_time_left_weighs_each_step_by_its_tokens_and_windows_and_is_unknown
 
 
 def test_a_resumed_run_names_the_seed_of_the_run_it_continues(synthetic_dir, tmp_path):
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--seed=1234", N=4)) == 0
+    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--seed=1234", N=3)) == 0
     resumed = tmp_path / "resumed"
-    argv = run_argv(synthetic_dir, resumed, f"--resume={tmp_path / 'ck/tiny/step_000002'}", N=4)
+    argv = run_argv(synthetic_dir, resumed, f"--resume={tmp_path / 'ck/tiny/step_000002'}", N=3)
     assert tg.main(argv) == 0
     assert "seed 1234 (repeat this run with --seed=1234)" in log_text(resumed)
 
 
 def test_keep_checkpoints_keeps_the_newest_ones(synthetic_dir, tmp_path):
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--keep_checkpoints=2", N=8)) == 0
+    """Saved at steps 2, 4 and 6: the first is deleted once the third is whole."""
+    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--keep_checkpoints=2", N=6)) == 0
     run_dir = tmp_path / "ck" / "tiny"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["step_000006", "step_000008"]
-    assert tg.validate_checkpoint(run_dir / "step_000008")["step"] == 8
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step_000004", "step_000006"]
+    assert tg.validate_checkpoint(run_dir / "step_000006")["step"] == 6
     assert "checkpoint deleted (--keep_checkpoints=2): " in log_text(tmp_path)
 
 

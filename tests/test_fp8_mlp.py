@@ -209,19 +209,24 @@ def test_the_device_branch_takes_the_scales_as_the_device_tensors_they_are(recor
 
 def test_a_tiny_training_run_with_both_switches_is_the_fp8_run_bit_for_bit():
     """--fp8_mlp_up trains (the loss falls) and differs from the plain run; with §15 on as well the
-    same bits (the backward from post at the FP8 pre)."""
+    same bits (the backward from post at the FP8 pre). W2 starts at zero, so step 0 is the same for
+    every run (the MLP adds nothing and W1 gets no gradient): step 1 is the first whose loss FP8 can
+    change (the plain run needs no more) and whose backward reaches W1 through the FP8 pre; the weights
+    after step 2 hold it, so 3 steps cross it (6 steps checked no more)."""
     results = []
-    for flags in ({}, {"fp8_mlp_up": True}, {"fp8_mlp_up": True, "mlp_backward_from_post": True}):
+    for flags, steps in (({}, 2), ({"fp8_mlp_up": True}, 3), ({"fp8_mlp_up": True, "mlp_backward_from_post": True}, 3)):
         config = tg.make_config("tiny", dtype="bfloat16", seed=3, **flags)
         runner = tg.Runner(config, torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
         batches = runner.random_batches(gen)
-        losses = [runner.train_step(step, batches).item() for step in range(6)]
-        results.append((losses, [p.detach().clone() for p in runner.model.parameters()]))
+        losses = [runner.train_step(step, batches).item() for step in range(steps)]
+        results.append((losses, {n: p.detach().clone() for n, p in runner.model.named_parameters()}))
     (plain, _), (fp8, weights), (both, weights_both) = results
-    assert fp8 != plain and fp8[-1] < fp8[0]
+    assert fp8[:2] != plain and fp8[-1] < fp8[0]
     assert abs(fp8[0] - plain[0]) < 0.01  # FP8's error, not a different model
-    assert both == fp8 and all(torch.equal(p, q) for p, q in zip(weights, weights_both))
+    assert both == fp8 and weights.keys() == weights_both.keys()
+    assert all(torch.equal(weights[n], weights_both[n]) for n in weights)
+    assert weights["blocks.0.mlp.proj_w"].any()  # W2 grew: the MLP acted from step 1
 
 
 def test_widths_scaled_mm_cannot_take_are_refused_in_one_line():

@@ -89,17 +89,21 @@ def recorded_calls(monkeypatch):
 
 @pytest.mark.parametrize("from_post", [False, True])
 def test_each_slices_scale_is_its_previous_forwards_and_the_weights_the_previous_steps(from_post, monkeypatch):
-    """The tiny model, 2 slices as 2 micro-steps, 19 steps: the activation scale block b slice j
-    uses at step k is max(its largest post at step k-1, 1e-12) x fp32(1.80 / 448) (1.0 at step 0);
-    the weight scale is #342's: the current bf16 max|W2| / 448 in bf16 where pr342_bootstrap(k),
-    else max(max|W2| of the previous step, 1e-12) x fp32(1.12 / 448)."""
+    """The tiny model, 2 slices as 2 micro-steps: the activation scale block b slice j uses at step k
+    is max(its largest post at step k-1, 1e-12) x fp32(1.80 / 448) (1.0 at step 0); the weight scale
+    is #342's: the current bf16 max|W2| / 448 in bf16 where pr342_bootstrap(k), else max(max|W2| of
+    the previous step, 1e-12) x fp32(1.12 / 448). The bootstrap cut from the record's 16 steps
+    (test_the_record_bootstraps_steps_0_to_16) to 2, as the checkpoint round trip below does: 5 steps
+    then cross it, steps 0-2 with the current weight's scale and 3-4 with the delayed one (the
+    record's 19 steps would cross the same switch at 16)."""
+    monkeypatch.setattr(tg, "FP8_DOWN_BOOTSTRAP_STEPS", 2)
     calls = recorded_calls(monkeypatch)
     config = tiny(mlp_backward_from_post=from_post)
     runner = tg.Runner(config, torch.device("cpu"))
     L, slices = config.num_layers, config.batch_slices
     assert runner.micro_steps == slices == 2
     gen = torch.Generator().manual_seed(0)
-    steps = 19
+    steps = 5
     for step in range(steps):
         runner.train_step(step, runner.random_batches(gen))
     assert len(calls) == steps * slices * L
@@ -110,21 +114,28 @@ def test_each_slices_scale_is_its_previous_forwards_and_the_weights_the_previous
                 s_a, s_w, _, w_max = by(k, j, b)
                 want_a = torch.tensor(1.0) if k == 0 else fp32_product(by(k - 1, j, b)[2], 1.80 / 448)
                 assert torch.equal(s_a, want_a), (k, j, b)
-                if pr342_bootstrap(k):
+                if pr342_bootstrap(k, 2):
                     assert torch.equal(s_w, bf16_quotient(w_max, 448)), (k, j, b)
                 else:
                     assert torch.equal(s_w, fp32_product(by(k - 1, j, b)[3], 1.12 / 448)), (k, j, b)
     assert sum(not torch.equal(by(k, 0, b)[0], by(k, 1, b)[0]) for k in range(1, steps) for b in range(L)) > L
-    assert not torch.equal(by(17, 0, 3)[1], bf16_quotient(by(17, 0, 3)[3], 448))  # delayed: not the current weight's
-    assert [k for k in range(steps) if pr342_bootstrap(k)] == list(range(17))
+    assert not torch.equal(by(4, 0, 3)[1], bf16_quotient(by(4, 0, 3)[3], 448))  # delayed: not the current weight's
+    assert [k for k in range(steps) if pr342_bootstrap(k, 2)] == [0, 1, 2]
 
 
-def pr342_bootstrap(k: int) -> bool:
+def test_the_record_bootstraps_steps_0_to_16():
+    """#342's bootstrap_down=(s < 16): the forwards of steps 0..16 use the current weight's scale."""
+    assert tg.FP8_DOWN_BOOTSTRAP_STEPS == 16
+    assert [k for k in range(19) if pr342_bootstrap(k, tg.FP8_DOWN_BOOTSTRAP_STEPS)] == list(range(17))
+
+
+def pr342_bootstrap(k: int, bootstrap_steps: int) -> bool:
     """Whether step k's forwards quantize W2 with its current maximum, by #342's calls: it
     requantizes once before training with bootstrap_down=True and after each optimizer step s with
-    bootstrap_down=(s < 16), and step k's forward reads the codes of the last requantization before it."""
+    bootstrap_down=(s < bootstrap_steps) (16 in the record), and step k's forward reads the codes of
+    the last requantization before it."""
     last_call = None if k == 0 else k - 1  # the step the requantization before step k followed (None: the first)
-    return True if last_call is None else last_call < 16
+    return True if last_call is None else last_call < bootstrap_steps
 
 
 def fp32_product(a: torch.Tensor, constant: float) -> torch.Tensor:

@@ -566,12 +566,24 @@ def logged(tmp_path, pattern: str) -> list[str]:
     return re.findall(pattern, log_text(tmp_path), re.M)
 
 
-def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run(synthetic_dir, tmp_path):
+def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run_bit_for_bit(synthetic_dir, tmp_path,
+                                                                                  monkeypatch):
     """Different seeds give different initial weights, hence different losses once training moved
     them. The step-0 training loss barely tells: the head starts at N(0, 0.005^2) and the sigmoid
     softcap maps such logits to nearly one value, so every seed's first loss is close to that of a
     uniform prediction, ln 512 per token, summed (--train_loss_reduction=sum) over a slice's 128
-    tokens with the multi-token weights 1, 0.5, 0.25 on its 128, 127 and 126 targets."""
+    tokens with the multi-token weights 1, 0.5, 0.25 on its 128, 127 and 126 targets. The run
+    repeated with the logged seed is the first bit for bit: every validation loss and every trained
+    parameter (what train() returned). This is also the test that the same seed gives the same run
+    (it was test_training.py's test_same_seed_gives_bit_identical_runs, three more runs of train()
+    itself: main calls that same train())."""
+    results, real_train = {}, tg.train
+
+    def recording_train(config, *args, **kwargs):
+        results[Path(config.log_dir).parent.name] = result = real_train(config, *args, **kwargs)
+        return result
+
+    monkeypatch.setattr(tg, "train", recording_train)
     runs = {name: tmp_path / name for name in ("first", "second", "repeat")}
     for name in ("first", "second"):
         assert tg.main(run_argv(synthetic_dir, runs[name])) == 0
@@ -588,6 +600,10 @@ def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run(synthetic_
     assert tg.main(run_argv(synthetic_dir, runs["repeat"], f"--seed={seeds['first']}")) == 0
     assert config_seed(runs["repeat"]) == seeds["first"]
     assert logged(runs["repeat"], val) == first
+    repeat, first_run = results["repeat"], results["first"]
+    assert [h["val_loss"] for h in repeat["val_history"]] == [h["val_loss"] for h in first_run["val_history"]]
+    for (name, a), b in zip(first_run["model"].named_parameters(), repeat["model"].parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_a_vocabulary_the_synthetic_generator_refuses_is_one_line_exit_2(tmp_path, monkeypatch, capsys):

@@ -81,20 +81,21 @@ def counted_run(synthetic_dir, out, *flags):
         mp.setattr(tg.Runner, "window", window)
         for owner, name in SYNCS:
             mp.setattr(getattr(torch, owner), name, counting(getattr(getattr(torch, owner), name)))
-        assert tg.main(run_argv(synthetic_dir, out, "--seed=0", *flags, N=N)) == 0
+        assert tg.main(run_argv(synthetic_dir, out, "--seed=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}", *flags, N=N)) == 0
     seen["warmup_steps"] = 1  # run_argv's --warmup_steps: its steps come first in the lists above
     return seen
 
 
 @pytest.fixture(scope="module")
 def runs(synthetic_dir, tmp_path_factory):
-    """The same tiny run twice: with the stream (auto, beside the log) and a tracker (wandb, faked),
-    and without either, watching for tracker imports."""
+    """The same tiny run twice: with the stream (AUTO: auto in any case, beside the log) and a tracker
+    (wandb, faked), from its own working folder, and without either, watching for tracker imports."""
     fake, watcher = FakeWandb(), ImportWatcher()
     with_dir, without_dir = tmp_path_factory.mktemp("with"), tmp_path_factory.mktemp("without")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "wandb", fake.module)
-        streamed = counted_run(synthetic_dir, with_dir, "--metrics_jsonl=auto", "--tracker=wandb")
+        mp.chdir(with_dir)  # (the byte table by its absolute path: counted_run)
+        streamed = counted_run(synthetic_dir, with_dir, "--metrics_jsonl=AUTO", "--tracker=wandb")
     sys.meta_path.insert(0, watcher)
     try:
         plain = counted_run(synthetic_dir, without_dir)
@@ -104,11 +105,16 @@ def runs(synthetic_dir, tmp_path_factory):
     (plain_log,) = (without_dir / "logs").glob("*.txt")
     records = [json.loads(line) for line in log.with_suffix(".jsonl").read_text().splitlines()]
     return dict(log=log, plain_log=plain_log, records=records, streamed=streamed, plain=plain, wandb=fake,
-                imports=watcher.seen)
+                imports=watcher.seen, with_dir=with_dir)
 
 
 def body(log: Path) -> list[str]:
     return log.read_text().split("=" * 100 + "\n")[-1].splitlines()
+
+
+def test_metrics_jsonl_auto_in_any_case_is_the_file_beside_the_log(runs):
+    """--metrics_jsonl=AUTO: the stream beside the log, no file named AUTO in the working folder."""
+    assert runs["log"].with_suffix(".jsonl").is_file() and not (runs["with_dir"] / "AUTO").exists()
 
 
 def test_one_record_per_step_line_and_per_validation_each_with_its_step(runs):

@@ -3,13 +3,15 @@ configurations build their optimizers, and the command line's edges (an empty va
 pipe) end cleanly."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 
 import train_gpt_medium as tg
-from test_checkpoint import log_text, run_argv
+from test_checkpoint import run_argv
+from test_metrics import body
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,9 +29,9 @@ def test_a_run_reads_the_byte_table_and_checks_the_world_size_once(synthetic_dir
     assert calls == {"read_token_bytes": 1, "check_world_size": 1}
 
 
-def test_the_log_gives_every_field_its_group_and_the_groups_that_make_an_experiment(synthetic_dir, tmp_path):
-    assert tg.main(run_argv(synthetic_dir, tmp_path, N=3)) == 0
-    lines = {line.split(" = ", 1)[0]: line.split(" = ", 1)[1] for line in log_text(tmp_path).splitlines()
+def test_the_log_gives_every_field_its_group_and_the_groups_that_make_an_experiment(tiny_seed0_run):
+    """Read from the session's tiny run (tests/conftest.py)."""
+    lines = {line.split(" = ", 1)[0]: line.split(" = ", 1)[1] for line in body(tiny_seed0_run["log"])
              if line.startswith(("config_groups = ", "experiment_groups = "))}
     groups = json.loads(lines["config_groups"])
     assert groups == {f.name: f.metadata["group"] for f in tg.fields(tg.Hyperparameters)}
@@ -38,11 +40,13 @@ def test_the_log_gives_every_field_its_group_and_the_groups_that_make_an_experim
     assert json.loads(lines["experiment_groups"]) == ["recipe", "seed ideas", "execution"]
 
 
-def test_the_console_shows_the_time_left_and_the_log_keeps_the_speedrun_format(synthetic_dir, tmp_path, capsys):
-    assert tg.main(run_argv(synthetic_dir, tmp_path, N=20)) == 0
-    console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step:10/20 train_time")]
-    assert len(console) == 1 and " eta:" in console[0]
-    logged = [line for line in log_text(tmp_path).splitlines() if line.startswith("step:10/20 train_time")]
+def test_the_console_shows_the_time_left_and_the_log_keeps_the_speedrun_format(tiny_seed0_run):
+    """The session's tiny run (tests/conftest.py) printed its step lines and wrote its log: step 10 is
+    the first with a time left (tg.ETA_FIRST_STEPS), on the console only."""
+    step_10 = f"step:10/{tg.make_config('tiny').num_iterations} train_time"
+    console = [line for line in tiny_seed0_run["stdout"].splitlines() if line.startswith(step_10)]
+    assert len(console) == 1 and re.search(r" eta:\d+m\d\ds$", console[0]), console
+    logged = [line for line in body(tiny_seed0_run["log"]) if line.startswith(step_10)]
     assert len(logged) == 1 and "eta" not in logged[0] and logged[0].endswith("ms")
 
 
