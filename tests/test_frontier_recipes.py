@@ -1,8 +1,9 @@
 """The claimed records after bulk (--recipe fp8_yarn: PR #248, --recipe bigram: PR #252, --recipe
-mudd: PR #261) as whole recipes at tiny size, on test_bulk_recipe's short grid (24 steps, every phase): each learns; a run
-killed after the split resumes bit for bit and two processes train like one process accumulating
-two micro-steps (mudd, whose state holds the others'). Their parts are tested on their own in test_fp8_head.py, test_bigram.py,
-test_fused_ce.py, test_unified_optimizer.py and test_mudd.py."""
+mudd: PR #261) as whole recipes at tiny size, on test_bulk_recipe's short grid (24 steps, every phase): each learns.
+mudd, whose state holds the others', on six blocks and half the grid: a run killed after the split resumes bit for
+bit, and two processes train like one process accumulating two micro-steps. Their parts are tested on their own in
+test_fp8_head.py, test_bigram.py, test_fused_ce.py, test_unified_optimizer.py and test_mudd.py."""
+import dataclasses
 import json
 import re
 
@@ -12,7 +13,7 @@ import train_gpt_medium as tg
 from records import published
 from test_bulk_recipe import N, PAIR_STEPS, SHORT_GRID
 from test_checkpoint import kill_when_saved, log_text, resumed_step, run_argv
-from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args
+from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env, launch, run_args
 
 FRONTIER = ("fp8_yarn", "bigram", "mudd")
 
@@ -92,33 +93,68 @@ def test_each_tiny_frontier_recipe_learns(uninterrupted):
     assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses[2:], losses[3:]))
 
 
-# The whole-run resume and the two-process runs take mudd alone: #261 is #252's recipe plus MUDD, so
-# its checkpoints hold every state bigram's do (the sparse table, fp32 moments, bf16 blocks' low bits,
-# the transposed head and its split), and fp8_yarn's FP8 head holds no state of its own
+# ---- mudd on six blocks: the resume and the process pair
+# They take mudd alone: #261 is #252's recipe plus MUDD, so its checkpoints hold every state bigram's do
+# (the sparse table, fp32 moments, bf16 blocks' low bits, the transposed head and its split), and
+# fp8_yarn's FP8 head holds no state of its own. A bit-for-bit equality does not depend on the depth,
+# so they run the recipe's layout scaled to six blocks (the learns runs above keep its sixteen): two
+# value-embedding tables each read by an early and a late block, two skips, long windows at the ends
+# and at the block the last two attend from, which is also MUDD's h_b (its early source, block 4, is
+# another).
+SIX_BLOCKS = ("--num_layers=6", "--value_embed_layout=0,1,-,-,0,1", "--skip_connections=2<1,3<0",
+              "--long_window_layers=0,3,5", "--backout_layer=3", "--attn_input_from_layer=3")
+# Half the grid (PAIR_STEPS: batches 256, 512, 768, 1024 from steps 0-3, YaRN at 1, 2, 3, the split
+# after step 3, checkpoints at 4, 8, 12, the last two steps the extension), Adam stepping every step:
+# each cross-rank reduction is then one sum of two terms (exact in either order)
+PAIR_FLAGS = (*grid("mudd", PAIR_STEPS), "--untie_embed_after_step=3", "--adam_odd_steps_only=false", *SIX_BLOCKS)
+
+
+def test_six_blocks_keep_every_part_of_mudds_layout():
+    config = tg.parse_args(["--preset=tiny", *PAIR_FLAGS])
+    sixteen = tg.parse_args(["--preset=tiny", *grid("mudd")])
+    assert config.mudd and config.bigram_embed and config.mudd_nets == "both" and not config.backout
+    assert sorted(config.value_embed_tables[:2] + config.value_embed_tables[-2:]) == [0, 0, 1, 1]
+    assert len(config.skips) == 2 and config.long_layers == {0, config.attn_input_from_layer, config.num_layers - 1}
+    assert config.attn_input_from_layer == config.backout_layer  # h_b, as in the record (11)
+    assert len({tg.MUDD_EARLY_LAYER, config.backout_layer, config.num_layers - 1}) == 3  # the final mix's sources
+    assert config.num_layers - 1 - config.attn_input_from_layer == 2  # two blocks attend from it
+    changed = {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(sixteen, f.name)}
+    assert changed == {"num_iterations", "num_layers", "value_embed_layout", "skip_connections", "long_window_layers",
+                       "backout_layer", "untie_embed_after_step", "attn_input_from_layer", "adam_odd_steps_only"}
+    assert tg.untie_step(config) == 3 and [step for step, _, _ in tg.yarn_changes(config)] == [1, 2, 3]
+    assert [tg.batch_tokens(s, config) for s in range(5)] == [256, 512, 768, 1024, 1024]
+
+
+@pytest.fixture(scope="module")
+def mudd_one_process(synthetic_dir, tmp_path_factory):
+    """The reference both tests read: one plain process, 2 micro-steps per step (in this process:
+    neither test is about its launch)."""
+    out = tmp_path_factory.mktemp("mudd_one_process")
+    assert tg.main(run_args(synthetic_dir, out, *PAIR_FLAGS)) == 0
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("uninterrupted", ["mudd"], indirect=True)
-def test_a_frontier_run_killed_after_the_split_resumes_bit_for_bit(uninterrupted, synthetic_dir, tmp_path):
-    recipe, out = uninterrupted
-    kill_when_saved(run_argv(synthetic_dir, tmp_path, *grid(recipe), N=N), tmp_path, 8)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, *grid(recipe), "--resume=latest", N=N)) == 0
+def test_a_frontier_run_killed_after_the_split_resumes_bit_for_bit(mudd_one_process, synthetic_dir, tmp_path):
+    """SIGKILL once the step-8 checkpoint (after the split) exists; --resume latest finishes the run
+    (the extension) as the uninterrupted one, bit for bit."""
+    argv = run_args(synthetic_dir, tmp_path, *PAIR_FLAGS)
+    kill_when_saved(argv, tmp_path, 8)
+    assert tg.main([*argv, "--resume=latest"]) == 0
     assert resumed_step(tmp_path) >= 8
-    assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{N:06d}"),
-                         checkpoint_tensors(out / f"ck/tiny/step_{N:06d}"))
+    assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{PAIR_STEPS:06d}"),
+                         checkpoint_tensors(mudd_one_process / f"ck/tiny/step_{PAIR_STEPS:06d}"))
 
 
 @pytest.mark.slow
-def test_two_processes_equal_accumulation_in_mudd(synthetic_dir, tmp_path_factory):
-    """Adam stepping every step, so each cross-rank reduction is one sum of two terms (exact in
-    either order) and the two runs agree bit for bit: the exchange of every kind of tensor the
-    frontier recipes have (Muon's bf16 blocks, Adam's sharded rows, the sparse bigram rows, the small
-    tensors whole)."""
-    recipe = "mudd"
-    flags = (*grid(recipe, PAIR_STEPS), "--untie_embed_after_step=3", "--adam_odd_steps_only=false")
-    one, two = one_and_two_processes(lambda out: [*run_args(synthetic_dir, out, *flags),
-                                                  f"--num_iterations={PAIR_STEPS}"],
-                                     tmp_path_factory.mktemp(f"{recipe}_one"), tmp_path_factory.mktemp(f"{recipe}_two"))
+def test_two_processes_equal_accumulation_in_mudd(mudd_one_process, synthetic_dir, tmp_path):
+    """./run.sh with NPROC_PER_NODE=2 (torchrun) against the one process: the two runs agree bit for
+    bit, the exchange of every kind of tensor the frontier recipes have (Muon's bf16 blocks, Adam's
+    sharded rows, the sparse bigram rows, the small tensors whole)."""
+    two = launch([(["./run.sh", *run_args(synthetic_dir, tmp_path, *PAIR_FLAGS)], clean_env(NPROC_PER_NODE="2"))],
+                  tmp_path)
     for step in (4, 8, PAIR_STEPS):
-        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
+        assert_bit_identical(checkpoint_tensors(mudd_one_process / f"ck/tiny/step_{step:06d}"),
                              checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
 
 
