@@ -8,7 +8,7 @@ import pytest
 import train_gpt_medium as tg
 from test_checkpoint import kill_when_saved, resumed_step, run_argv
 from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env, launch
-from test_frontier_recipes import SIX_BLOCKS
+from test_frontier_recipes import MUDD_SIX_BLOCKS
 
 
 def test_the_candidate_is_mudd_plus_its_ideas_and_each_idea_is_off_in_the_record():
@@ -81,7 +81,7 @@ def test_the_candidates_parameters_and_the_gate_nets_kept_activations():
 # output gates on the long-window blocks and DC at the last (as the candidate's at sixteen)
 
 RUN_STEPS = 8
-SIX_BLOCKS_IDEAS = (*SIX_BLOCKS, "--xsa_layers=0,1,2,3", "--attn_gate_layers=0,3,5", "--dc_layers=5")
+SIX_BLOCKS_IDEAS = (*MUDD_SIX_BLOCKS, "--xsa_layers=0,1,2,3", "--attn_gate_layers=0,3,5", "--dc_layers=5")
 
 
 def candidate_argv(synthetic_dir, out) -> list[str]:
