@@ -97,6 +97,9 @@ def test_six_blocks_keep_every_idea_of_the_candidate():
     assert config.attn_gate_layers == tuple(sorted(config.long_layers)) and config.dc_layers == (config.num_layers - 1,)
     assert 0 < tg.mudd_gate_layer(config) < config.num_layers - 1
     assert tg.inert_setting_notes(config) == []
+    candidate = tg.make_config("tiny", recipe="transfer")
+    assert {name for name in tg.TRANSFER_IDEAS if getattr(config, name) != getattr(candidate, name)} == {
+        "xsa_layers", "attn_gate_layers", "dc_layers"}
 
 
 @pytest.fixture(scope="module")
