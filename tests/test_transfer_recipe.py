@@ -1,9 +1,14 @@
 """--recipe transfer: the candidate for the next record (mudd plus Part II's sections 12-18). It is a
 recipe like the records' except that nothing was published for it: every place that shows a
 recipe's record says instead that it is a candidate that has not run on a GPU."""
+from pathlib import Path
+
 import pytest
 
 import train_gpt_medium as tg
+from test_checkpoint import kill_when_saved, resumed_step, run_argv
+from test_distributed import assert_bit_identical, checkpoint_tensors, clean_env, launch
+from test_frontier_recipes import MUDD_SIX_BLOCKS
 
 
 def test_the_candidate_is_mudd_plus_its_ideas_and_each_idea_is_off_in_the_record():
@@ -71,20 +76,38 @@ def test_the_candidates_parameters_and_the_gate_nets_kept_activations():
 
 
 # ---- the whole candidate, every idea on at once: a short tiny run (DC's window cut to the tiny slices)
+# on six blocks (a bit-for-bit equality does not depend on the depth): mudd's layout scaled as in
+# test_frontier_recipes, XSA on the blocks up to the one the last two attend from, the gate net's
+# output gates on the long-window blocks and DC at the last (as the candidate's at sixteen)
 
 RUN_STEPS = 8
+SIX_BLOCKS_IDEAS = (*MUDD_SIX_BLOCKS, "--xsa_layers=0,1,2,3", "--attn_gate_layers=0,3,5", "--dc_layers=5")
 
 
-def run_flags(synthetic_dir) -> tuple[str, ...]:
-    return ("--recipe=transfer", "--dc_window=20", "--seed=0", "--adam_odd_steps_only=false",
-            "--untie_embed_after_step=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}")
+def candidate_argv(synthetic_dir, out) -> list[str]:
+    return run_argv(synthetic_dir, out, "--recipe=transfer", "--dc_window=20", "--seed=0", "--adam_odd_steps_only=false",
+                    "--untie_embed_after_step=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}",
+                    "--save_every=4", *SIX_BLOCKS_IDEAS, N=RUN_STEPS)
+
+
+def test_six_blocks_keep_every_idea_of_the_candidate():
+    config = tg.parse_args(candidate_argv(Path("data"), Path("out")))
+    assert config.num_layers == 6 and config.mudd and config.mudd_gate and config.prefix_loss_weight > 0
+    assert config.xsa_layers == tuple(range(config.attn_input_from_layer + 1))
+    assert config.attn_gate_layers == tuple(sorted(config.long_layers)) and config.dc_layers == (config.num_layers - 1,)
+    assert 0 < tg.mudd_gate_layer(config) < config.num_layers - 1
+    assert tg.inert_setting_notes(config) == []
+    candidate = tg.make_config("tiny", recipe="transfer")
+    assert {name for name in tg.TRANSFER_IDEAS if getattr(config, name) != getattr(candidate, name)} == {
+        "xsa_layers", "attn_gate_layers", "dc_layers"}
 
 
 @pytest.fixture(scope="module")
 def candidate_run(synthetic_dir, tmp_path_factory):
-    from test_checkpoint import run_argv
+    """The uninterrupted run both tests read: one plain process, 2 micro-steps per step (in this
+    process: neither test is about its launch)."""
     out = tmp_path_factory.mktemp("candidate_run")
-    assert tg.main(run_argv(synthetic_dir, out, *run_flags(synthetic_dir), "--save_every=4", N=RUN_STEPS)) == 0
+    assert tg.main(candidate_argv(synthetic_dir, out)) == 0
     return out
 
 
@@ -93,9 +116,7 @@ def test_the_candidate_killed_with_sigkill_resumes_bit_for_bit(candidate_run, sy
     """Every idea's state (XSA alphas, the grouped NorMuon statistics, the gate nets, the FP8 scales,
     the prefix weight's schedule) comes back from the checkpoint: the resumed run ends as the
     uninterrupted one, bit for bit."""
-    from test_checkpoint import kill_when_saved, resumed_step, run_argv
-    from test_distributed import assert_bit_identical, checkpoint_tensors
-    argv = run_argv(synthetic_dir, tmp_path, *run_flags(synthetic_dir), "--save_every=4", N=RUN_STEPS)
+    argv = candidate_argv(synthetic_dir, tmp_path)
     kill_when_saved(argv, tmp_path, 4)
     assert tg.main([*argv, "--resume=latest"]) == 0
     assert resumed_step(tmp_path) >= 4
@@ -104,11 +125,10 @@ def test_the_candidate_killed_with_sigkill_resumes_bit_for_bit(candidate_run, sy
 
 
 @pytest.mark.slow
-def test_two_candidate_processes_equal_one_accumulating_two_micro_steps(synthetic_dir, tmp_path_factory):
-    from test_distributed import assert_bit_identical, checkpoint_tensors, one_and_two_processes, run_args
-    one, two = one_and_two_processes(
-        lambda out: [*run_args(synthetic_dir, out, *run_flags(synthetic_dir)), f"--num_iterations={RUN_STEPS}"],
-        tmp_path_factory.mktemp("candidate_one"), tmp_path_factory.mktemp("candidate_two"))
+def test_two_candidate_processes_equal_one_accumulating_two_micro_steps(candidate_run, synthetic_dir, tmp_path):
+    """./run.sh with NPROC_PER_NODE=2 (torchrun) against the one process, Adam stepping every step:
+    bit for bit at both checkpoints."""
+    two = launch([(["./run.sh", *candidate_argv(synthetic_dir, tmp_path)], clean_env(NPROC_PER_NODE="2"))], tmp_path)
     for step in (4, RUN_STEPS):
-        assert_bit_identical(checkpoint_tensors(one / f"ck/tiny/step_{step:06d}"),
+        assert_bit_identical(checkpoint_tensors(candidate_run / f"ck/tiny/step_{step:06d}"),
                              checkpoint_tensors(two / f"ck/tiny/step_{step:06d}"))
