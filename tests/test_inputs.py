@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCK_FLAGS
 from test_checkpoint import log_text, run_argv
 from test_distributed import clean_env, free_port
 
@@ -33,10 +34,13 @@ def disk_full() -> OSError:
 
 
 def argv_with(synthetic_dir, tmp_path, *flags, N=4) -> list[str]:
-    """test_checkpoint's tiny run (logs and checkpoints under tmp_path) with `flags` replacing the
-    base flags of the same name (so no 'given twice' warning joins the error)."""
+    """test_checkpoint's tiny run (logs and checkpoints under tmp_path) on 4 blocks with `flags`
+    replacing the base flags of the same name (so no 'given twice' warning joins the error). The
+    refusals, failed writes, stops and seeds here act the same at any depth (test_bulk_model.FOUR_BLOCKS
+    keeps every layer pattern), and a 4-block step costs half a 16-block one."""
     names = {flag.split("=", 1)[0] for flag in flags}
-    return [a for a in run_argv(synthetic_dir, tmp_path, N=N) if a.split("=", 1)[0] not in names] + list(flags)
+    base = run_argv(synthetic_dir, tmp_path, *FOUR_BLOCK_FLAGS, N=N)
+    return [a for a in base if a.split("=", 1)[0] not in names] + list(flags)
 
 
 def refused(argv, capsys) -> str:
@@ -162,7 +166,7 @@ def test_a_missing_default_token_bytes_table_is_a_note_not_an_error(synthetic_di
     the log. Here the tiny preset's relative default path does not exist in the working folder."""
     monkeypatch.chdir(tmp_path)
     assert not Path(tg.make_config("tiny").token_bytes_file).exists()
-    assert tg.main(run_argv(synthetic_dir, tmp_path)) == 0
+    assert tg.main(argv_with(synthetic_dir, tmp_path)) == 0
     note = "val_bpb: not reported (the tiny preset's table data/synthetic/synthetic_token_bytes.npy is missing)"
     assert note in log_text(tmp_path)
     assert "val_bpb:" not in "".join(log_lines(tmp_path, "step:4/4 val_loss:"))
@@ -586,7 +590,7 @@ def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run_bit_for_bi
     monkeypatch.setattr(tg, "train", recording_train)
     runs = {name: tmp_path / name for name in ("first", "second", "repeat")}
     for name in ("first", "second"):
-        assert tg.main(run_argv(synthetic_dir, runs[name])) == 0
+        assert tg.main(argv_with(synthetic_dir, runs[name])) == 0
     seeds = {name: config_seed(runs[name]) for name in ("first", "second")}
     assert seeds["first"] != seeds["second"]
     val = r"^step:(\d+)/4 val_loss:(\S+) "
@@ -597,7 +601,7 @@ def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run_bit_for_bi
         (step0,) = logged(runs[run], r"^step0_train_loss:(\S+)$")
         assert float(step0) == pytest.approx((128 + 0.5 * 127 + 0.25 * 126) * math.log(512), rel=1e-3)
 
-    assert tg.main(run_argv(synthetic_dir, runs["repeat"], f"--seed={seeds['first']}")) == 0
+    assert tg.main(argv_with(synthetic_dir, runs["repeat"], f"--seed={seeds['first']}")) == 0
     assert config_seed(runs["repeat"]) == seeds["first"]
     assert logged(runs["repeat"], val) == first
     repeat, first_run = results["repeat"], results["first"]
