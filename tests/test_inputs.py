@@ -336,45 +336,61 @@ def test_a_log_that_cannot_be_written_midway_exits_3_keeping_what_it_holds(synth
     assert body.rstrip().splitlines()[-1].startswith("step:2/4 val_loss:")  # all it held is still there
 
 
-def _two_process_worker(rank: int, port: int, argv: list[str], out: Path) -> None:
-    """Rank `rank` of a 2-process run whose rank 0 finds the disk full when it writes main.pt;
-    writes its exit code and stderr to out/rank<r>.txt."""
+def _two_process_worker(rank: int, runs: list, out: Path) -> None:
+    """Rank `rank` of 2-process runs (name, port, argv), one after another in the same processes; in
+    the run named disk_full rank 0 finds the disk full when it writes main.pt. Writes each run's exit
+    code and stderr to out/<name>_rank<r>.txt."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
     real_write = tg._write_durably
+    for name, port, argv in runs:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
 
-    def rank0_disk_full(path, obj):
-        if rank == 0 and path.name == "main.pt":
-            raise disk_full()
-        return real_write(path, obj)
+        def rank0_disk_full(path, obj, full=(name == "disk_full" and rank == 0)):
+            if full and path.name == "main.pt":
+                raise disk_full()
+            return real_write(path, obj)
 
-    tg._write_durably = rank0_disk_full
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = tg.main(argv)
-    (out / f"rank{rank}.txt").write_text(f"{code}\n{err.getvalue()}")
+        tg._write_durably = rank0_disk_full
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = tg.main(argv)
+        (out / f"{name}_rank{rank}.txt").write_text(f"{code}\n{err.getvalue()}")
     os._exit(0)  # see test_distributed._rank_worker: no interpreter shutdown with gloo threads about
 
 
-def run_two_processes(argv: list[str], out: Path) -> list[tuple[str, str]]:
-    """(exit code, stderr) of both ranks; fails if a rank is still running after 300 s (a hang)."""
-    context = torch.multiprocessing.start_processes(_two_process_worker, args=(free_port(), argv, out),
-                                                    nprocs=2, join=False, start_method="spawn")
+@pytest.fixture(scope="module")
+def two_process_runs(synthetic_dir, tmp_path_factory) -> dict:
+    """Both 2-process failures in one pair of spawned processes (a process's start, torch's import,
+    is most of a run's cost; each run has its own process group and port): rank 0 refusing the log
+    folder, then rank 0 failing to write a checkpoint. {name: (its folder, [(exit code, stderr) by
+    rank])}; fails if a rank is still running after 300 s (a hang)."""
+    out = tmp_path_factory.mktemp("two_processes")
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("log_dir", "disk_full")}
+    blocker = folders["log_dir"] / "blocker"
+    blocker.write_text("")
+    ports = [free_port()]
+    while len(ports) < 2:
+        ports += [port for port in [free_port()] if port not in ports]
+    runs = [("log_dir", ports[0], argv_with(synthetic_dir, folders["log_dir"], f"--log_dir={blocker}", "--seed=0",
+                                            N=3)),
+            ("disk_full", ports[1], argv_with(synthetic_dir, folders["disk_full"], "--save_every=2", "--seed=0", N=3))]
+    context = torch.multiprocessing.start_processes(_two_process_worker, args=(runs, out), nprocs=2, join=False,
+                                                    start_method="spawn")
     deadline = time.monotonic() + 300
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             pytest.fail("a rank was still running 300 s after the start: the failure did not reach it")
-    return [tuple((out / f"rank{rank}.txt").read_text().split("\n", 1)) for rank in range(2)]
+    return {name: (folders[name], [tuple((out / f"{name}_rank{rank}.txt").read_text().split("\n", 1))
+                                   for rank in range(2)]) for name in folders}
 
 
-def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(synthetic_dir, tmp_path):
+def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(two_process_runs):
     """Both ranks learn of rank 0's failure at the same point (a vote after the files are written),
     so rank 1 exits 3 too instead of waiting in the next collective forever."""
-    (code0, err0), (code1, err1) = run_two_processes(
-        argv_with(synthetic_dir, tmp_path, "--save_every=2", "--seed=0", N=3), tmp_path)
+    tmp_path, ((code0, err0), (code1, err1)) = two_process_runs["disk_full"]
     assert (code0, code1) == ("3", "3")
     assert "error (rank 0): checkpoint step_000002.partial not saved: cannot write" in err0
     assert "No space left on device" in err0
@@ -382,12 +398,10 @@ def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(synthetic_dir, tm
     assert list((tmp_path / "ck" / "tiny").iterdir()) == []
 
 
-def test_an_output_folder_refused_on_rank_0_stops_every_rank_before_training(synthetic_dir, tmp_path):
+def test_an_output_folder_refused_on_rank_0_stops_every_rank_before_training(two_process_runs):
     """Rank 0 checks the log folder and hands its verdict to every rank: both exit 2, rank 0 says why."""
+    tmp_path, ((code0, err0), (code1, err1)) = two_process_runs["log_dir"]
     blocker = tmp_path / "blocker"
-    blocker.write_text("")
-    (code0, err0), (code1, err1) = run_two_processes(
-        argv_with(synthetic_dir, tmp_path, f"--log_dir={blocker}", "--seed=0", N=3), tmp_path)
     assert (code0, code1) == ("2", "2")
     assert err0 == f"error: --log_dir: {blocker} is a file, not a folder; choose a folder this process can write\n"
     assert err1 == ""  # input errors are printed once, by rank 0
