@@ -588,8 +588,10 @@ def test_dc_reads_the_q_k_v_and_scale_the_attention_used(monkeypatch):
 
 
 def test_with_neutral_biases_and_dc_the_bf16_gated_model_is_still_the_plain_models_loss():
+    """(DC's window 20, not 112: w2 = 0 adds exactly zero at any window, and the band form's loops
+    run once per offset.)"""
     plain, _, config = neutral_pair()
-    config = gated_config(dc_layers=(15,))
+    config = gated_config(dc_layers=(15,), dc_window=20)
     gated = tg.build_model(config)
     fill_random(gated)
     with torch.no_grad():
@@ -630,8 +632,10 @@ def test_dc_refusals_in_one_line(flags, words, refusal_of):
 
 def test_the_gated_forward_traces_into_one_graph():
     """Static shapes and no host syncs: the gated training forward with DC and its gradients, traced
-    whole, equal the eager ones (on SEVEN_BLOCKS: every kind of block the 16 have)."""
-    config = seven_block_gated("float32", fused_softcap_ce=False, **SEVEN_BLOCK_GATES)
+    whole, equal the eager ones (on SEVEN_BLOCKS: every kind of block the 16 have; DC's window of 20
+    tokens as in the run below: its forward and backward are Python loops over the window's offsets,
+    traced once per offset, and the 112 of the default took most of the trace's time)."""
+    config = seven_block_gated("float32", fused_softcap_ce=False, dc_window=20, **SEVEN_BLOCK_GATES)
     assert tg.mudd_gate_layer(config) == 3 and config.gated_layers == [0, 4, 5, 6]
     model = tg.build_model(config)
     fill_random(model)
