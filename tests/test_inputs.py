@@ -496,30 +496,41 @@ def test_a_mistyped_train_files_with_the_tiny_preset_is_an_error_and_generates_n
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_tiny_preset_generates_its_data_into_its_own_folder(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_preset_data(tmp_path_factory):
+    """The tiny preset's data generated once from an empty working folder, for the two tests below
+    that read it: (that folder, the names of the files moved into data/synthetic/ in their order,
+    what it printed). Only moves into that folder are recorded: the shard writer's own atomic
+    writes happen inside its staging folder."""
+    folder, moved, printed, real_replace = tmp_path_factory.mktemp("tiny_preset_data"), [], io.StringIO(), os.replace
+
+    def replace(src, dst):
+        if Path(dst).parent.name == "synthetic":
+            moved.append(Path(dst).name)
+        real_replace(src, dst)
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.chdir(folder)
+        patch.setattr(tg.os, "replace", replace)
+        tg.ensure_synthetic_data(tg.make_config("tiny"))
+    return folder, moved, printed.getvalue()
+
+
+def test_the_tiny_preset_generates_its_data_into_its_own_folder(tiny_preset_data):
     """The control: with the preset's own paths the data appears under data/synthetic/."""
-    monkeypatch.chdir(tmp_path)
-    tg.ensure_synthetic_data(tg.make_config("tiny"))
-    assert sorted(p.name for p in (tmp_path / "data" / "synthetic").iterdir()) == [
+    folder, _, _ = tiny_preset_data
+    assert sorted(p.name for p in (folder / "data" / "synthetic").iterdir()) == [
         "synthetic_meta.json", "synthetic_token_bytes.npy", "synthetic_tokens.bin", "synthetic_train_000001.bin",
         "synthetic_train_000002.bin", "synthetic_val_000000.bin"]
 
 
-def test_synthetic_data_appears_whole_with_the_token_byte_table_last(tmp_path, monkeypatch, capsys):
+def test_synthetic_data_appears_whole_with_the_token_byte_table_last(tiny_preset_data):
     """Generated beside data/synthetic/ and moved in file by file, the table a run checks for last:
     a second run starting meanwhile never reads a half-written shard. Nothing is left beside it."""
-    monkeypatch.chdir(tmp_path)
-    moved, real_replace = [], os.replace
-
-    def replace(src, dst):  # the shard writer's own atomic writes happen inside the staging folder
-        if Path(dst).parent.name == "synthetic":
-            moved.append(Path(dst).name)
-        real_replace(src, dst)
-    monkeypatch.setattr(tg.os, "replace", replace)
-    tg.ensure_synthetic_data(tg.make_config("tiny"))
+    folder, moved, printed = tiny_preset_data
     assert len(moved) == 6 and moved[-1] == "synthetic_token_bytes.npy"
-    assert [p.name for p in (tmp_path / "data").iterdir()] == ["synthetic"]
-    assert capsys.readouterr().out.startswith("synthetic data in data/synthetic: conditional entropy ")
+    assert [p.name for p in (folder / "data").iterdir()] == ["synthetic"]
+    assert printed.startswith("synthetic data in data/synthetic: conditional entropy ")
 
 
 def test_synthetic_data_is_never_generated_into_the_fineweb_folder(tmp_path, monkeypatch):
