@@ -124,7 +124,7 @@ def gated_config(dtype="bfloat16", **overrides):
 # mix's fixed source) and h_b = block 5 (the record's 11) before the last, the blocks after 5 attending
 # from its output, value embeddings 01---01, a skip, long and short windows; XSA on 0..5 (the record's
 # ALL12); the gate net reads block round(4/11 x 7) = 3. For the whole trace and the whole run below,
-# whose properties do not depend on the depth: a 7-block step costs about half a 16-block one.
+# whose properties do not depend on the depth, at less cost.
 SEVEN_BLOCKS = dict(num_layers=7, value_embed_layout=(0, 1, None, None, None, 0, 1), skip_connections=((5, 2),),
                     long_window_layers=(0, 4, 6), backout_layer=5, attn_input_from_layer=5)
 SEVEN_XSA = tuple(range(6))
@@ -643,7 +643,8 @@ def test_the_gated_forward_traces_into_one_graph():
     assert_traces_as_one_graph(model, config, list(model.gate_net.parameters()), WINDOW)
 
 
-# on SEVEN_BLOCKS (the learning of the 16-block tiny preset: conftest's tiny_seed0_run)
+# On SEVEN_BLOCKS: the gate nets and DC act per block alike at any depth (the 16-block candidate with
+# them runs whole in tests/test_transfer_recipe.py: killed and resumed, two processes).
 RUN_FLAGS = ("--recipe=mudd", "--mudd_gate", *(f"--{name}={tg.to_text(value)}" for name, value in
                                                {**SEVEN_BLOCKS, "xsa_layers": SEVEN_XSA,
                                                 **SEVEN_BLOCK_GATES}.items()),
