@@ -21,6 +21,16 @@ BULK = dict(yarn_window_limit=13, rotary_bf16=True, key_offset=True, qkv_init_st
             attn_scale=0.1)
 
 
+# The bulk model in 4 blocks instead of 16 with each of its layer patterns still there: a value-embedding
+# table read by the first and the last block with blocks without one between them, a U-net skip,
+# long- and short-window blocks (key offset on the long ones), backout from a block before the last.
+# For tests whose property does not depend on the depth (a bit-for-bit equality, a failure path, the
+# split): a 4-block training step costs about half a 16-block one on the CPU.
+FOUR_BLOCKS = dict(num_layers=4, value_embed_layout=(0, None, None, 0), skip_connections=((2, 1),),
+                   long_window_layers=(0, 3), backout_layer=2)
+FOUR_BLOCK_FLAGS = tuple(f"--{name}={tg.to_text(value)}" for name, value in FOUR_BLOCKS.items())
+
+
 def tiny(**overrides):
     return tg.make_config("tiny", dtype="float32", **overrides)
 
@@ -92,6 +102,13 @@ MASK_CONFIG = tg.make_config("tiny", vocab_size=100, eot_token=EOT, attn_block_s
 BULK_LONG_WINDOWS = [3, 7, 11, 13, 15, 17, 19, 21, 23, 27]
 LAYOUTS = [(0, 0.05), (1, 0.6), (2, 3.0), (3, 40.0)]  # (seed, expected documents per block)
 NUM_BLOCKS = 32
+# The every-window tests below in the tiny preset's 16-token blocks: the rule counts tokens and the
+# masks count blocks whatever their size, and the (T, T) masks and rules cost 16x less than at 64.
+# The densest layout keeps its share of end-of-text tokens (40 of 64 would be every token of 16).
+SMALL_BS = 16
+SMALL_MASK_CONFIG = tg.make_config("tiny", vocab_size=100, eot_token=EOT)
+assert (SMALL_MASK_CONFIG.attn_block_size, SMALL_MASK_CONFIG.max_window_tokens) == (SMALL_BS, 27 * SMALL_BS)
+SMALL_LAYOUTS = [(0, 0.05), (1, 0.6), (2, 3.0), (3, 10.0)]
 
 
 def random_ids(seed, docs_per_block, num_blocks=NUM_BLOCKS, block_size=BS):
@@ -126,28 +143,31 @@ def expand_block_mask(block_mask, ids):
     return dense
 
 
-@pytest.mark.parametrize("seed,density", LAYOUTS)
+@pytest.mark.parametrize("seed,density", SMALL_LAYOUTS)
 def test_token_window_dense_masks_equal_the_rule_at_every_bulk_window(seed, density):
-    ids = random_ids(seed, density)
+    ids = random_ids(seed, density, block_size=SMALL_BS)
     ids_t = torch.from_numpy(ids)
     for long_w in BULK_LONG_WINDOWS:
         short_w = min(11, long_w // 2)
         long_mask, short_mask = tg.token_window_masks(ids_t, torch.tensor(long_w), torch.tensor(short_w),
-                                                      MASK_CONFIG, "sdpa")
-        np.testing.assert_array_equal(long_mask.numpy(), rule(ids, long_w * BS), err_msg=f"long {long_w}")
-        np.testing.assert_array_equal(short_mask.numpy(), rule(ids, short_w * BS), err_msg=f"short {short_w}")
+                                                      SMALL_MASK_CONFIG, "sdpa")
+        np.testing.assert_array_equal(long_mask.numpy(), rule(ids, long_w * SMALL_BS), err_msg=f"long {long_w}")
+        np.testing.assert_array_equal(short_mask.numpy(), rule(ids, short_w * SMALL_BS),
+                                      err_msg=f"short {short_w}")
 
 
-@pytest.mark.parametrize("seed,density", LAYOUTS)
+@pytest.mark.parametrize("seed,density", SMALL_LAYOUTS)
 def test_token_window_block_masks_materialize_to_the_rule_at_every_bulk_window(seed, density):
-    ids = random_ids(seed, density)
+    ids = random_ids(seed, density, block_size=SMALL_BS)
     ids_t = torch.from_numpy(ids)
     for long_w in BULK_LONG_WINDOWS:
         short_w = min(11, long_w // 2)
         long_bm, short_bm = tg.token_window_masks(ids_t, torch.tensor(long_w), torch.tensor(short_w),
-                                                  MASK_CONFIG, "flex")
-        np.testing.assert_array_equal(expand_block_mask(long_bm, ids), rule(ids, long_w * BS), f"long {long_w}")
-        np.testing.assert_array_equal(expand_block_mask(short_bm, ids), rule(ids, short_w * BS), f"short {short_w}")
+                                                  SMALL_MASK_CONFIG, "flex")
+        np.testing.assert_array_equal(expand_block_mask(long_bm, ids), rule(ids, long_w * SMALL_BS),
+                                      f"long {long_w}")
+        np.testing.assert_array_equal(expand_block_mask(short_bm, ids), rule(ids, short_w * SMALL_BS),
+                                      f"short {short_w}")
 
 
 @pytest.mark.parametrize("num_blocks", [20, 13])  # 13 blocks of 64: the last group of 128 ends past them
@@ -520,8 +540,8 @@ def test_the_tied_head_starts_normal_with_std_0005_in_the_model_dtype():
 def test_tied_then_untied_goes_on_as_untied_from_the_start_with_the_copied_values_and_state(make_optimizer):
     """Train tied for two steps and split: the input table and its optimizer state are copies of
     the head's. The next step equals that of a model untied from the start that was given those
-    values and that state."""
-    config = tiny_bulk(untie_embed_after_step=1)
+    values and that state. (On 4 blocks: the split is the tables' and the head's, not the blocks'.)"""
+    config = tiny_bulk(untie_embed_after_step=1, **FOUR_BLOCKS)
     inputs, targets = packed(config)
     window = torch.tensor([2, 1])
     model = tg.build_model(config)
@@ -554,8 +574,9 @@ def test_tied_then_untied_goes_on_as_untied_from_the_start_with_the_copied_value
 
 def test_the_runner_splits_right_after_the_update_of_the_split_step():
     """At the odd step 1 (Adam's step): the table becomes the head as updated, its Adam state a
-    copy of the head's; until then its state is the untouched initial one."""
-    config = tiny_bulk(untie_embed_after_step=1, warmup_steps=0)
+    copy of the head's; until then its state is the untouched initial one. (On 4 blocks: the split
+    is the tables' and the head's, not the blocks'.)"""
+    config = tiny_bulk(untie_embed_after_step=1, warmup_steps=0, **FOUR_BLOCKS)
     runner = tg.Runner(config, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     adam = runner.optimizers[0]
@@ -803,9 +824,10 @@ def test_bulk_bf16_forward_is_close_to_the_fp32_one():
 def test_bulk_runner_trains_through_the_split_and_the_yarn_change():
     """A few steps of the tiny model with every bulk switch, the record's optimizers, a YaRN change
     and the split inside: finite, decreasing losses; after the warm-up's restore, tied again, the
-    input table's Adam state its initial one."""
+    input table's Adam state its initial one. On 4 blocks (FOUR_BLOCKS): long- and short-window
+    blocks, the value embeddings, the skip and backout are all there, and a step costs half."""
     config = tiny_bulk(untie_embed_after_step=3, yarn_window_limit=13, num_iterations=20, warmup_steps=4,
-                       train_loss_reduction="mean")
+                       train_loss_reduction="mean", **FOUR_BLOCKS)
     runner = tg.Runner(config, torch.device("cpu"))
     runner.warmup()
     table_state = runner.optimizers[0].state[runner.model.embeds[0].weight]

@@ -7,18 +7,23 @@ of 256, 512, 768 and then 1024 tokens from steps 0, 2, 4 and 6; the long window 
 blocks with YaRN at steps 2, 4 and 6; three multi-token weights until step 1, two until step 3;
 the tied head and input table split after step 5 (the grid's odd split step). Checkpoints every 4
 steps (odd-step Adam holds gradients after even steps, so checkpoints fall after odd ones).
+
+The runs have 4 blocks (test_bulk_model.FOUR_BLOCKS: every layer pattern of the 16 once): a resume
+ends bit for bit or not whatever the depth, the grid's events are the same, and a step costs about
+half. The 16 blocks learn in the session's whole tiny run (conftest's tiny_seed0_run, the goldens).
 """
 import re
 
 import pytest
 
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCK_FLAGS
 from test_checkpoint import kill_when_saved, log_text, resumed_step, run_argv
 from test_distributed import assert_bit_identical, checkpoint_tensors
 
 N = 24
 SHORT_GRID = ("--recipe=bulk", f"--num_iterations={N}", "--extension_steps=2", "--untie_embed_after_step=5",
-              "--save_every=4", "--seed=0")
+              "--save_every=4", "--seed=0", *FOUR_BLOCK_FLAGS)
 
 
 def test_the_short_grid_puts_every_phase_of_the_recipe_in_24_steps():

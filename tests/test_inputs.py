@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCK_FLAGS
 from test_checkpoint import log_text, run_argv
 from test_distributed import clean_env, free_port
 
@@ -33,10 +34,13 @@ def disk_full() -> OSError:
 
 
 def argv_with(synthetic_dir, tmp_path, *flags, N=4) -> list[str]:
-    """test_checkpoint's tiny run (logs and checkpoints under tmp_path) with `flags` replacing the
-    base flags of the same name (so no 'given twice' warning joins the error)."""
+    """test_checkpoint's tiny run (logs and checkpoints under tmp_path) on 4 blocks with `flags`
+    replacing the base flags of the same name (so no 'given twice' warning joins the error). The
+    refusals, failed writes, stops and seeds here act the same at any depth (test_bulk_model.FOUR_BLOCKS
+    keeps every layer pattern), and a 4-block step costs half a 16-block one."""
     names = {flag.split("=", 1)[0] for flag in flags}
-    return [a for a in run_argv(synthetic_dir, tmp_path, N=N) if a.split("=", 1)[0] not in names] + list(flags)
+    base = run_argv(synthetic_dir, tmp_path, *FOUR_BLOCK_FLAGS, N=N)
+    return [a for a in base if a.split("=", 1)[0] not in names] + list(flags)
 
 
 def refused(argv, capsys) -> str:
@@ -162,7 +166,7 @@ def test_a_missing_default_token_bytes_table_is_a_note_not_an_error(synthetic_di
     the log. Here the tiny preset's relative default path does not exist in the working folder."""
     monkeypatch.chdir(tmp_path)
     assert not Path(tg.make_config("tiny").token_bytes_file).exists()
-    assert tg.main(run_argv(synthetic_dir, tmp_path)) == 0
+    assert tg.main(argv_with(synthetic_dir, tmp_path)) == 0
     note = "val_bpb: not reported (the tiny preset's table data/synthetic/synthetic_token_bytes.npy is missing)"
     assert note in log_text(tmp_path)
     assert "val_bpb:" not in "".join(log_lines(tmp_path, "step:4/4 val_loss:"))
@@ -332,45 +336,61 @@ def test_a_log_that_cannot_be_written_midway_exits_3_keeping_what_it_holds(synth
     assert body.rstrip().splitlines()[-1].startswith("step:2/4 val_loss:")  # all it held is still there
 
 
-def _two_process_worker(rank: int, port: int, argv: list[str], out: Path) -> None:
-    """Rank `rank` of a 2-process run whose rank 0 finds the disk full when it writes main.pt;
-    writes its exit code and stderr to out/rank<r>.txt."""
+def _two_process_worker(rank: int, runs: list, out: Path) -> None:
+    """Rank `rank` of 2-process runs (name, port, argv), one after another in the same processes; in
+    the run named disk_full rank 0 finds the disk full when it writes main.pt. Writes each run's exit
+    code and stderr to out/<name>_rank<r>.txt."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
     real_write = tg._write_durably
+    for name, port, argv in runs:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
 
-    def rank0_disk_full(path, obj):
-        if rank == 0 and path.name == "main.pt":
-            raise disk_full()
-        return real_write(path, obj)
+        def rank0_disk_full(path, obj, full=(name == "disk_full" and rank == 0)):
+            if full and path.name == "main.pt":
+                raise disk_full()
+            return real_write(path, obj)
 
-    tg._write_durably = rank0_disk_full
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = tg.main(argv)
-    (out / f"rank{rank}.txt").write_text(f"{code}\n{err.getvalue()}")
+        tg._write_durably = rank0_disk_full
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = tg.main(argv)
+        (out / f"{name}_rank{rank}.txt").write_text(f"{code}\n{err.getvalue()}")
     os._exit(0)  # see test_distributed._rank_worker: no interpreter shutdown with gloo threads about
 
 
-def run_two_processes(argv: list[str], out: Path) -> list[tuple[str, str]]:
-    """(exit code, stderr) of both ranks; fails if a rank is still running after 300 s (a hang)."""
-    context = torch.multiprocessing.start_processes(_two_process_worker, args=(free_port(), argv, out),
-                                                    nprocs=2, join=False, start_method="spawn")
+@pytest.fixture(scope="module")
+def two_process_runs(synthetic_dir, tmp_path_factory) -> dict:
+    """Both 2-process failures in one pair of spawned processes (a process's start, torch's import,
+    is most of a run's cost; each run has its own process group and port): rank 0 refusing the log
+    folder, then rank 0 failing to write a checkpoint. {name: (its folder, [(exit code, stderr) by
+    rank])}; fails if a rank is still running after 300 s (a hang)."""
+    out = tmp_path_factory.mktemp("two_processes")
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("log_dir", "disk_full")}
+    blocker = folders["log_dir"] / "blocker"
+    blocker.write_text("")
+    ports = [free_port()]
+    while len(ports) < 2:
+        ports += [port for port in [free_port()] if port not in ports]
+    runs = [("log_dir", ports[0], argv_with(synthetic_dir, folders["log_dir"], f"--log_dir={blocker}", "--seed=0",
+                                            N=3)),
+            ("disk_full", ports[1], argv_with(synthetic_dir, folders["disk_full"], "--save_every=2", "--seed=0", N=3))]
+    context = torch.multiprocessing.start_processes(_two_process_worker, args=(runs, out), nprocs=2, join=False,
+                                                    start_method="spawn")
     deadline = time.monotonic() + 300
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             pytest.fail("a rank was still running 300 s after the start: the failure did not reach it")
-    return [tuple((out / f"rank{rank}.txt").read_text().split("\n", 1)) for rank in range(2)]
+    return {name: (folders[name], [tuple((out / f"{name}_rank{rank}.txt").read_text().split("\n", 1))
+                                   for rank in range(2)]) for name in folders}
 
 
-def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(synthetic_dir, tmp_path):
+def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(two_process_runs):
     """Both ranks learn of rank 0's failure at the same point (a vote after the files are written),
     so rank 1 exits 3 too instead of waiting in the next collective forever."""
-    (code0, err0), (code1, err1) = run_two_processes(
-        argv_with(synthetic_dir, tmp_path, "--save_every=2", "--seed=0", N=3), tmp_path)
+    tmp_path, ((code0, err0), (code1, err1)) = two_process_runs["disk_full"]
     assert (code0, code1) == ("3", "3")
     assert "error (rank 0): checkpoint step_000002.partial not saved: cannot write" in err0
     assert "No space left on device" in err0
@@ -378,12 +398,10 @@ def test_a_checkpoint_write_failing_on_rank_0_stops_every_rank(synthetic_dir, tm
     assert list((tmp_path / "ck" / "tiny").iterdir()) == []
 
 
-def test_an_output_folder_refused_on_rank_0_stops_every_rank_before_training(synthetic_dir, tmp_path):
+def test_an_output_folder_refused_on_rank_0_stops_every_rank_before_training(two_process_runs):
     """Rank 0 checks the log folder and hands its verdict to every rank: both exit 2, rank 0 says why."""
+    tmp_path, ((code0, err0), (code1, err1)) = two_process_runs["log_dir"]
     blocker = tmp_path / "blocker"
-    blocker.write_text("")
-    (code0, err0), (code1, err1) = run_two_processes(
-        argv_with(synthetic_dir, tmp_path, f"--log_dir={blocker}", "--seed=0", N=3), tmp_path)
     assert (code0, code1) == ("2", "2")
     assert err0 == f"error: --log_dir: {blocker} is a file, not a folder; choose a folder this process can write\n"
     assert err1 == ""  # input errors are printed once, by rank 0
@@ -478,30 +496,41 @@ def test_a_mistyped_train_files_with_the_tiny_preset_is_an_error_and_generates_n
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_tiny_preset_generates_its_data_into_its_own_folder(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_preset_data(tmp_path_factory):
+    """The tiny preset's data generated once from an empty working folder, for the two tests below
+    that read it: (that folder, the names of the files moved into data/synthetic/ in their order,
+    what it printed). Only moves into that folder are recorded: the shard writer's own atomic
+    writes happen inside its staging folder."""
+    folder, moved, printed, real_replace = tmp_path_factory.mktemp("tiny_preset_data"), [], io.StringIO(), os.replace
+
+    def replace(src, dst):
+        if Path(dst).parent.name == "synthetic":
+            moved.append(Path(dst).name)
+        real_replace(src, dst)
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.chdir(folder)
+        patch.setattr(tg.os, "replace", replace)
+        tg.ensure_synthetic_data(tg.make_config("tiny"))
+    return folder, moved, printed.getvalue()
+
+
+def test_the_tiny_preset_generates_its_data_into_its_own_folder(tiny_preset_data):
     """The control: with the preset's own paths the data appears under data/synthetic/."""
-    monkeypatch.chdir(tmp_path)
-    tg.ensure_synthetic_data(tg.make_config("tiny"))
-    assert sorted(p.name for p in (tmp_path / "data" / "synthetic").iterdir()) == [
+    folder, _, _ = tiny_preset_data
+    assert sorted(p.name for p in (folder / "data" / "synthetic").iterdir()) == [
         "synthetic_meta.json", "synthetic_token_bytes.npy", "synthetic_tokens.bin", "synthetic_train_000001.bin",
         "synthetic_train_000002.bin", "synthetic_val_000000.bin"]
 
 
-def test_synthetic_data_appears_whole_with_the_token_byte_table_last(tmp_path, monkeypatch, capsys):
+def test_synthetic_data_appears_whole_with_the_token_byte_table_last(tiny_preset_data):
     """Generated beside data/synthetic/ and moved in file by file, the table a run checks for last:
     a second run starting meanwhile never reads a half-written shard. Nothing is left beside it."""
-    monkeypatch.chdir(tmp_path)
-    moved, real_replace = [], os.replace
-
-    def replace(src, dst):  # the shard writer's own atomic writes happen inside the staging folder
-        if Path(dst).parent.name == "synthetic":
-            moved.append(Path(dst).name)
-        real_replace(src, dst)
-    monkeypatch.setattr(tg.os, "replace", replace)
-    tg.ensure_synthetic_data(tg.make_config("tiny"))
+    folder, moved, printed = tiny_preset_data
     assert len(moved) == 6 and moved[-1] == "synthetic_token_bytes.npy"
-    assert [p.name for p in (tmp_path / "data").iterdir()] == ["synthetic"]
-    assert capsys.readouterr().out.startswith("synthetic data in data/synthetic: conditional entropy ")
+    assert [p.name for p in (folder / "data").iterdir()] == ["synthetic"]
+    assert printed.startswith("synthetic data in data/synthetic: conditional entropy ")
 
 
 def test_synthetic_data_is_never_generated_into_the_fineweb_folder(tmp_path, monkeypatch):
@@ -586,7 +615,7 @@ def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run_bit_for_bi
     monkeypatch.setattr(tg, "train", recording_train)
     runs = {name: tmp_path / name for name in ("first", "second", "repeat")}
     for name in ("first", "second"):
-        assert tg.main(run_argv(synthetic_dir, runs[name])) == 0
+        assert tg.main(argv_with(synthetic_dir, runs[name])) == 0
     seeds = {name: config_seed(runs[name]) for name in ("first", "second")}
     assert seeds["first"] != seeds["second"]
     val = r"^step:(\d+)/4 val_loss:(\S+) "
@@ -597,7 +626,7 @@ def test_runs_without_a_seed_differ_and_the_logged_seed_repeats_a_run_bit_for_bi
         (step0,) = logged(runs[run], r"^step0_train_loss:(\S+)$")
         assert float(step0) == pytest.approx((128 + 0.5 * 127 + 0.25 * 126) * math.log(512), rel=1e-3)
 
-    assert tg.main(run_argv(synthetic_dir, runs["repeat"], f"--seed={seeds['first']}")) == 0
+    assert tg.main(argv_with(synthetic_dir, runs["repeat"], f"--seed={seeds['first']}")) == 0
     assert config_seed(runs["repeat"]) == seeds["first"]
     assert logged(runs["repeat"], val) == first
     repeat, first_run = results["repeat"], results["first"]

@@ -2,6 +2,8 @@
 output gates on chosen blocks only, the two gate nets against float64 token loops and their layout, the
 neutral start as the plain model bit for bit, DC's band form against a float64 loop and its gradients,
 the optimizer group, and the refusals."""
+import contextlib
+import io
 import json
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
-from test_bulk_model import assert_traces_as_one_graph, fill_random, packed, train_loss_and_grads
+from test_bulk_model import FOUR_BLOCKS, assert_traces_as_one_graph, fill_random, packed, train_loss_and_grads
 
 WINDOW = torch.tensor([3, 1])
 
@@ -31,20 +33,30 @@ def dry_run(capsys, *flags):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def plain_mudd_dry_run():
+    """The --recipe mudd dry run's counts, made once: what the gated variants below are compared with."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert tg.main(["--dry_run", "--recipe=mudd"]) == 0
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
 # ---- §18 --attn_gate_layers
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_auto_gate_layers_are_the_record_bit_for_bit(dtype):
-    plain, chosen = tiny(dtype=dtype), tiny(dtype=dtype, attn_gate_layers=tuple(range(16)))
-    assert plain.attn_gate_layers is None and plain.gated_layers == list(range(16))
+    """Auto is every block listed (on FOUR_BLOCKS: each block runs the same gate code at any depth)."""
+    plain, chosen = tiny(dtype=dtype, **FOUR_BLOCKS), tiny(dtype=dtype, attn_gate_layers=tuple(range(4)), **FOUR_BLOCKS)
+    assert plain.attn_gate_layers is None and plain.gated_layers == list(range(4))
     models = [tg.build_model(c) for c in (plain, chosen)]
     for model in models:
         fill_random(model)
     (loss_a, grads_a), (loss_b, grads_b) = (loss_and_grads(m, plain) for m in models)
     assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
-    assert len(gate_weights(models[0])) == 16
+    assert len(gate_weights(models[0])) == 4
 
 
 def test_an_empty_list_removes_every_output_gate_and_exactly_their_weights():
@@ -77,8 +89,8 @@ def test_listed_blocks_keep_their_gates_and_the_others_are_ungated():
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_mudd_recipes_dry_run_drops_the_gates_of_the_unlisted_blocks(capsys):
-    plain = dry_run(capsys, "--recipe=mudd")
+def test_the_mudd_recipes_dry_run_drops_the_gates_of_the_unlisted_blocks(capsys, plain_mudd_dry_run):
+    plain = plain_mudd_dry_run
     gated = dry_run(capsys, "--recipe=mudd", "--attn_gate_layers=0,4,11,15")
     assert plain["total_params"] - gated["total_params"] == 12 * 8 * 16
 
@@ -105,7 +117,22 @@ ALL12 = tuple(range(12))
 
 
 def gated_config(dtype="bfloat16", **overrides):
-    return tiny("mudd", dtype=dtype, mudd_gate=True, xsa_layers=ALL12, **overrides)
+    return tiny("mudd", dtype=dtype, **{"mudd_gate": True, "xsa_layers": ALL12, **overrides})
+
+
+# The --recipe mudd layout in 7 blocks instead of 16, as the record's in miniature: block 4 (the final
+# mix's fixed source) and h_b = block 5 (the record's 11) before the last, the blocks after 5 attending
+# from its output, value embeddings 01---01, a skip, long and short windows; XSA on 0..5 (the record's
+# ALL12); the gate net reads block round(4/11 x 7) = 3. For the whole trace and the whole run below,
+# whose properties do not depend on the depth, at less cost.
+SEVEN_BLOCKS = dict(num_layers=7, value_embed_layout=(0, 1, None, None, None, 0, 1), skip_connections=((5, 2),),
+                    long_window_layers=(0, 4, 6), backout_layer=5, attn_input_from_layer=5)
+SEVEN_XSA = tuple(range(6))
+SEVEN_BLOCK_GATES = dict(attn_gate_layers=(0, 4, 5, 6), dc_layers=(6,))  # the record's 0, 4, 11, 15 and 15
+
+
+def seven_block_gated(dtype="bfloat16", **overrides):
+    return gated_config(dtype, **{**SEVEN_BLOCKS, "xsa_layers": SEVEN_XSA, **overrides})
 
 
 def neutral_biases(net):
@@ -133,7 +160,9 @@ def test_the_neutral_start_is_a_switch_that_builds_the_neutral_biases():
 
 def neutral_pair(dtype="bfloat16", seed=0):
     """(plain --recipe mudd model, gated model) on the same random weights: the plain model's gates at
-    zero, its x0 weights 0 and gammas bigram_lambda_init; the gated one's W2g 0, s 0.1, neutral biases."""
+    zero, its x0 weights 0 and gammas bigram_lambda_init; the gated one's W2g 0, s 0.1, neutral biases.
+    (16 blocks: on SEVEN_BLOCKS block 0's residual weight's bf16 gradient sums its paths in another order
+    than the plain model's, one bf16 step apart, so the bit-for-bit test below needs the record's layout.)"""
     plain_config, config = tiny("mudd", dtype=dtype), gated_config(dtype)
     plain, gated = tg.build_model(plain_config), tg.build_model(config)
     fill_random(plain, seed)
@@ -395,8 +424,8 @@ def test_its_adam_group_lr_betas_and_decay(lr):
         (1.0, 1.0, (0.9, 0.99)), (1.0, 1.0, (0.9, 0.99)), (1.0, 0.0, (0.9, 0.99)), (1.0, 0.0, (0.9, 0.99))]
 
 
-def test_the_mudd_recipes_dry_run_counts_the_nets_and_the_removed_weights(capsys):
-    plain = dry_run(capsys, "--recipe=mudd")
+def test_the_mudd_recipes_dry_run_counts_the_nets_and_the_removed_weights(capsys, plain_mudd_dry_run):
+    plain = plain_mudd_dry_run
     gated = dry_run(capsys, "--recipe=mudd", "--mudd_gate", "--xsa_layers=" + ",".join(map(str, ALL12)),
                     "--attn_gate_layers=0,4,11,15")
     n = 94  # net 1: 48 alphas, 16 gates, 27 weights, 3 skips
@@ -559,8 +588,10 @@ def test_dc_reads_the_q_k_v_and_scale_the_attention_used(monkeypatch):
 
 
 def test_with_neutral_biases_and_dc_the_bf16_gated_model_is_still_the_plain_models_loss():
+    """(DC's window 20, not 112: w2 = 0 adds exactly zero at any window, and the band form's loops
+    run once per offset.)"""
     plain, _, config = neutral_pair()
-    config = gated_config(dc_layers=(15,))
+    config = gated_config(dc_layers=(15,), dc_window=20)
     gated = tg.build_model(config)
     fill_random(gated)
     with torch.no_grad():
@@ -578,8 +609,8 @@ def test_with_neutral_biases_and_dc_the_bf16_gated_model_is_still_the_plain_mode
     assert (bias_grad[w2.start:w2.start + H] != 0).all() and (bias_grad[w1.start:w1.start + H] == 0).all()
 
 
-def test_the_dry_run_counts_are_the_specs(capsys):
-    plain = dry_run(capsys, "--recipe=mudd")
+def test_the_dry_run_counts_are_the_specs(capsys, plain_mudd_dry_run):
+    plain = plain_mudd_dry_run
     gated = dry_run(capsys, "--recipe=mudd", "--mudd_gate", "--xsa_layers=" + ",".join(map(str, ALL12)),
                     "--attn_gate_layers=0,4,11,15", "--dc_layers=15")
     assert gated["params_by_group"]["mudd_gate"] == 145_373
@@ -601,17 +632,23 @@ def test_dc_refusals_in_one_line(flags, words, refusal_of):
 
 def test_the_gated_forward_traces_into_one_graph():
     """Static shapes and no host syncs: the gated training forward with DC and its gradients, traced
-    whole, equal the eager ones."""
-    config = gated_config("float32", dc_layers=(15,), fused_softcap_ce=False)
+    whole, equal the eager ones (on SEVEN_BLOCKS: every kind of block the 16 have; DC's window of 20
+    tokens as in the run below: its forward and backward are Python loops over the window's offsets,
+    traced once per offset, and the 112 of the default took most of the trace's time)."""
+    config = seven_block_gated("float32", fused_softcap_ce=False, dc_window=20, **SEVEN_BLOCK_GATES)
+    assert tg.mudd_gate_layer(config) == 3 and config.gated_layers == [0, 4, 5, 6]
     model = tg.build_model(config)
     fill_random(model)
     random_net(model, scale=0.1)
     assert_traces_as_one_graph(model, config, list(model.gate_net.parameters()), WINDOW)
 
 
-RUN_FLAGS = ("--recipe=mudd", "--mudd_gate", "--xsa_layers=" + ",".join(map(str, ALL12)),
-             "--attn_gate_layers=0,4,11,15", "--dc_layers=15", "--dc_window=20", "--seed=0",
-             "--adam_odd_steps_only=false", "--untie_embed_after_step=0")
+# On SEVEN_BLOCKS: the gate nets and DC act per block alike at any depth (the 16-block candidate with
+# them runs whole in tests/test_transfer_recipe.py: killed and resumed, two processes).
+RUN_FLAGS = ("--recipe=mudd", "--mudd_gate", *(f"--{name}={tg.to_text(value)}" for name, value in
+                                               {**SEVEN_BLOCKS, "xsa_layers": SEVEN_XSA,
+                                                **SEVEN_BLOCK_GATES}.items()),
+             "--dc_window=20", "--seed=0", "--adam_odd_steps_only=false", "--untie_embed_after_step=0")
 RUN_STEPS = 8
 
 
