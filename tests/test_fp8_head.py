@@ -305,7 +305,7 @@ def test_the_tiny_recipe_visits_every_phase():
     assert len({tg.batch_tokens(s, config) for s in range(TINY_STEPS)}) == 4
 
 
-# the tiny recipe learning, resuming and on 2 processes: tests/test_frontier_recipes.py
+# the tiny recipe learning: tests/test_frontier_recipes.py (a recipe resumed and on 2 processes: mudd there)
 
 
 def test_the_gradient_codes_follow_the_loss_scale_so_they_are_the_records_at_any_world_size():
