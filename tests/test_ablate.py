@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_bulk_model import FOUR_BLOCK_FLAGS  # noqa: E402
 from test_plot import assert_png, write_run_log  # noqa: E402
 
 from records import ablate, plot, stats  # noqa: E402
@@ -79,9 +80,10 @@ def sweep(tmp_path_factory, synthetic_dir):
     """The sweep interrupted after 5 runs, then rerun to completion; what each round left behind."""
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "out"
-    # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2: what
-    # the sweep reads of a run (its log's numbers, the seed, the arm's parameters) does not need more
-    trainer = [UNTIED, "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0",
+    # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2, on 4
+    # blocks (FOUR_BLOCKS: LoRE's tables are the input's and the head's, whatever the depth): what the
+    # sweep reads of a run (its log's numbers, the seed, the arm's parameters) does not need more
+    trainer = [UNTIED, *FOUR_BLOCK_FLAGS, "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0",
                "--val_tokens=1024", "--synthetic_data=false",
                f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
                f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]

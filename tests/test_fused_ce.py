@@ -12,6 +12,7 @@ import torch
 
 import train_gpt_medium as tg
 import triton_kernels as kernels
+from test_bulk_model import FOUR_BLOCKS  # the loss is the head's, whatever the depth
 from test_training import small_run_config
 
 T, V, D = 48, 512, 64
@@ -241,15 +242,8 @@ def test_torch_compile_traces_it_as_one_opaque_op():
 
 # ---- the model
 
-# The tiny model in 4 blocks instead of 16, each of its layer patterns still there (a value-embedding
-# table read by the first and the last block, a U-net skip, long- and short-window blocks, backout from
-# a block before the last): the loss is the head's, whatever the depth, and a block costs its share of a
-# training step on the CPU.
-FOUR_BLOCKS = dict(num_layers=4, value_embed_layout=(0, None, None, 0), skip_connections=((2, 1),),
-                   long_window_layers=(0, 3), backout_layer=2)
-
-
 def tiny_model(**overrides):
+    """The tiny model on 4 blocks (FOUR_BLOCKS): these tests compare losses and gradients through the head."""
     config = tg.make_config("tiny", dtype="float32", untie_embed_after_step=0, **FOUR_BLOCKS, **overrides)
     return tg.build_model(config)
 
