@@ -1,7 +1,8 @@
 """records/ablate.py (seed-matched sweeps) and records/stats.py's paired_test.
 
-The sweep test trains for real: a 2 x 2 grid (lore_input x lore_output) x 2 seeds of 2-step tiny runs,
-through a launcher wrapper that counts its calls and, the first time, crashes from the sixth call on.
+The sweep test trains for real: a 2 x 2 grid (lore_input x lore_output) x 2 seeds of 2-step tiny runs
+on 4 blocks, through a launcher wrapper that counts its calls and, the first time, crashes from the
+sixth call on.
 Expected statistics are computed here with scipy from the CSV's numbers. LoRE runs on the record
 untied from the start (--untie_embed_after_step=0: the record's head doubles as its input table
 until the split), so every sweep here passes that extra trainer flag.

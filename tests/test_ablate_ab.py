@@ -2,8 +2,8 @@
 
 Two kinds of A/B are made here. A real one: three arms through ./run.sh (the live script, the live
 script with another Muon lr, and the frozen x01 script through TRAINER=) x 2 slots of 2-step tiny
-runs. And fake ones, with stand-in scripts that need no torch: one of this project's kind (it takes
---seed, --run_id, --log_dir) and one of upstream's kind (it reads no flags and writes
+runs on 4 blocks. And fake ones, with stand-in scripts that need no torch: one of this project's kind
+(it takes --seed, --run_id, --log_dir) and one of upstream's kind (it reads no flags and writes
 logs/<uuid>.txt under its working folder, its own source first). The fakes hang on request, so
 that the sweep can be killed or interrupted mid-run. The run order is read from the logs' own
 modification times, and every statistic of the report is computed again here with scipy from the
@@ -24,6 +24,7 @@ from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_ablate import _alive, _wait, read_csv  # noqa: E402
+from test_bulk_model import FOUR_BLOCK_FLAGS  # noqa: E402
 from test_plot import assert_png  # noqa: E402
 
 from records import ablate, plot, runlogs, stats  # noqa: E402
@@ -116,9 +117,10 @@ def real_ab(tmp_path_factory, synthetic_dir):
     argv = ["--preset", "tiny", "--arm", f"base={launcher}", "--arm", f"cand={launcher} --muon_lr=0.03",
             "--arm", f"x01=TRAINER=records/x01_lineage/train_gpt_medium.py {launcher}", "--seeds", "1,2",
             "--out", str(out), "--",
-            # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2:
-            # the A/B reads a run's log, its script, seed and flags, none of which needs more
-            "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0", "--val_tokens=1024",
+            # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2,
+            # on 4 blocks (FOUR_BLOCKS, and block 1 attention-free as x01's block 7 is): the A/B reads a
+            # run's log, its script, seed and flags, none of which needs more
+            *FOUR_BLOCK_FLAGS, "--attention_free_layers=1", "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0", "--val_tokens=1024",
             "--synthetic_data=false",
             f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
             f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
