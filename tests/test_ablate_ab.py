@@ -2,9 +2,10 @@
 
 Two kinds of A/B are made here. A real one: three arms through ./run.sh (the live script, the live
 script with another Muon lr, and the frozen x01 script through TRAINER=) x 2 slots of 2-step tiny
-runs. And fake ones, with stand-in scripts that need no torch: one of this project's kind (it takes
---seed, --run_id, --log_dir) and one of upstream's kind (it reads no flags and writes
-logs/<uuid>.txt under its working folder, its own source first). The fakes hang on request, so
+runs on 4 blocks (run.sh's python: test_ablate's warm_python, torch imported once for all). And fake
+ones, with stand-in scripts that need no torch: one of this project's kind (it takes --seed,
+--run_id, --log_dir) and one of upstream's kind (it reads no flags and writes logs/<uuid>.txt under
+its working folder, its own source first). The fakes hang on request, so
 that the sweep can be killed or interrupted mid-run. The run order is read from the logs' own
 modification times, and every statistic of the report is computed again here with scipy from the
 numbers parsed out of the logs.
@@ -23,7 +24,8 @@ import pytest
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_ablate import _alive, _wait, read_csv  # noqa: E402
+from test_ablate import _alive, _wait, read_csv, warm_python  # noqa: E402,F401 (warm_python: a fixture)
+from test_bulk_model import FOUR_BLOCK_FLAGS  # noqa: E402
 from test_plot import assert_png  # noqa: E402
 
 from records import ablate, plot, runlogs, stats  # noqa: E402
@@ -110,15 +112,18 @@ REAL_ARMS = ("base", "cand", "x01")
 
 
 @pytest.fixture(scope="module")
-def real_ab(tmp_path_factory, synthetic_dir):
+def real_ab(tmp_path_factory, synthetic_dir, warm_python):
+    """run.sh's python is warm_python (`python SCRIPT FLAGS`, the script run from a process that imported
+    torch once): run.sh, the arms' scripts, flags and settings as in any A/B, without the import per run."""
     out = tmp_path_factory.mktemp("ab") / "out"
-    launcher = f"PYTHON={PY} CUDA_VISIBLE_DEVICES= {shlex.quote(str(ROOT / 'run.sh'))}"
+    launcher = f"PYTHON={shlex.quote(str(warm_python))} CUDA_VISIBLE_DEVICES= {shlex.quote(str(ROOT / 'run.sh'))}"
     argv = ["--preset", "tiny", "--arm", f"base={launcher}", "--arm", f"cand={launcher} --muon_lr=0.03",
             "--arm", f"x01=TRAINER=records/x01_lineage/train_gpt_medium.py {launcher}", "--seeds", "1,2",
             "--out", str(out), "--",
-            # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2:
-            # the A/B reads a run's log, its script, seed and flags, none of which needs more
-            "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0", "--val_tokens=1024",
+            # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2,
+            # on 4 blocks (FOUR_BLOCKS, and block 1 attention-free as x01's block 7 is): the A/B reads a
+            # run's log, its script, seed and flags, none of which needs more
+            *FOUR_BLOCK_FLAGS, "--attention_free_layers=1", "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0", "--val_tokens=1024",
             "--synthetic_data=false",
             f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
             f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
