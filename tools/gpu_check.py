@@ -550,33 +550,34 @@ def finish(rows: list[dict], reference: Run, gpus: int, dtype: str, tolerance: f
     return 0
 
 
-def offline_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
-    """(--offline, --arch's text or None, the other flags)."""
-    offline, arch, rest, args = False, None, [], iter(argv)
+def value_flag(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """(the value of `name` given as `name VALUE` or `name=VALUE`, the last one, or None; the other flags)."""
+    value, rest, args = None, [], iter(argv)
     for arg in args:
-        if arg in ("--offline", "--offline=true"):
-            offline = True
-        elif arg == "--offline=false":
-            offline = False
-        elif arg == "--arch":
-            arch = next(args, "")
-        elif arg.startswith("--arch="):
-            arch = arg.partition("=")[2]
+        if arg == name:
+            value = next(args, "")
+        elif arg.startswith(f"{name}="):
+            value = arg.partition("=")[2]
         else:
             rest.append(arg)
+    return value, rest
+
+
+def offline_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
+    """(--offline, --arch's text or None, the other flags)."""
+    offline, rest = False, []
+    for arg in argv:
+        if arg in ("--offline", "--offline=true", "--offline=false"):
+            offline = arg != "--offline=false"
+        else:
+            rest.append(arg)
+    arch, rest = value_flag(rest, "--arch")
     return offline, arch, rest
 
 
 def recipe_runs(argv: list[str]) -> list[list[str]]:
     """The trainer flags of each compile: argv, or with --recipe all one set per recipe of tg.RECIPES."""
-    flags, recipe, args = [], None, iter(argv)
-    for arg in args:
-        if arg == "--recipe":
-            recipe = next(args, "")
-        elif arg.startswith("--recipe="):
-            recipe = arg.partition("=")[2]
-        else:
-            flags.append(arg)
+    recipe, flags = value_flag(argv, "--recipe")
     if recipe != "all":
         return [argv]
     return [[f"--recipe={name}", *flags] for name in tg.RECIPES]
