@@ -470,8 +470,11 @@ def test_the_allocator_row_is_never_dropped(settings, source, ok, monkeypatch):
 def test_gpu_check_without_a_gpu_fails_the_gpu_class_row_for_the_medium_preset_and_runs_nothing(monkeypatch,
                                                                                                 capsys):
     """On a CPU the medium preset's runs would be refused: the GPU class row says so (it said ok, then
-    both runs failed), and no run is started; --preset tiny is the CPU's check."""
+    both runs failed), and no run is started; --preset tiny is the CPU's check. The machine is probed
+    in this process, where CUDA is patched away, so that it has no GPU on any machine (the probe's
+    own child process: the --quick and several-GPU checks above)."""
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "probe_machine", gpu_check.machine_probe)
     started = []
     monkeypatch.setattr(gpu_check, "run_trainer", lambda *args: started.append(args))
     assert gpu_check.main(["--quick"]) == 1
