@@ -472,7 +472,7 @@ def test_gpu_check_without_a_gpu_fails_the_gpu_class_row_for_the_medium_preset_a
     """On a CPU the medium preset's runs would be refused: the GPU class row says so (it said ok, then
     both runs failed), and no run is started; --preset tiny is the CPU's check. The machine is probed
     in this process, where CUDA is patched away, so that it has no GPU on any machine (the probe's
-    own child process: the --quick and several-GPU checks above)."""
+    own child process: the tests of the --quick and several-GPU checks)."""
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(gpu_check, "probe_machine", gpu_check.machine_probe)
     started = []
