@@ -248,8 +248,9 @@ def test_ctrl_c_ends_a_batch_with_its_summary_and_the_command_that_continues_it(
 def test_a_sigkilled_run_sh_leaves_no_process_and_its_run_resumes_from_its_own_folder(synthetic_dir, tmp_path,
                                                                                      start, nproc):
     # far more steps than the kill takes to end the run (at its step-2 checkpoint); the 1-process run is
-    # then resumed from step 2 (or 4), 6 to 8 steps before its end
-    steps = 100 if nproc else 10
+    # then resumed from step 2 (or 4), 16 to 18 steps before its end (4-block steps: a few seconds, as
+    # the 16-block run's 8 took)
+    steps = 100 if nproc else 20
     args = run_argv(synthetic_dir, tmp_path, "--save_every=2", *FOUR_BLOCK_FLAGS, N=steps)
     process = start(args, nproc, runs=2)
     run_dir = tmp_path / "ck" / "logs" / "run_1"
