@@ -19,6 +19,7 @@ import train_gpt_medium as tg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_check  # noqa: E402
+from test_bulk_model import FOUR_BLOCK_FLAGS, FOUR_BLOCKS  # noqa: E402
 
 TINY = tg.make_config("tiny")
 # The tiny preset's step grid (docs/bulk.md, "The tiny form"): 188 scheduled steps in 12 slots and 2
@@ -55,7 +56,11 @@ def several_gpus_check(tmp_path_factory):
     none and run on the CPU over gloo), in-process through gpu_check.main, without shards (the
     pattern matches nothing): every check on one process, then the benchmark and the training run
     again on 2 processes. Fewer steps than gpu_check's own (3 timed bench steps, 6 training steps
-    validated every 3): the same checks and rows; one thread per trainer process. With Adam
+    validated every 3): the same checks and rows; one thread per trainer process. On the tiny
+    preset's bulk layout in 4 blocks (FOUR_BLOCK_FLAGS: every layer pattern once), which gpu_check
+    passes to every run like any trainer flag: what is checked here (the step grid's points and
+    windows, the printed lines, the rates, the rows, checkpointing's and 2 processes' losses equal
+    to the plain run's, the validation losses falling) does not depend on the depth. With Adam
     stepping every step (a trainer flag, which gpu_check passes to every run): then 2 processes
     compute each loss of the benchmark bit for bit as 1 does (see the test below), so the
     trainer's runs serve the benchmark's own tests too. Returns the exit code, what gpu_check
@@ -71,15 +76,17 @@ def several_gpus_check(tmp_path_factory):
         mp.setattr(gpu_check, "run_trainer", recorded)
         none = tmp_path_factory.mktemp("no_shards") / "none_*.bin"
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = gpu_check.main(["--preset=tiny", f"--train_files={none}", "--adam_odd_steps_only=false"])
+            code = gpu_check.main(["--preset=tiny", f"--train_files={none}", "--adam_odd_steps_only=false",
+                                   *FOUR_BLOCK_FLAGS])
     summary = json.loads(out.getvalue().strip().splitlines()[-1])
     return dict(code=code, out=out.getvalue(), err=err.getvalue(), summary=summary, runs=recorded.runs)
 
 
 @pytest.fixture(scope="module")
 def tiny_bench(several_gpus_check):
-    """--preset tiny --bench_steps=3 on one process: the several-GPU check's one-process benchmark
-    (gpu_check adds --seed=0 --warmup_steps=1), its printed lines and its report (the last line)."""
+    """--preset tiny --bench_steps=3 on one process (in 4 blocks): the several-GPU check's one-process
+    benchmark (gpu_check adds --seed=0 --warmup_steps=1), its printed lines and its report (the last
+    line)."""
     run = several_gpus_check["runs"]["bench, 1 GPU(s)"]
     assert run.failure is None, run.output[-3000:]
     lines = run.output.strip().splitlines()
@@ -87,8 +94,9 @@ def tiny_bench(several_gpus_check):
 
 
 def test_bench_exits_0_and_writes_nothing_in_the_working_folder(tmp_path, monkeypatch, capsys):
-    """From an empty folder, with shard patterns that match nothing: random tokens, no data, no log."""
-    code, lines, report = bench(["--bench_steps=1", "--bench_at_step=0", "--warmup_steps=0",
+    """From an empty folder, with shard patterns that match nothing: random tokens, no data, no log
+    (in 4 blocks: the depth changes none of it)."""
+    code, lines, report = bench(["--bench_steps=1", "--bench_at_step=0", "--warmup_steps=0", *FOUR_BLOCK_FLAGS,
                                  f"--train_files={tmp_path}/none_*.bin", f"--val_files={tmp_path}/none_*.bin"],
                                 tmp_path, monkeypatch, capsys)
     assert code == 0 and lines[0].startswith("bench: 1 process(es) on cpu") and report["points"][0]["step"] == 0
@@ -140,7 +148,7 @@ def test_bench_prints_a_line_per_point_before_the_json_line(tiny_bench):
 
 @pytest.mark.slow
 def test_bench_flops_per_token_is_the_dry_runs(tiny_bench, tmp_path, monkeypatch, capsys):
-    code, _, dry = bench(["--dry_run"], tmp_path, monkeypatch, capsys)
+    code, _, dry = bench(["--dry_run", *FOUR_BLOCK_FLAGS], tmp_path, monkeypatch, capsys)  # the benchmark's model
     assert code == 0
     assert tiny_bench["report"]["flops_per_token"] == dry["flops_per_token"]
 
@@ -176,8 +184,9 @@ def test_bench_reports_memory_and_compiled_graphs(tiny_bench):
 
 
 def test_bench_at_step_times_that_step_only(tmp_path, monkeypatch, capsys):
-    code, _, report = bench(["--bench_steps=1", "--bench_at_step=120", "--warmup_steps=0"], tmp_path, monkeypatch,
-                            capsys)
+    """The step grid's point, in 4 blocks (the grid does not depend on the depth)."""
+    code, _, report = bench(["--bench_steps=1", "--bench_at_step=120", "--warmup_steps=0", *FOUR_BLOCK_FLAGS],
+                            tmp_path, monkeypatch, capsys)
     assert code == 0
     # slot floor(12 x 120 / 188) = 7 of the window schedule: 21 blocks
     assert [(p["step"], p["window_blocks"], p["tokens_per_step"]) for p in report["points"]] == [(120, 21, 1024)]
@@ -244,7 +253,7 @@ def test_bench_on_two_processes_prints_once_and_sees_the_same_losses(several_gpu
         assert two_point["tokens_per_s"] == pytest.approx(2 * two_point["tokens_per_s_per_process"])
     # the collectives rank 0 ran in its last timed steps (189 and 188: after the split, the full
     # batch) are those the dry run counts on meta tensors for two ranks, call for call
-    config = tg.make_config("tiny", adam_odd_steps_only=False)
+    config = tg.make_config("tiny", adam_odd_steps_only=False, **FOUR_BLOCKS)
     counted = lambda odd: tg.ledger_summary(tg.step_collectives(config, 2, odd, dtype=torch.float32))  # CPU weights
     assert two["collectives"] == {"even": counted(False), "odd": counted(True)}
     assert one["collectives"] == {}
@@ -273,10 +282,11 @@ def test_gpu_check_fails_with_the_reason_when_the_loss_is_not_finite(monkeypatch
     """An attention scale of 1e38 turns every score into inf: nan losses from the first forward (the
     training run looks for them after every step, so it stops at the first). Nan from the first
     step does not depend on the step's size: one timed benchmark step and a 256-token batch
-    throughout (the tiny grid's smallest; its full batch is 1,024 tokens)."""
+    throughout (the tiny grid's smallest; its full batch is 1,024 tokens), in 4 blocks (every block's
+    attention has the scale)."""
     monkeypatch.setattr(gpu_check, "QUICK_BENCH_STEPS", 1)
     code, _, err, summary = run_gpu_check(capsys, "--quick", "--attn_scale=1e38", "--nonfinite_check_every=1",
-                                          "--batch_schedule=256")
+                                          "--batch_schedule=256", *FOUR_BLOCK_FLAGS)
     assert code == 1
     assert not summary["ok"]
     assert "gpu_check: FAILED" in err and "non-finite" in err
@@ -377,10 +387,12 @@ def test_the_quick_check_gives_its_verdict_from_a_benchmark_and_a_one_phase_trai
     """Without shards the training run trains on generated tokens; one benchmark point (the first
     full-batch step, 47 in the tiny grid) and a short training run validated once, whose validation
     loss must fall below its step-0 loss. Fewer steps than gpu_check's own (4 timed, 10 training):
-    2 timed steps (one of each parity) and 5 training steps give the same rows."""
+    2 timed steps (one of each parity) and 5 training steps give the same rows; on the bulk layout
+    in 4 blocks (FOUR_BLOCK_FLAGS, passed to both runs), which the rows do not depend on."""
     monkeypatch.setattr(gpu_check, "QUICK_BENCH_STEPS", 2)
     monkeypatch.setattr(gpu_check, "QUICK_TRAIN_STEPS", 5)
-    code, out, err, summary = run_gpu_check(capsys, "--quick", f"--train_files={tmp_path / 'none_*.bin'}")
+    code, out, err, summary = run_gpu_check(capsys, "--quick", f"--train_files={tmp_path / 'none_*.bin'}",
+                                            *FOUR_BLOCK_FLAGS)
     assert code == 0, out[-3000:] + err[-3000:]
     assert summary["ok"] and summary["quick"]
     names = [c["check"] for c in summary["checks"]]
@@ -458,8 +470,11 @@ def test_the_allocator_row_is_never_dropped(settings, source, ok, monkeypatch):
 def test_gpu_check_without_a_gpu_fails_the_gpu_class_row_for_the_medium_preset_and_runs_nothing(monkeypatch,
                                                                                                 capsys):
     """On a CPU the medium preset's runs would be refused: the GPU class row says so (it said ok, then
-    both runs failed), and no run is started; --preset tiny is the CPU's check."""
+    both runs failed), and no run is started; --preset tiny is the CPU's check. The machine is probed
+    in this process, where CUDA is patched away, so that it has no GPU on any machine (the probe's
+    own child process: the tests of the --quick and several-GPU checks)."""
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "probe_machine", gpu_check.machine_probe)
     started = []
     monkeypatch.setattr(gpu_check, "run_trainer", lambda *args: started.append(args))
     assert gpu_check.main(["--quick"]) == 1

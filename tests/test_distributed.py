@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_bulk_model import FOUR_BLOCK_FLAGS, FOUR_BLOCKS
 
 import train_gpt_medium as tg
 
@@ -23,7 +24,9 @@ N = 6  # steps (4 scheduled + 2 extension: batches of 256, then 1024 tokens, the
 # micro-steps bit for bit. With Adam on odd steps only (the default) Adam sums four terms, in step
 # order on one process and rank by rank on two: equal up to fp32 rounding, tested in
 # tests/test_bulk_recipe.py (test_two_processes_equal_accumulation_with_adam_on_odd_steps_...).
-EVERY_STEP = ("--adam_odd_steps_only=false",)
+# The model: the bulk layout in 4 blocks (FOUR_BLOCK_FLAGS: every layer pattern once, so every kind of
+# parameter and optimizer state is there); a bit-for-bit equality holds as strongly on 4 blocks as on 16.
+RUN_FLAGS = ("--adam_odd_steps_only=false", *FOUR_BLOCK_FLAGS)
 VAL_LINE = re.compile(r"^step:(\d+)/\d+ val_loss:(\d+\.\d{6}) train_time:(\d+)ms", re.M)
 # Validation sums 2 slice losses (each ~6) in fp32 in a different order on 2 processes (per-rank
 # sums, then an all-reduce) than on 1: the mean moves by at most a few fp32 ulps of ~24 / 2, and the
@@ -132,7 +135,7 @@ def one_process(synthetic_dir, tmp_path_factory):
     """The reference: one plain process (no process group), 2 micro-steps per step; in this process
     (tg.main: the launch is not what it shows)."""
     out = tmp_path_factory.mktemp("one_process")
-    assert tg.main(run_args(synthetic_dir, out, *EVERY_STEP)) == 0
+    assert tg.main(run_args(synthetic_dir, out, *RUN_FLAGS)) == 0
     return out
 
 
@@ -142,7 +145,7 @@ def two_nodes(synthetic_dir, tmp_path_factory):
     NODE_RANK, MASTER_ADDR, MASTER_PORT) through torchrun's static rendezvous, over localhost."""
     out = tmp_path_factory.mktemp("two_nodes")
     port = str(free_port())
-    nodes = [(["./run.sh", *run_args(synthetic_dir, out, *EVERY_STEP)],
+    nodes = [(["./run.sh", *run_args(synthetic_dir, out, *RUN_FLAGS)],
               clean_env(NNODES="2", NODE_RANK=str(r), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(2)]
     return launch(nodes, out)
@@ -169,8 +172,9 @@ def test_two_processes_train_to_bit_identical_parameters_and_optimizer_states(on
     all-reduce, a sum of two terms (g0/2 + g1/2), which is exact-commutative; one process adds the
     same two terms while accumulating. So every parameter, Adam moment and Muon (NorMuon) buffer is
     the same, before and after the embedding split and the batch change."""
-    config = tg.parse_args(run_args(Path("unused"), Path("unused")))
+    config = tg.parse_args(run_args(Path("unused"), Path("unused"), *RUN_FLAGS))
     assert tg.untie_step(config) == 1 and tg.batch_tokens(0, config) < tg.batch_tokens(1, config)
+    assert {name: getattr(config, name) for name in FOUR_BLOCKS} == FOUR_BLOCKS
     for step in (4, N):
         assert_bit_identical(checkpoint_tensors(one_process / "ck/tiny" / f"step_{step:06d}"),
                              checkpoint_tensors(two_nodes / "ck/tiny" / f"step_{step:06d}"))
@@ -184,7 +188,7 @@ def test_resume_on_two_processes_is_bit_identical_to_the_uninterrupted_run(two_n
     """A new 2-process job (./run.sh with NPROC_PER_NODE=2: torchrun --standalone) resumes the
     uninterrupted run's step-4 checkpoint and runs to its end (step 6)."""
     saved = two_nodes / "ck/tiny/step_000004"
-    launch([(["./run.sh", *run_args(synthetic_dir, tmp_path, *EVERY_STEP, f"--resume={saved}")],
+    launch([(["./run.sh", *run_args(synthetic_dir, tmp_path, *RUN_FLAGS, f"--resume={saved}")],
              clean_env(NPROC_PER_NODE="2"))], tmp_path)
     log = body(tmp_path)
     saved_ms = torch.load(saved / "main.pt", weights_only=True)["train_time_ms"]
@@ -203,7 +207,7 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(one_process, two_nodes, sy
     ends exactly where the uninterrupted 1-process run (bit-identical to the 2-process one, see
     above) ends."""
     saved = two_nodes / "ck/tiny/step_000004"
-    assert tg.main(run_args(synthetic_dir, tmp_path, *EVERY_STEP, f"--resume={saved}")) == 0
+    assert tg.main(run_args(synthetic_dir, tmp_path, *RUN_FLAGS, f"--resume={saved}")) == 0
     assert "(saved by 2 process(es), now 1)" in body(tmp_path)
     assert_bit_identical(checkpoint_tensors(tmp_path / f"ck/tiny/step_{N:06d}"),
                          checkpoint_tensors(one_process / f"ck/tiny/step_{N:06d}"))

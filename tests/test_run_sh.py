@@ -4,7 +4,8 @@ a batch with its summary and the command that continues it, a continued batch co
 already in its folder, and a SIGKILLed run.sh leaves no trainer or torchrun worker behind.
 
 The tests of the flags run.sh passes use a stand-in for $PYTHON; the stops and kills are real tiny
-runs (CPU, gloo for 2 processes)."""
+runs (CPU, gloo for 2 processes) of the bulk layout in 4 blocks (FOUR_BLOCK_FLAGS): what a signal
+does to run.sh, torchrun and the trainer does not depend on the model's depth."""
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_bulk_model import FOUR_BLOCK_FLAGS
 from test_checkpoint import log_text, run_argv
 from test_claim_flow import FAKE_TRAINER
 from test_distributed import clean_env
@@ -225,7 +227,7 @@ def alive(pids) -> set[int]:
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_ctrl_c_ends_a_batch_with_its_summary_and_the_command_that_continues_it(synthetic_dir, tmp_path, start,
                                                                                 nproc):
-    args = run_argv(synthetic_dir, tmp_path, N=100)
+    args = run_argv(synthetic_dir, tmp_path, *FOUR_BLOCK_FLAGS, N=100)
     process = start(args, nproc, runs=3)
     wait_for(lambda: re.search(r"^step:2/100 val_loss", (tmp_path / "out.txt").read_text(), re.M), process,
              "training step")
@@ -246,9 +248,10 @@ def test_ctrl_c_ends_a_batch_with_its_summary_and_the_command_that_continues_it(
 def test_a_sigkilled_run_sh_leaves_no_process_and_its_run_resumes_from_its_own_folder(synthetic_dir, tmp_path,
                                                                                      start, nproc):
     # far more steps than the kill takes to end the run (at its step-2 checkpoint); the 1-process run is
-    # then resumed from step 2 (or 4), 6 to 8 steps before its end
-    steps = 100 if nproc else 10
-    args = run_argv(synthetic_dir, tmp_path, "--save_every=2", N=steps)
+    # then resumed from step 2 (or 4), 16 to 18 steps before its end (4-block steps: a few seconds, as
+    # the 16-block run's 8 took)
+    steps = 100 if nproc else 20
+    args = run_argv(synthetic_dir, tmp_path, "--save_every=2", *FOUR_BLOCK_FLAGS, N=steps)
     process = start(args, nproc, runs=2)
     run_dir = tmp_path / "ck" / "logs" / "run_1"
     wait_for((run_dir / "tiny" / "step_000002").exists, process, "checkpoint")
