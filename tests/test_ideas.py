@@ -214,12 +214,15 @@ def test_native_with_the_record_layout_is_the_record():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layout", ["0,1,2,3,4,-,-,-,-,-,-,0,1,2,3,4", "0,1,2,2,2,-,-,-,-,-,-,0,1,2,2,2"])
+@pytest.mark.parametrize("layout", ["0,1,-,0", VE_FOUR_BLOCK_LAYOUTS["grouped"]])
 @pytest.mark.parametrize("mode,exec_", [("learned", "direct"), ("learned", "materialized"), ("frozen", "direct")])
 def test_one_hot_coefficients_reproduce_the_table_layout_exactly(dtype, layout, mode, exec_):
-    native = tg.build_model(tiny(dtype, value_embed_layout=layout))
-    mixed = tg.build_model(tiny(dtype, value_embed_layout=layout, ve_mode=mode, ve_coeff_init="assignment",
-                                ve_exec=exec_))
+    """On four blocks (FOUR_BLOCKS with two tables: one read at both ends with a block without one
+    between, or one read by three blocks; an exact equality of each block's rows, which does not
+    depend on the depth)."""
+    native = tg.build_model(tiny(dtype, **{**FOUR_BLOCKS, "value_embed_layout": layout}))
+    mixed = tg.build_model(tiny(dtype, **{**FOUR_BLOCKS, "value_embed_layout": layout}, ve_mode=mode,
+                                ve_coeff_init="assignment", ve_exec=exec_))
     randomize(native)
     mixed.load_state_dict(native.state_dict(), strict=False)  # everything but the coefficients
     config = tiny(dtype)
