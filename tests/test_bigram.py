@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
-from test_bulk_model import fill_random, packed
+from test_bulk_model import FOUR_BLOCKS, fill_random, packed
 from test_distributed import on_ranks, whole_adam_state
 from test_training import all_state, random_batches
 
@@ -128,10 +128,10 @@ def test_the_table_and_gamma_start_at_zero_and_005_with_their_optimizer_values(d
     assert torch.allclose(gammas, 0.05 - 0.004 * g_gamma.sign(), rtol=1e-4)
 
 
-def same_weights(dtype="float32"):
+def same_weights(dtype="float32", **layout):
     """A bulk and a --bigram_embed tiny model with the same random values in every common parameter."""
-    bulk = tg.build_model(tiny(dtype=dtype))
-    bigram = tg.build_model(tiny(dtype=dtype, bigram_embed=True))
+    bulk = tg.build_model(tiny(dtype=dtype, **layout))
+    bigram = tg.build_model(tiny(dtype=dtype, bigram_embed=True, **layout))
     names = {n for n, _ in bulk.named_parameters()}
     fill_random(bulk, names=names)
     fill_random(bigram, names=names)
@@ -152,8 +152,10 @@ def loss_and_grads(model, config):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_zero_table_or_zero_gammas_give_the_bulk_forward_and_gradients_exactly(dtype):
-    bulk, bigram = same_weights(dtype)
-    config = tiny(dtype=dtype)
+    """On four blocks (FOUR_BLOCKS: every layer pattern, a gamma per block; an exact equality that
+    does not depend on the depth)."""
+    bulk, bigram = same_weights(dtype, **FOUR_BLOCKS)
+    config = tiny(dtype=dtype, **FOUR_BLOCKS)
     want, want_grads = loss_and_grads(bulk, config)
     # the table at zero (its start), gamma 0.05
     got, grads = loss_and_grads(bigram, config)
@@ -239,8 +241,10 @@ def test_the_validation_forward_reads_the_table_too():
 
 def test_a_tiny_run_learns_and_adam_moves_rows_it_touched_before_even_when_unused_now():
     """Losses fall over 12 steps of repeated batches; Adam steps the whole table (P3): a row read at
-    steps 0-1 only keeps moving on later Adam steps (its moments decay), rows never read stay zero."""
-    config = tiny(bigram_embed=True)
+    steps 0-1 only keeps moving on later Adam steps (its moments decay), rows never read stay zero.
+    On four blocks (FOUR_BLOCKS, a gamma per block as at sixteen): the table's rows and their Adam
+    steps do not depend on the depth."""
+    config = tiny(bigram_embed=True, **FOUR_BLOCKS)
     runner = tg.Runner(config, torch.device("cpu"))
     first, second = random_batches(config, seed=0), random_batches(config, seed=1)
     table = runner.model.bigram.table
@@ -256,7 +260,7 @@ def test_a_tiny_run_learns_and_adam_moves_rows_it_touched_before_even_when_unuse
         losses.append(runner.train_step(step, second).item())
     assert not torch.equal(table.detach()[only_first], after_first)
     assert not table.detach()[never].any()
-    assert not torch.equal(runner.model.bigram.lambdas.detach(), torch.full((16,), 0.05))
+    assert not torch.equal(runner.model.bigram.lambdas.detach(), torch.full((4,), 0.05))
     assert losses[-1] < 0.9 * losses[2]
 
 
@@ -296,12 +300,16 @@ def exchange_cases(rank: int, world_size: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_sparse_exchange_gives_each_owner_the_dense_sum_of_its_rows(world_size, tmp_path):
+def test_the_sparse_exchange_gives_each_owner_the_dense_sum_of_its_rows(world_size, tmp_path, request):
     """Rank r receives every other rank's touched rows among r's (rows [r n, (r+1) n)) and adds them
     to its own: the dense all-reduce's rows, bit for bit on two ranks (a + b either way) and for
     integers (exact in any order), within 2 bf16 roundings per row on three; sending fewer bytes than
-    a reduce-scatter where few rows are touched; rows nobody touched stay zero."""
-    results = on_ranks(exchange_cases, world_size, tmp_path)
+    a reduce-scatter where few rows are touched; rows nobody touched stay zero. (Two ranks: the
+    module's one 2-process group, two_ranks.)"""
+    if world_size == 2:
+        results = [cases for cases, _ in request.getfixturevalue("two_ranks")]
+    else:
+        results = on_ranks(exchange_cases, world_size, tmp_path)
     n = 96 // world_size
     inputs = torch.stack([cases[0][2].double() for cases in results])
     exact, size = inputs.sum(0), inputs.abs().sum(0)
@@ -319,13 +327,13 @@ def test_the_sparse_exchange_gives_each_owner_the_dense_sum_of_its_rows(world_si
 def run_bigram_steps(rank: int, world_size: int):
     """The tiny --bigram_embed Runner on world_size processes (each its slices of fixed random
     batches): 4 steps with Adam every step, then 2 with Adam on odd steps; also counts the sparse
-    exchanges."""
+    exchanges. On four blocks (FOUR_BLOCKS): the table's exchange does not depend on the depth."""
     calls = []
     real = tg.send_touched_rows
     tg.send_touched_rows = lambda exchange, table: calls.append(True) or real(exchange, table)
     states = []
     for odd_only, steps in ((False, 4), (True, 2)):
-        config = tiny(bigram_embed=True, adam_odd_steps_only=odd_only)
+        config = tiny(bigram_embed=True, adam_odd_steps_only=odd_only, **FOUR_BLOCKS)
         runner = tg.Runner(config, torch.device("cpu"), rank, world_size)
         for step in range(steps):
             batches = random_batches(config, seed=step)
@@ -334,13 +342,25 @@ def run_bigram_steps(rank: int, world_size: int):
     return states, calls
 
 
+def on_two_ranks(rank: int, world_size: int):
+    """Both of this file's two-process jobs (exchange_cases, then run_bigram_steps) on one gloo group:
+    each process's start, an import of torch, costs about as much as its job."""
+    return exchange_cases(rank, world_size), run_bigram_steps(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each rank's (exchange_cases, run_bigram_steps) of one 2-process gloo group, by rank."""
+    return on_ranks(on_two_ranks, 2, tmp_path_factory.mktemp("two_ranks"))
+
+
 @pytest.mark.slow
-def test_two_processes_with_the_sparse_exchange_train_as_one_process_with_two_micro_steps(tmp_path):
+def test_two_processes_with_the_sparse_exchange_train_as_one_process_with_two_micro_steps(two_ranks):
     """Adam every step: each step's table gradient is g0 + g1 either way, bit for bit (parameters and
     Adam's state, each rank's rows put together). Adam on odd steps: the held step-0 gradient is
     exchanged once, with step 1's (a second exchange would count it twice): the first moment equals
     up to the order of four additions."""
-    results = on_ranks(run_bigram_steps, 2, tmp_path)
+    results = [steps for _, steps in two_ranks]
     want, _ = run_bigram_steps(0, 1)
     for states, calls in results:
         assert calls == [True] * 5  # 4 steps with Adam every step, then the odd step

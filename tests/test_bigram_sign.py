@@ -11,7 +11,7 @@ import torch
 
 import train_gpt_medium as tg
 from reference import summation_error_bound
-from test_bulk_model import fill_random, packed
+from test_bulk_model import FOUR_BLOCKS, fill_random, packed
 from test_distributed import on_ranks, whole_adam_state
 from test_training import all_state, assert_same_state, random_batches
 
@@ -114,10 +114,10 @@ def test_the_same_seed_builds_the_same_table_and_another_seed_another():
 # ---- the signed rows in the model
 
 
-def same_weights(dtype="float32"):
+def same_weights(dtype="float32", **layout):
     """A --bigram_embed model without and with signs, random values in every parameter but the
     table (zero, its start)."""
-    plain, with_signs = tg.build_model(tiny(dtype=dtype)), tg.build_model(signed(dtype=dtype))
+    plain, with_signs = tg.build_model(tiny(dtype=dtype, **layout)), tg.build_model(signed(dtype=dtype, **layout))
     names = {n for n, _ in plain.named_parameters() if n != "bigram.table"}
     fill_random(plain, names=names)
     fill_random(with_signs, names=names)
@@ -146,8 +146,10 @@ def loss_and_grads(model, config, keep_rows=False):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_zero_table_gives_the_signless_losses_and_gradients_bit_for_bit(dtype):
-    plain, with_signs = same_weights(dtype)
-    config = tiny(dtype=dtype)
+    """On four blocks (FOUR_BLOCKS: every layer pattern; an exact equality that does not depend on
+    the depth)."""
+    plain, with_signs = same_weights(dtype, **FOUR_BLOCKS)
+    config = tiny(dtype=dtype, **FOUR_BLOCKS)
     want, want_grads, _ = loss_and_grads(plain, config)
     got, grads, _ = loss_and_grads(with_signs, config)
     assert torch.equal(got, want)
@@ -209,7 +211,9 @@ def test_each_block_receives_the_row_times_its_signs():
 
 
 def test_a_tiny_run_learns():
-    config = signed()
+    """On four blocks (FOUR_BLOCKS: the signed rows reach every block's input as at sixteen; that they
+    learn does not depend on the depth)."""
+    config = signed(**FOUR_BLOCKS)
     runner = tg.Runner(config, torch.device("cpu"))
     first, second = random_batches(config, seed=0), random_batches(config, seed=1)
     signs = signs_of(runner.model).clone()
@@ -220,7 +224,8 @@ def test_a_tiny_run_learns():
 
 
 def test_a_checkpoint_round_trip_resumes_with_the_same_table_and_steps(synthetic_dir, tmp_path):
-    config = signed(warmup_steps=0, checkpoint_dir=str(tmp_path / "ck"),
+    """On four blocks (FOUR_BLOCKS: a bit-for-bit resume does not depend on the depth)."""
+    config = signed(**FOUR_BLOCKS, warmup_steps=0, checkpoint_dir=str(tmp_path / "ck"),
                     train_files=str(synthetic_dir / "synthetic_train_*.bin"))
     files = tg.shard_files(config.train_files, "train_files")
     loader_of = lambda: tg.train_loader(config, files, 0, 1, torch.device("cpu"))
@@ -310,11 +315,12 @@ def test_the_dry_run_counts_and_memory_at_mudds_size():
 
 def run_signed_steps(rank: int, world_size: int):
     """The tiny signed Runner on world_size processes (each its slices of fixed random batches), 4
-    steps with Adam every step; its sign table, its state, and whether each exchange went sparse."""
+    steps with Adam every step; its sign table, its state, and whether each exchange went sparse. On
+    four blocks (FOUR_BLOCKS): the table's exchange does not depend on the depth."""
     calls = []
     real = tg.send_touched_rows
     tg.send_touched_rows = lambda exchange, table: calls.append(True) or real(exchange, table)
-    config = signed(adam_odd_steps_only=False)
+    config = signed(adam_odd_steps_only=False, **FOUR_BLOCKS)
     runner = tg.Runner(config, torch.device("cpu"), rank, world_size)
     for step in range(4):
         batches = random_batches(config, seed=step)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCK_FLAGS, FOUR_BLOCKS
 
 RECORD = tg.make_config()  # the defaults are the record
 TINY_GRID = tg.make_config("tiny")  # its grid at 1/25
@@ -383,10 +384,11 @@ def test_steps_fed_counts_what_the_loaders_deliver(tmp_path):
 
 
 def test_the_warmup_runs_every_batch_shape_of_the_grid(monkeypatch):
+    """The tiny grid's model on four blocks (FOUR_BLOCKS: the steps are recorded, not run)."""
     seen = []
     monkeypatch.setattr(tg.Runner, "train_step", lambda self, step, batches, **kwargs: seen.append(
         (step, [tuple(x.shape) for x, _ in batches])))
-    runner = tg.Runner(TINY_GRID, torch.device("cpu"))
+    runner = tg.Runner(tg.make_config("tiny", **FOUR_BLOCKS), torch.device("cpu"))
     runner.warmup()  # eager: nothing to compile, the first warmup_steps steps only
     assert [s for s, _ in seen] == list(range(TINY_GRID.warmup_steps))
     seen.clear()
@@ -437,8 +439,11 @@ def test_validation_is_the_same_contiguous_chunks_with_aligned_batches_too():
 
 
 def grid_argv(synthetic_dir, out, *extra, N=12):
-    """A 12-step grid of 10 scheduled steps in 5 slots (2 steps each) and 2 extension steps."""
-    return ["--preset=tiny", "--device=cpu", "--dtype=float32", "--seed=0",
+    """A 12-step grid of 10 scheduled steps in 5 slots (2 steps each) and 2 extension steps, on four
+    blocks (FOUR_BLOCKS: which slices a step is fed, and that a resume is bit for bit, do not depend
+    on the depth; the run still crosses the split after step 3, every batch size and window change,
+    the extension)."""
+    return ["--preset=tiny", *FOUR_BLOCK_FLAGS, "--device=cpu", "--dtype=float32", "--seed=0",
             f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
             f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false",
             f"--num_iterations={N}", "--extension_steps=2", "--batch_schedule=256,512,768,1024,1024",

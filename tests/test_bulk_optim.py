@@ -24,6 +24,7 @@ import torch
 
 import train_gpt_medium as tg
 import triton_kernels as kernels
+from test_bulk_model import FOUR_BLOCKS
 from test_distributed import on_ranks
 from test_muon import with_spectrum
 from test_training import all_state, assert_same_state, runner_and_loader
@@ -681,7 +682,8 @@ def random_step(runner: tg.Runner, seed: int):
 
 
 def test_on_an_even_step_adam_waits_and_its_gradients_stay():
-    runner = tg.Runner(tiny(adam_odd_steps_only=True), torch.device("cpu"))
+    """On four blocks (FOUR_BLOCKS: which optimizer waits does not depend on the depth)."""
+    runner = tg.Runner(tiny(adam_odd_steps_only=True, **FOUR_BLOCKS), torch.device("cpu"))
     adam, muon = runner.optimizers
     adam_params = [p for g in adam.param_groups for p in g["params"]]
     muon_params = [p for g in muon.param_groups for p in g["params"]]
@@ -708,8 +710,9 @@ def test_adam_on_odd_steps_equals_one_adam_step_on_the_two_steps_summed_gradient
     """The reference steps Muon at steps 0 and 1 and Adam once at step 1, on gradient(step 0) +
     gradient(step 1) added by hand (the step's multi-token loss, the tied head as input table; the
     unread input table has no gradient). One micro-step per step (1024-token slices, the batch
-    ramp's largest step), so the sums are the same two terms."""
-    config = tiny(batch_slices=1, train_seq_len=1024, adam_odd_steps_only=True)
+    ramp's largest step), so the sums are the same two terms. On four blocks (FOUR_BLOCKS: a
+    bit-for-bit equality that does not depend on the depth)."""
+    config = tiny(batch_slices=1, train_seq_len=1024, adam_odd_steps_only=True, **FOUR_BLOCKS)
     runner = tg.Runner(config, torch.device("cpu"))
     reference = tg.Runner(dataclasses.replace(config, adam_odd_steps_only=False), torch.device("cpu"))
     adam, muon = reference.optimizers
@@ -736,8 +739,9 @@ def test_adam_on_odd_steps_equals_one_adam_step_on_the_two_steps_summed_gradient
 
 
 def test_the_warmup_leaves_no_gradient_waiting_for_adam():
-    """Three warm-up steps end on an even step, whose Adam gradients wait: the restore drops them."""
-    config = tg.make_config("tiny", dtype="float32", warmup_steps=3, adam_odd_steps_only=True)
+    """Three warm-up steps end on an even step, whose Adam gradients wait: the restore drops them.
+    On four blocks (FOUR_BLOCKS: the restore does not depend on the depth)."""
+    config = tg.make_config("tiny", dtype="float32", warmup_steps=3, adam_odd_steps_only=True, **FOUR_BLOCKS)
     warmed, fresh = tg.Runner(config, torch.device("cpu")), tg.Runner(config, torch.device("cpu"))
     warmed.warmup()
     assert all(p.grad is None for p in warmed.model.parameters())
@@ -791,9 +795,10 @@ def test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit(synthetic_d
     """bf16 matrices (--fp32_block_weights off: Muon keeps their low bits), the gates' bf16 state,
     the row statistics, the bf16 Adam moments with their step counts; saved after an odd step
     (nothing waits for Adam), resumed, then an even and an odd step on both runs. 128-token
-    slices every step (no batch ramp) keep it small."""
+    slices every step (no batch ramp) and four blocks (FOUR_BLOCKS: every kind of state above is
+    there; a bit-for-bit resume does not depend on the depth) keep it small."""
     config = tg.make_config("tiny", dtype="bfloat16", train_seq_len=128, batch_schedule=(), warmup_steps=0,
-                            fp32_block_weights=False, checkpoint_dir=str(tmp_path / "ck"),
+                            fp32_block_weights=False, checkpoint_dir=str(tmp_path / "ck"), **FOUR_BLOCKS,
                             train_files=str(synthetic_dir / "synthetic_train_*.bin"))
     runner, loader = runner_and_loader(config)
     for step in range(2):

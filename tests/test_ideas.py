@@ -14,6 +14,7 @@ import torch
 
 import train_gpt_medium as tg
 from reference import reference_loss
+from test_bulk_model import FOUR_BLOCK_FLAGS, FOUR_BLOCKS
 from test_checkpoint import log_text, run_argv
 from test_model import packed_tokens, randomize
 
@@ -26,6 +27,18 @@ SWITCHES = [
     dict(ve_mode="learned"), dict(ve_mode="frozen", ve_exec="materialized"),
     dict(ve_mode="grouped", value_embed_layout="0,1,2,2,2,-,-,-,-,-,-,0,1,2,2,2"),
 ]
+
+
+# The value-embedding switches at four blocks (FOUR_BLOCKS otherwise) read two tables as at sixteen:
+# the basis's first K sites one-hot and its later ones mixed (learned, frozen), a table read by three
+# blocks (grouped); FOUR_BLOCKS' own layout (one table) would leave the basis a single table.
+VE_FOUR_BLOCK_LAYOUTS = dict(learned="0,1,1,0", frozen="0,1,1,0", grouped="0,1,1,1")
+
+
+def at_four_blocks(switch: dict) -> dict:
+    """The switch on FOUR_BLOCKS, for tests whose property does not depend on the depth."""
+    layout = VE_FOUR_BLOCK_LAYOUTS.get(switch.get("ve_mode"))
+    return {**FOUR_BLOCKS, **switch, **({"value_embed_layout": layout} if layout else {})}
 
 
 def tiny(dtype="float32", **overrides):
@@ -201,12 +214,15 @@ def test_native_with_the_record_layout_is_the_record():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layout", ["0,1,2,3,4,-,-,-,-,-,-,0,1,2,3,4", "0,1,2,2,2,-,-,-,-,-,-,0,1,2,2,2"])
+@pytest.mark.parametrize("layout", ["0,1,-,0", VE_FOUR_BLOCK_LAYOUTS["grouped"]])
 @pytest.mark.parametrize("mode,exec_", [("learned", "direct"), ("learned", "materialized"), ("frozen", "direct")])
 def test_one_hot_coefficients_reproduce_the_table_layout_exactly(dtype, layout, mode, exec_):
-    native = tg.build_model(tiny(dtype, value_embed_layout=layout))
-    mixed = tg.build_model(tiny(dtype, value_embed_layout=layout, ve_mode=mode, ve_coeff_init="assignment",
-                                ve_exec=exec_))
+    """On four blocks (FOUR_BLOCKS with two tables: one read at both ends with a block without one
+    between, or one read by three blocks; an exact equality of each block's rows, which does not
+    depend on the depth)."""
+    native = tg.build_model(tiny(dtype, **{**FOUR_BLOCKS, "value_embed_layout": layout}))
+    mixed = tg.build_model(tiny(dtype, **{**FOUR_BLOCKS, "value_embed_layout": layout}, ve_mode=mode,
+                                ve_coeff_init="assignment", ve_exec=exec_))
     randomize(native)
     mixed.load_state_dict(native.state_dict(), strict=False)  # everything but the coefficients
     config = tiny(dtype)
@@ -253,7 +269,8 @@ def test_direct_and_materialized_are_the_same_function_in_fp32():
 
 
 def test_frozen_coefficients_get_no_update_and_no_optimizer_state():
-    config = tiny(ve_mode="frozen")
+    """On four blocks (the coefficients' handling does not depend on the depth)."""
+    config = tiny(**at_four_blocks(dict(ve_mode="frozen")))
     runner = tg.Runner(config, torch.device("cpu"))
     coeffs = runner.model.value_embeds.coeffs
     assert not isinstance(coeffs, torch.nn.Parameter) and not coeffs.requires_grad
@@ -266,7 +283,8 @@ def test_frozen_coefficients_get_no_update_and_no_optimizer_state():
 
 
 def test_learned_coefficients_train_with_their_own_lr():
-    config = tiny(ve_mode="learned", ve_coeff_lr=0.5)
+    """On four blocks (the coefficients' optimizer does not depend on the depth)."""
+    config = tiny(**at_four_blocks(dict(ve_mode="learned")), ve_coeff_lr=0.5)
     runner = tg.Runner(config, torch.device("cpu"))
     (group,) = [g for g in runner.optimizers[0].param_groups if g["name"] == "ve_coeff"]
     assert group["lr"] == 0.5 and group["params"] == [runner.model.value_embeds.coeffs]
@@ -338,7 +356,9 @@ def test_val_bpb_is_nats_over_ln2_bytes_without_end_of_text(tmp_path):
 
 @pytest.mark.parametrize("switch", SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_every_switch_trains_on_the_tiny_preset(switch):
-    config = tiny(**switch)
+    """On four blocks (at_four_blocks: each switch acts there as at sixteen; that a step helps does
+    not depend on the depth)."""
+    config = tiny(**at_four_blocks(switch))
     runner = tg.Runner(config, torch.device("cpu"))
     randomize(runner.model, seed=2)
     inputs, targets = packed_tokens(config)
@@ -367,8 +387,9 @@ def test_the_log_ends_with_the_learned_lambdas_per_layer():
 
 def test_the_ideas_together_run_the_whole_trainer_on_the_tiny_preset(synthetic_dir, tmp_path):
     """One short run of the trainer itself (warm-up, validation with BPB, the checkpoint, the log's
-    accounting and lambdas) with every idea switched on at once."""
-    flags = ["--num_extra_embeds=2", "--x00_at_output=true", "--lore_input=true", "--lore_output=true",
+    accounting and lambdas) with every idea switched on at once, on four blocks (FOUR_BLOCKS: what
+    is wired through the trainer does not depend on the depth)."""
+    flags = [*FOUR_BLOCK_FLAGS, "--num_extra_embeds=2", "--x00_at_output=true", "--lore_input=true", "--lore_output=true",
              "--untie_embed_after_step=0", "--ve_mode=learned", "--save_every=4",
              f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
     assert tg.main(run_argv(synthetic_dir, tmp_path, *flags)) == 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCK_FLAGS, FOUR_BLOCKS
 from test_checkpoint import log_text, run_argv
 from test_distributed import assert_bit_identical, checkpoint_tensors
 
@@ -68,7 +69,8 @@ def reference_step(weight, grad, heads_per_block, head_dim, scalars, beta2, batc
 
 @pytest.mark.parametrize("heads", [1, 2])
 def test_one_muon_step_equals_q_and_k_sliced_by_hand(heads):
-    config = tiny(muon_qk_group_heads=heads, muon_lr_shape="blocks")
+    """On four blocks (FOUR_BLOCKS: each block's bank is stepped on its own, so the depth plays no part)."""
+    config = tiny(muon_qk_group_heads=heads, muon_lr_shape="blocks", **FOUR_BLOCKS)
     model, muon = muon_of(config)
     random_grads(model)
     group = attn_group(muon)
@@ -94,9 +96,10 @@ def test_one_muon_step_equals_q_and_k_sliced_by_hand(heads):
     dict(orthogonalization="newton_schulz", muon_row_normalization=False, muon_cautious_weight_decay=False),
 ])
 def test_n_equal_to_num_heads_is_todays_step_exactly(flags):
+    """On four blocks (FOUR_BLOCKS: a bit-for-bit equality of each block's own step)."""
     runs = []
     for heads in (0, 4):
-        model, muon = muon_of(tiny(muon_qk_group_heads=heads, **flags))
+        model, muon = muon_of(tiny(muon_qk_group_heads=heads, **FOUR_BLOCKS, **flags))
         for step in range(3):  # the statistic's history too
             random_grads(model, seed=step)
             muon.step()
@@ -151,8 +154,11 @@ def test_a_group_size_that_does_not_divide_the_heads_is_refused_in_one_line(flag
 
 # ---- a tiny run: it learns, and a resume continues it bit for bit
 
+# on four blocks (FOUR_BLOCKS: every block's attention bank is stepped in groups as at sixteen; that the
+# run learns and resumes bit for bit does not depend on the depth)
 N = 8
-FLAGS = ("--num_heads=4", "--head_dim=16", "--muon_qk_group_heads=2", "--save_every=4", "--seed=0")
+FLAGS = (*FOUR_BLOCK_FLAGS, "--num_heads=4", "--head_dim=16", "--muon_qk_group_heads=2", "--save_every=4",
+         "--seed=0")
 
 
 @pytest.fixture(scope="module")

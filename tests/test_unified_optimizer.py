@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCKS
 from test_bulk_optim import adam_loop, bf16, f32
 from test_training import all_state, assert_same_state, runner_and_loader
 
@@ -183,8 +184,11 @@ def fp32_adam_loop(p: torch.Tensor, grads, lr: float, betas, eps: float, wd: flo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp32_moments_step_is_252s_fp32_step(dtype):
     """Three steps with lr_mul 75 and wd_mul 5 (the value embeddings), through build_optimizers'
-    Adam: tiny gradients (eps decides), zero weights (the strict mask), token-sum-sized ones."""
-    config = tiny(adam_fp32_moments=True, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    Adam: tiny gradients (eps decides), zero weights (the strict mask), token-sum-sized ones. A
+    64-word vocabulary (a 128 x 64 table, a quarter of the preset's) keeps the element-by-element
+    loop short; the step is elementwise, so the table's size plays no part."""
+    config = tiny(adam_fp32_moments=True, dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                  vocab_size=64, eot_token=63)
     model = tg.build_model(config)
     adam, _ = tg.build_optimizers(model, config, 0, 1)
     p = model.value_embeds.tables[0].weight
@@ -212,7 +216,8 @@ def test_fp32_moments_step_is_252s_fp32_step(dtype):
 
 
 def test_fp32_moments_are_counted_as_held_and_survive_the_warmup_restore():
-    config = tiny(**PR252, warmup_steps=1)
+    """On four blocks (FOUR_BLOCKS: the restore and the accounting do not depend on the depth)."""
+    config = tiny(**PR252, **FOUR_BLOCKS, warmup_steps=1)
     runner = tg.Runner(config, torch.device("cpu"))
     fresh = all_state(tg.Runner(config, torch.device("cpu")))
     runner.warmup()
@@ -319,9 +324,11 @@ def test_bf16_blocks_start_exact_are_truncated_masters_in_training_and_across_a_
     """#252's switches on the tiny model: low bits zero at the start (the master is the bf16
     init), the gradients of the block matrices bf16 (what the averager reduces), after steps the
     forward's weights are the truncated masters (about half differ from rounding), and a
-    checkpoint keeps them: the resumed run's next steps are the same."""
-    config = tg.make_config("tiny", **PR252, dtype="bfloat16", train_seq_len=128, batch_schedule=(), warmup_steps=0,
-                            checkpoint_dir=str(tmp_path / "ck"), train_files=str(synthetic_dir / "synthetic_train_*.bin"))
+    checkpoint keeps them: the resumed run's next steps are the same. On four blocks (FOUR_BLOCKS:
+    none of this depends on the depth)."""
+    config = tg.make_config("tiny", **PR252, **FOUR_BLOCKS, dtype="bfloat16", train_seq_len=128, batch_schedule=(),
+                            warmup_steps=0, checkpoint_dir=str(tmp_path / "ck"),
+                            train_files=str(synthetic_dir / "synthetic_train_*.bin"))
     runner, loader = runner_and_loader(config)
     assert all(not state["low_bits"].any() for _, state in block_matrices(runner))
     for step in range(4):
@@ -340,9 +347,9 @@ def test_bf16_blocks_start_exact_are_truncated_masters_in_training_and_across_a_
 
 def test_block_gradients_are_bf16_when_the_blocks_are():
     """F8.6: the gradient the averager all-reduces is the parameter's own, so bf16 blocks are
-    averaged in bf16 (the fp32 blocks of the default in fp32)."""
+    averaged in bf16 (the fp32 blocks of the default in fp32). On four blocks (FOUR_BLOCKS)."""
     for fp32_blocks, want in ((False, torch.bfloat16), (True, torch.float32)):
-        config = tiny(fp32_block_weights=fp32_blocks)
+        config = tiny(fp32_block_weights=fp32_blocks, **FOUR_BLOCKS)
         runner = tg.Runner(config, torch.device("cpu"))
         inputs, targets = runner.random_batches(torch.Generator().manual_seed(0), 128)[0]
         runner.model(inputs, targets, runner.window(0)).backward()
