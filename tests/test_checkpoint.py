@@ -22,6 +22,7 @@ import torch
 
 import make_golden  # tests/golden, on sys.path through tests/conftest.py
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCK_FLAGS, FOUR_BLOCKS
 from test_distributed import clean_env
 from test_training import all_state, assert_same_state
 
@@ -34,6 +35,12 @@ def run_argv(synthetic_dir, tmp_path, *extra, N=4):
             f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false",
             f"--num_iterations={N}", "--val_every=2", "--val_tokens=1024", "--warmup_steps=1",
             f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ck'}", *extra]
+
+
+def four_block_argv(synthetic_dir, tmp_path, *extra, N=4):
+    """run_argv on FOUR_BLOCKS, for this file's runs: saving, finding, refusing and resuming a
+    checkpoint do not depend on the depth, and every kind of block's state is in it."""
+    return run_argv(synthetic_dir, tmp_path, *FOUR_BLOCK_FLAGS, *extra, N=N)
 
 
 def log_text(tmp_path) -> str:
@@ -67,7 +74,7 @@ def resumed_step(tmp_path) -> int:
 def pristine_run(synthetic_dir, tmp_path_factory):
     """A 4-step run that saved step_000002 and step_000004 (run once for this file)."""
     out = tmp_path_factory.mktemp("pristine")
-    assert tg.main(run_argv(synthetic_dir, out, "--save_every=2")) == 0
+    assert tg.main(four_block_argv(synthetic_dir, out, "--save_every=2")) == 0
     run_dir = out / "ck" / "tiny"
     assert sorted(p.name for p in run_dir.iterdir()) == ["step_000002", "step_000004"]
     return run_dir
@@ -94,9 +101,10 @@ def test_checkpoint_round_trip_restores_every_state_bit_for_bit_bf16(synthetic_d
     step all come back identical. Saved after step 1 (odd: Adam has just stepped, no gradient
     waits), then steps 2 and 3 (Adam's next step, on the gradients of both) are the same steps.
     (bf16 block matrices, whose fp32 masters Muon keeps as low 16 bits, --fp32_block_weights=false:
-    tests/test_bulk_optim.py's test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit.)"""
+    tests/test_bulk_optim.py's test_checkpoint_round_trip_of_the_bulk_optimizers_is_bit_for_bit.)
+    On FOUR_BLOCKS: every kind of block's state, at any depth."""
     config = tg.make_config("tiny", dtype="bfloat16", warmup_steps=0, checkpoint_dir=str(tmp_path / "ck"),
-                            train_files=str(synthetic_dir / "synthetic_train_*.bin"))
+                            train_files=str(synthetic_dir / "synthetic_train_*.bin"), **FOUR_BLOCKS)
     batch = lambda loader, step: loader.next_batch(tg.slice_tokens(step, config))
     runner, loader = tg.Runner(config, torch.device("cpu")), train_loader_of(config)
     for step in range(2):
@@ -126,7 +134,7 @@ def test_truncated_checkpoint_file_is_refused_naming_the_file(saved_run, synthet
         tg.validate_checkpoint(saved_run / "step_000004")
     assert str(damaged) in str(err.value) and str(size) in str(err.value) and "truncated" in str(err.value)
     # and from the command line: exit 2, the same message, before any training (no log written)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000004'}")) == 2
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000004'}")) == 2
     assert str(damaged) in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
 
@@ -155,7 +163,7 @@ def test_resume_latest_skips_a_damaged_checkpoint_and_resumes_the_previous_one(s
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped: only the hash can tell
     damaged.write_bytes(bytes(data))
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--resume=latest")) == 0
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--resume=latest")) == 0
     body = log_text(tmp_path)
     assert f"skipping {saved_run / 'step_000004'}" in body and "SHA-256" in body
     assert f"resumed from {saved_run / 'step_000002'} at step 2/4" in body
@@ -168,7 +176,7 @@ def test_half_written_checkpoints_are_never_picked_up(saved_run, synthetic_dir, 
     shutil.copytree(saved_run / "step_000004", saved_run / "step_000006.partial")
     shutil.copytree(saved_run / "step_000004", saved_run / "step_000008")
     (saved_run / "step_000008" / "meta.json").unlink()
-    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, "--resume=latest"))
+    config = tg.parse_args(four_block_argv(synthetic_dir, tmp_path, "--resume=latest"))
     path, meta, skipped = tg.find_checkpoint(config)
     assert path == saved_run / "step_000004" and meta["step"] == 4
     assert len(skipped) == 1 and "step_000008" in skipped[0] and "meta.json" in skipped[0]
@@ -203,7 +211,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
         return real_step(self, step, batches, **kwargs)
 
     monkeypatch.setattr(tg.Runner, "train_step", poisoned)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--val_every=4", N=8)) == 1
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--save_every=2", "--val_every=4", N=8)) == 1
     err = capsys.readouterr().err
     run_dir = tmp_path / "ck" / "tiny"
     assert "non-finite training loss" in err and "step 6/8" in err and "stopped at step 6" in err
@@ -221,7 +229,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
 
 def test_resume_with_a_config_that_changes_training_is_refused_listing_the_fields(
         saved_run, synthetic_dir, tmp_path, capsys):
-    argv = run_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}", "--embed_lr=0.5",
+    argv = four_block_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}", "--embed_lr=0.5",
                     "--run_id=other", f"--log_dir={tmp_path / 'other_logs'}", "--val_every=1", N=6)
     assert tg.main(argv) == 2
     err = capsys.readouterr().err
@@ -249,7 +257,7 @@ def test_resume_with_another_recipe_is_refused_in_one_line_naming_the_checkpoint
 
 
 def test_force_resume_accepts_the_differences_and_says_so(saved_run, synthetic_dir, tmp_path):
-    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}",
+    config = tg.parse_args(four_block_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}",
                                     "--embed_lr=0.5", "--force_resume", N=6))
     (path, meta), notes = tg.prepare_checkpoints(config, torch.float32, rank=0, world_size=1)
     assert path == saved_run / "step_000002"
@@ -259,7 +267,7 @@ def test_force_resume_accepts_the_differences_and_says_so(saved_run, synthetic_d
 @pytest.mark.parametrize("flag,field", [("--mlp_ratio=2", "mlp_ratio"), ("--dtype=bfloat16", "dtype")])
 def test_a_different_model_shape_or_storage_is_refused_even_when_forced(saved_run, synthetic_dir, tmp_path,
                                                                         flag, field):
-    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}", flag,
+    config = tg.parse_args(four_block_argv(synthetic_dir, tmp_path, f"--resume={saved_run / 'step_000002'}", flag,
                                     "--force_resume"))
     meta = tg.validate_checkpoint(saved_run / "step_000002")
     with pytest.raises(tg.CheckpointError, match=f"--{field}: checkpoint"):

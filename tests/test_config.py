@@ -14,6 +14,7 @@ import torch
 
 import train_gpt_medium as tg
 import triton_kernels as kernels
+from test_bulk_model import FOUR_BLOCK_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -270,11 +271,11 @@ def test_help_lists_every_field_with_its_default_and_exits_0(capsys):
 
 
 def test_the_log_says_when_a_choice_changes_training_and_how_many_cpu_threads(synthetic_dir, tmp_path):
+    """(This and the next run on FOUR_BLOCKS: what the log notes does not depend on the depth.)"""
     argv = ["--preset=tiny", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
             f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=3",
             "--val_every=0", "--val_tokens=1024", "--warmup_steps=0", "--train_seq_len=256", "--batch_schedule=",
-            "--threads=1",
-            f"--log_dir={tmp_path}"]
+            "--threads=1", *FOUR_BLOCK_FLAGS, f"--log_dir={tmp_path}"]
     assert tg.main(argv) == 0
     (log,) = tmp_path.glob("*.txt")
     body = log.read_text().split("=" * 100 + "\n")[-1]
@@ -309,7 +310,7 @@ def test_a_note_on_a_value_without_effect_is_in_the_log_and_on_the_screen(synthe
     argv = ["--preset=tiny", f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}",
             f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}", "--synthetic_data=false", "--num_iterations=3",
             "--val_every=0", "--val_tokens=1024", "--warmup_steps=0", "--batch_schedule=", "--mudd_nets=final",
-            f"--log_dir={tmp_path}"]
+            *FOUR_BLOCK_FLAGS, f"--log_dir={tmp_path}"]
     assert tg.main(argv) == 0
     note = "note: --mudd_nets=final has no effect without --mudd"
     assert capsys.readouterr().out.count(note) == 1

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import train_gpt_medium as tg
 import triton_kernels as kernels
 from records import published
+from test_bulk_model import FOUR_BLOCKS
 
 SCALES = (32 / 448, 2.25 / 448, 1.5 / 448)  # fp8_yarn's fp8_ranges (32, 2.25, 1.5) / 448
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -173,7 +174,9 @@ def test_a_transposed_head_starts_as_the_exact_transpose_and_the_rest_is_unchang
 
 
 def train(steps: int, **overrides) -> tg.Runner:
-    config = tg.make_config("tiny", warmup_steps=0, seed=7, untie_embed_after_step=3, **overrides)
+    """The tiny model on FOUR_BLOCKS trained steps steps, the split after step 3: the head, the input
+    table and the split act at the ends of the stack, alike at any depth."""
+    config = tg.make_config("tiny", warmup_steps=0, seed=7, untie_embed_after_step=3, **FOUR_BLOCKS, **overrides)
     runner = tg.Runner(config, torch.device("cpu"))
     runner.losses = [runner.train_step(s, runner.random_batches(torch.Generator().manual_seed(s),
                                                                 tg.slice_tokens(s, config))).item()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import train_gpt_medium as tg
 import triton_kernels as kernels
+from test_bulk_model import FOUR_BLOCKS
 from test_host_syncs import recorder  # noqa: F401 (a fixture)
 
 E4M3 = torch.float8_e4m3fn
@@ -212,10 +213,11 @@ def test_a_tiny_training_run_with_both_switches_is_the_fp8_run_bit_for_bit():
     same bits (the backward from post at the FP8 pre). W2 starts at zero, so step 0 is the same for
     every run (the MLP adds nothing and W1 gets no gradient): step 1 is the first whose loss FP8 can
     change (the plain run needs no more) and whose backward reaches W1 through the FP8 pre; the weights
-    after step 2 hold it, so 3 steps cross it (6 steps checked no more)."""
+    after step 2 hold it, so 3 steps cross it (6 steps checked no more). On FOUR_BLOCKS: every block's
+    MLP is the same code at any depth."""
     results = []
     for flags, steps in (({}, 2), ({"fp8_mlp_up": True}, 3), ({"fp8_mlp_up": True, "mlp_backward_from_post": True}, 3)):
-        config = tg.make_config("tiny", dtype="bfloat16", seed=3, **flags)
+        config = tg.make_config("tiny", dtype="bfloat16", seed=3, **FOUR_BLOCKS, **flags)
         runner = tg.Runner(config, torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
         batches = runner.random_batches(gen)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
-from test_bulk_model import fill_random
+from test_bulk_model import FOUR_BLOCKS, fill_random
 from test_checkpoint import train_loader_of
 from test_distributed import on_ranks
 from test_fp8_mlp import AtValue
@@ -62,6 +62,12 @@ def tiny(**overrides):
     return tg.make_config("tiny", **{"dtype": "bfloat16", "seed": 3, "fp8_mlp_down": True, **overrides})
 
 
+def four_blocks(**overrides):
+    """tiny() on FOUR_BLOCKS, for the training runs: the scales are each block's own, read and written
+    by its MLP alike at any depth, so 4 blocks (every layer pattern of the 16) show what 16 would."""
+    return tiny(**{**FOUR_BLOCKS, **overrides})
+
+
 def test_the_state_is_buffers_of_each_block_and_off_builds_none():
     config = tiny(batch_slices=4)
     model = tg.build_model(config)
@@ -95,10 +101,11 @@ def test_each_slices_scale_is_its_previous_forwards_and_the_weights_the_previous
     the previous step, 1e-12) x fp32(1.12 / 448). The bootstrap cut from the record's 16 steps
     (test_the_record_bootstraps_steps_0_to_16) to 2, as the checkpoint round trip below does: 5 steps
     then cross it, steps 0-2 with the current weight's scale and 3-4 with the delayed one (the
-    record's 19 steps would cross the same switch at 16)."""
+    record's 19 steps would cross the same switch at 16). On FOUR_BLOCKS (four_blocks), every block
+    checked."""
     monkeypatch.setattr(tg, "FP8_DOWN_BOOTSTRAP_STEPS", 2)
     calls = recorded_calls(monkeypatch)
-    config = tiny(mlp_backward_from_post=from_post)
+    config = four_blocks(mlp_backward_from_post=from_post)
     runner = tg.Runner(config, torch.device("cpu"))
     L, slices = config.num_layers, config.batch_slices
     assert runner.micro_steps == slices == 2
@@ -110,7 +117,7 @@ def test_each_slices_scale_is_its_previous_forwards_and_the_weights_the_previous
     by = lambda k, j, b: calls[(k * slices + j) * L + b]
     for k in range(steps):
         for j in range(slices):
-            for b in (0, 7, L - 1):
+            for b in range(L):
                 s_a, s_w, _, w_max = by(k, j, b)
                 want_a = torch.tensor(1.0) if k == 0 else fp32_product(by(k - 1, j, b)[2], 1.80 / 448)
                 assert torch.equal(s_a, want_a), (k, j, b)
@@ -211,7 +218,7 @@ def test_validation_is_the_plain_product_and_leaves_the_scales():
 
 
 def test_the_warm_up_restores_the_starting_scales():
-    config = tiny(warmup_steps=2)
+    config = four_blocks(warmup_steps=2)
     runner = tg.Runner(config, torch.device("cpu"))
     runner.warmup()
     for block in runner.model.blocks:
@@ -222,9 +229,9 @@ def test_the_warm_up_restores_the_starting_scales():
 def test_a_checkpoint_round_trip_keeps_the_scales_and_the_next_steps(synthetic_dir, tmp_path, monkeypatch):
     """As tests/test_checkpoint.py's round trip, saved after step 3 (before the split), with a
     bootstrap of 2 steps so that the delayed weight scale is in use: the resumed runner has the same
-    scales and its next two steps are the same."""
+    scales and its next two steps are the same. On FOUR_BLOCKS (four_blocks)."""
     monkeypatch.setattr(tg, "FP8_DOWN_BOOTSTRAP_STEPS", 2)
-    config = tiny(warmup_steps=0, checkpoint_dir=str(tmp_path / "ck"),
+    config = four_blocks(warmup_steps=0, checkpoint_dir=str(tmp_path / "ck"),
                   train_files=str(synthetic_dir / "synthetic_train_*.bin"))
     batch = lambda loader, step: loader.next_batch(tg.slice_tokens(step, config))
     runner, loader = tg.Runner(config, torch.device("cpu")), train_loader_of(config)
@@ -249,8 +256,8 @@ def test_a_checkpoint_round_trip_keeps_the_scales_and_the_next_steps(synthetic_d
 
 def run_down_steps(rank: int, world_size: int):
     """The tiny --fp8_mlp_down runner (2 slices) on world_size processes (each its slices of fixed
-    random batches), 3 steps: every block's activation scales after each step."""
-    config = tiny(dtype="float32")
+    random batches), 3 steps, on FOUR_BLOCKS: every block's activation scales after each step."""
+    config = four_blocks(dtype="float32")
     runner = tg.Runner(config, torch.device("cpu"), rank, world_size)
     acts = []
     for step in range(3):
@@ -300,10 +307,10 @@ def test_the_mlp_traces_as_one_graph_with_the_same_bits_and_state():
 def test_activation_checkpointing_recomputes_with_the_scales_the_forward_used():
     """The recomputed forward of a checkpointed block reads the scale its first forward read (the
     recorded one waits in act_next until the step): two steps give the plain run's loss, weights
-    and scales, bit for bit."""
+    and scales, bit for bit. On FOUR_BLOCKS (four_blocks)."""
     results = []
     for checkpointing in (False, True):
-        config = tiny(activation_checkpointing=checkpointing, warmup_steps=0, seed=5)
+        config = four_blocks(activation_checkpointing=checkpointing, warmup_steps=0, seed=5)
         runner = tg.Runner(config, torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
         losses = [runner.train_step(step, runner.random_batches(gen, tg.slice_tokens(step, config)))

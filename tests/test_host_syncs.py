@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt_medium as tg
 import triton_kernels as kernels
+from test_bulk_model import FOUR_BLOCKS
+from test_mudd_gate import SEVEN_BLOCK_GATES, SEVEN_BLOCKS, SEVEN_XSA
 
 aten = torch.ops.aten
 # reads of a tensor's value on the host, data-dependent shapes, tensors from Python data
@@ -58,10 +60,17 @@ def recorder(monkeypatch):
     return rec
 
 
-# each recipe, and the FP8 MLP products (§17) alone and with §15's backward from post
-STEP_CONFIGS = {**{recipe: dict(recipe=recipe) for recipe in ("bulk", "fp8_yarn", "bigram", "mudd", "transfer")},
-                "fp8_mlp_up": dict(fp8_mlp_up=True), "fp8_mlp_up+from_post": dict(fp8_mlp_up=True, mlp_backward_from_post=True),
-                "fp8_mlp_down+from_post": dict(fp8_mlp_down=True, mlp_backward_from_post=True)}
+# each recipe, and the FP8 MLP products (§17) alone and with §15's backward from post, each on its
+# layout in miniature (a step's code per block is the same at any depth, and every kind of block is
+# there): FOUR_BLOCKS for bulk's layout, SEVEN_BLOCKS for mudd's, and for transfer's with its XSA,
+# gate and DC blocks
+STEP_CONFIGS = {**{recipe: dict(recipe=recipe, **FOUR_BLOCKS) for recipe in ("bulk", "fp8_yarn", "bigram")},
+                "mudd": dict(recipe="mudd", **SEVEN_BLOCKS),
+                "transfer": dict(recipe="transfer", **SEVEN_BLOCKS, xsa_layers=SEVEN_XSA, **SEVEN_BLOCK_GATES),
+                **{name: dict(**flags, **FOUR_BLOCKS) for name, flags in (
+                    ("fp8_mlp_up", dict(fp8_mlp_up=True)),
+                    ("fp8_mlp_up+from_post", dict(fp8_mlp_up=True, mlp_backward_from_post=True)),
+                    ("fp8_mlp_down+from_post", dict(fp8_mlp_down=True, mlp_backward_from_post=True)))}}
 
 
 @pytest.mark.parametrize("name", STEP_CONFIGS)

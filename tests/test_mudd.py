@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import train_gpt_medium as tg
 from test_bulk_model import assert_traces_as_one_graph, fill_random, packed
+from test_mudd_gate import SEVEN_BLOCKS
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = torch.tensor([3, 1])
@@ -334,8 +335,10 @@ def test_the_tiny_mudd_recipe_keeps_every_phase():
 
 def test_the_mudd_forward_traces_into_one_graph():
     """Static shapes and no host syncs: the training forward (with the plain loss; the fused one is
-    the fresh-process test's) and its gradients, traced whole, equal the eager ones."""
-    config = tiny(fused_softcap_ce=False)
+    the fresh-process test's) and its gradients, traced whole, equal the eager ones. On SEVEN_BLOCKS
+    (the recipe's layout in miniature: both mixes, their sources, the blocks attending from h_b): the
+    nets act per block alike at any depth, and tracing costs by the block."""
+    config = tiny(fused_softcap_ce=False, **SEVEN_BLOCKS)
     model = tg.build_model(config)
     fill_random(model)
     assert_traces_as_one_graph(model, config, list(model.mudd.parameters()), WINDOW)
@@ -344,11 +347,12 @@ def test_the_mudd_forward_traces_into_one_graph():
 FRESH_PROCESS_GRAPHS = """
 import torch, train_gpt_medium as tg
 from test_bulk_model import fill_random, packed
+from test_mudd_gate import SEVEN_BLOCKS
 graphs = []
 def count(gm, example_inputs):
     graphs.append(gm)
     return gm.forward
-config = tg.make_config("tiny", recipe="mudd", dtype="float32")
+config = tg.make_config("tiny", recipe="mudd", dtype="float32", **SEVEN_BLOCKS)
 assert config.fused_softcap_ce
 model = tg.build_model(config)
 fill_random(model)
@@ -362,7 +366,8 @@ print("graphs", len(graphs), "breaks", torch._dynamo.utils.counters["graph_break
 def test_the_recipes_model_compiles_to_one_graph_in_a_fresh_process():
     """The fused loss's custom ops are registered when the model is built, so the first compiled
     forward of a new process (nothing registered them before) is one graph with no break; were they
-    registered inside it, dynamo would meet the registration and break the graph twice."""
+    registered inside it, dynamo would meet the registration and break the graph twice. On
+    SEVEN_BLOCKS: the registration is the model's, not a block's."""
     done = subprocess.run([sys.executable, "-c", FRESH_PROCESS_GRAPHS], cwd=ROOT / "tests", capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

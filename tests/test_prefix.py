@@ -14,6 +14,7 @@ import torch
 
 import train_gpt_medium as tg
 import triton_kernels as kernels
+from test_bulk_model import FOUR_BLOCKS
 
 ROOT = Path(tg.__file__).resolve().parent
 MTP = [1.0, 0.5, 0.25]
@@ -44,8 +45,10 @@ def plain_longest_prefix(tokens):
 
 
 def prefix_config(synthetic_dir, **overrides):
+    """The tiny model with the prefix term, on FOUR_BLOCKS: the term is the loss's, after the last
+    block, the same at any depth."""
     flags = dict(dtype="float32", untie_embed_after_step=0, prefix_loss_weight=W,
-                 token_bytes_file=str(synthetic_dir / "synthetic_token_bytes.npy"))
+                 token_bytes_file=str(synthetic_dir / "synthetic_token_bytes.npy"), **FOUR_BLOCKS)
     return tg.make_config("tiny", **{**flags, **overrides})
 
 

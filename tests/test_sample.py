@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
+from test_bulk_model import FOUR_BLOCKS
 from test_model import randomize
+from test_mudd_gate import SEVEN_BLOCKS
 from test_training import runner_and_loader
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,9 +22,12 @@ import synthetic  # noqa: E402
 
 
 def random_checkpoint(synthetic_dir, tmp_path, step=20, **overrides):
-    """A tiny checkpoint of random non-zero weights at `step` (the head still tied to the input table)."""
+    """A tiny checkpoint of random non-zero weights at `step` (the head still tied to the input table),
+    of its recipe's layout in miniature (FOUR_BLOCKS; mudd's SEVEN_BLOCKS): sampling runs each block
+    alike at any depth, and every kind of block is there."""
+    layout = SEVEN_BLOCKS if overrides.get("recipe") == "mudd" else FOUR_BLOCKS
     config = tg.make_config("tiny", checkpoint_dir=str(tmp_path / "ck"), warmup_steps=0,
-                            train_files=str(synthetic_dir / "synthetic_train_*.bin"), **overrides)
+                            train_files=str(synthetic_dir / "synthetic_train_*.bin"), **{**layout, **overrides})
     runner, loader = runner_and_loader(config)
     randomize(runner.model, seed=3)
     return tg.save_checkpoint(runner, loader, step, 0.0)

@@ -10,6 +10,7 @@ import torch
 
 import train_gpt_medium as tg
 from records import runlogs
+from test_bulk_model import FOUR_BLOCKS
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{6}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms"
@@ -58,7 +59,9 @@ def assert_same_state(a, b):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_warmup_then_restore_equals_a_fresh_build(dtype):
-    config = tg.make_config("tiny", dtype=dtype, warmup_steps=3)
+    """On FOUR_BLOCKS: the restore covers every parameter and optimizer state whatever the depth, and
+    every kind of block (and so every kind of state) is there."""
+    config = tg.make_config("tiny", dtype=dtype, warmup_steps=3, **FOUR_BLOCKS)
     fresh, warmed = tg.Runner(config, torch.device("cpu")), tg.Runner(config, torch.device("cpu"))
     before = all_state(warmed)
     warmed.warmup()
@@ -75,7 +78,7 @@ def test_warmup_then_restore_equals_a_fresh_build(dtype):
 
 def test_warmup_changes_state_before_the_restore(monkeypatch):
     """Guards the test above: the warm-up really trains (so the restore is what undoes it)."""
-    config = tg.make_config("tiny", dtype="float32", warmup_steps=2)
+    config = tg.make_config("tiny", dtype="float32", warmup_steps=2, **FOUR_BLOCKS)
     runner = tg.Runner(config, torch.device("cpu"))
     before = all_state(runner)
     monkeypatch.setattr(tg, "restore_state", lambda *args: None)
