@@ -2,7 +2,7 @@
 
 The sweep test trains for real: a 2 x 2 grid (lore_input x lore_output) x 2 seeds of 2-step tiny runs
 on 4 blocks, through a launcher wrapper that counts its calls and, the first time, crashes from the
-sixth call on (it runs the trainer through warm_python: torch imported once for all the runs).
+sixth call on.
 Expected statistics are computed here with scipy from the CSV's numbers. LoRE runs on the record
 untied from the start (--untie_embed_after_step=0: the record's head doubles as its input table
 until the split), so every sweep here passes that extra trainer flag.
@@ -40,42 +40,34 @@ UNTIED = "--untie_embed_after_step=0"  # what LoRE needs on the record
 BASE, IN, OUT, BOTH = ("lore_input-false__lore_output-false", "lore_input-true__lore_output-false",
                        "lore_input-false__lore_output-true", "lore_input-true__lore_output-true")
 
-# A launcher that logs each call's trainer flags to CALLS, then either runs the trainer (in-process, or
-# through WARM, when it is given a warm_python) or, once FAIL_AFTER calls were made (0: never), crashes
-# before training.
-WRAPPER = '''import os, sys
+# A launcher that logs each call's trainer flags to CALLS, then either runs the trainer in-process
+# (or hands the run to TRAINER_SERVER, when it is given one) or, once FAIL_AFTER calls were made
+# (0: never), crashes before training.
+WRAPPER = '''import json, os, socket, sys
 calls, fail_after, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 with open(calls, "a") as f:
     f.write(" ".join(flags) + "\\n")
 if fail_after and sum(1 for _ in open(calls)) > fail_after:
     sys.exit("simulated crash")
-if {warm!r}:
-    os.execv({warm!r}, [{warm!r}, {trainer!r}, *flags])
+if {server!r}:
+    with socket.socket(socket.AF_UNIX) as server:
+        server.connect({server!r})
+        socket.send_fds(server, [json.dumps([os.getcwd(), flags]).encode()], [0, 1, 2])
+        sys.exit(int(server.recv(16)))
 sys.path.insert(0, {root!r})
 import train_gpt_medium
 sys.exit(train_gpt_medium.main(flags))
 '''
 
-# `python SCRIPT ARGS...` without torch's import per run (with the lazy imports of a model's first build,
-# about half a 2-step tiny run's CPU): WARM hands its working folder, environment, arguments and
-# standard streams to TRAINER_SERVER (a process that imported torch and the trainer once, then forgot
-# the project's modules), which runs the script as __main__ in a fork of itself and sends back the
-# exit status. (A signal to the run's process group would not reach the fork: for runs nobody stops.)
-WARM = '''#!{python}
-import json, os, socket, sys
-with socket.socket(socket.AF_UNIX) as server:
-    server.connect({socket_path!r})
-    socket.send_fds(server, [json.dumps([os.getcwd(), dict(os.environ), sys.argv[1:]]).encode()], [0, 1, 2])
-    sys.exit(int(server.recv(16)))
-'''
-
-TRAINER_SERVER = '''import json, os, runpy, socket, sys, traceback
+# The trainer imported once (torch's import and the lazy ones of a model's first build: about half a
+# 2-step run's CPU), then, for each run a wrapper hands it, a fork of that process running
+# train_gpt_medium.main(flags) in the wrapper's folder with the wrapper's standard streams: the
+# wrapper's own in-process call, without the import per run. The exit status goes back to the wrapper.
+# (A stop signal to the run's process group would not reach the fork: for sweeps nobody stops.)
+TRAINER_SERVER = '''import json, os, socket, sys, traceback
 sys.path.insert(0, {root!r})
-import train_gpt_medium
-train_gpt_medium.build_model(train_gpt_medium.make_config("tiny"))
-for name, module in list(sys.modules.items()):  # a script imports its own folder's modules afresh
-    if (getattr(module, "__file__", None) or "").startswith({root!r}):
-        del sys.modules[name]
+import train_gpt_medium as tg
+tg.build_model(tg.make_config("tiny"))
 listener = socket.socket(socket.AF_UNIX)
 listener.bind(sys.argv[1])
 listener.listen()
@@ -83,21 +75,17 @@ print("ready", flush=True)
 while True:
     conn, _ = listener.accept()
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    cwd, env, argv = json.loads(message)
+    cwd, flags = json.loads(message)
     pid = os.fork()
     if pid == 0:
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
         os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
         code = 1
         try:
-            runpy.run_path(argv[0], run_name="__main__")
-            code = 0
+            code = tg.main(flags) or 0
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+            code = e.code if isinstance(e.code, int) else 1
         except BaseException:
             traceback.print_exc()
         finally:
@@ -111,27 +99,24 @@ while True:
 '''
 
 
-def launcher(tmp, calls, fail_after=0, warm=""):
+def launcher(tmp, calls, fail_after=0, server=""):
     script = tmp / "wrapper.py"
-    script.write_text(WRAPPER.format(root=str(ROOT), warm=str(warm), trainer=str(ROOT / "train_gpt_medium.py")))
+    script.write_text(WRAPPER.format(root=str(ROOT), server=str(server)))
     return shlex.join([sys.executable, str(script), str(calls), str(fail_after)])
 
 
 @pytest.fixture(scope="module")
-def warm_python(tmp_path_factory):
-    """The path of a WARM executable, its TRAINER_SERVER running while the module's tests do."""
-    folder = tmp_path_factory.mktemp("warm")
+def trainer_server(tmp_path_factory):
+    """The socket's path of a TRAINER_SERVER, for the module's sweeps."""
+    folder = tmp_path_factory.mktemp("server")
     (folder / "server.py").write_text(TRAINER_SERVER.format(root=str(ROOT)))
-    warm = folder / "warm_python"
-    warm.write_text(WARM.format(python=sys.executable, socket_path=str(folder / "trainer.sock")))
-    warm.chmod(0o755)
     proc = subprocess.Popen([sys.executable, str(folder / "server.py"), str(folder / "trainer.sock")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n", proc.stderr.read()
-        yield warm
+        yield folder / "trainer.sock"
     finally:
-        proc.kill()  # the forks it made were waited for, their CPU counted with its own
+        proc.kill()
         proc.wait()
 
 
@@ -152,23 +137,23 @@ def read_csv(path):
 # The real sweep (module scope: 8 training runs in all)
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, synthetic_dir, warm_python):
+def sweep(tmp_path_factory, synthetic_dir, trainer_server):
     """The sweep interrupted after 5 runs, then rerun to completion; what each round left behind. Its
-    wrapper runs the trainer through warm_python (`python train_gpt_medium.py FLAGS`, as fast as in-process)."""
+    wrapper hands each run to the trainer_server (the runs are the wrapper's in-process call either way)."""
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "out"
     # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2, on 4
     # blocks (FOUR_BLOCKS: LoRE's tables are the input's and the head's, whatever the depth): what the
     # sweep reads of a run (its log's numbers, the seed, the arm's parameters) does not need more
-    trainer = [UNTIED, *FOUR_BLOCK_FLAGS, "--num_iterations=2", "--extension_steps=0", "--val_every=2",
-               "--warmup_steps=0", "--val_tokens=1024", "--synthetic_data=false",
+    trainer = [UNTIED, *FOUR_BLOCK_FLAGS, "--num_iterations=2", "--extension_steps=0", "--val_every=2", "--warmup_steps=0",
+               "--val_tokens=1024", "--synthetic_data=false",
                f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
                f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
     argv = ["--preset", "tiny", *GRID, "--seeds", "1,2", "--out", str(out), "--band-loss", "0.01", "--band-time", "1.5"]
-    first_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls1.txt", fail_after=5, warm=warm_python),
+    first_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls1.txt", fail_after=5, server=trainer_server),
                             "--", *trainer])
     first_csv = read_csv(out / "runs.csv")
-    second_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls2.txt", warm=warm_python), "--",
+    second_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls2.txt", server=trainer_server), "--",
                              *trainer])
     return dict(out=out, first_rc=first_rc, first_csv=first_csv, first_calls=calls_made(tmp / "calls1.txt"),
                 second_rc=second_rc, second_calls=calls_made(tmp / "calls2.txt"), csv=read_csv(out / "runs.csv"),

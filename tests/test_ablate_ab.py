@@ -2,10 +2,9 @@
 
 Two kinds of A/B are made here. A real one: three arms through ./run.sh (the live script, the live
 script with another Muon lr, and the frozen x01 script through TRAINER=) x 2 slots of 2-step tiny
-runs on 4 blocks (run.sh's python: test_ablate's warm_python, torch imported once for all). And fake
-ones, with stand-in scripts that need no torch: one of this project's kind (it takes --seed,
---run_id, --log_dir) and one of upstream's kind (it reads no flags and writes logs/<uuid>.txt under
-its working folder, its own source first). The fakes hang on request, so
+runs on 4 blocks. And fake ones, with stand-in scripts that need no torch: one of this project's kind
+(it takes --seed, --run_id, --log_dir) and one of upstream's kind (it reads no flags and writes
+logs/<uuid>.txt under its working folder, its own source first). The fakes hang on request, so
 that the sweep can be killed or interrupted mid-run. The run order is read from the logs' own
 modification times, and every statistic of the report is computed again here with scipy from the
 numbers parsed out of the logs.
@@ -24,7 +23,7 @@ import pytest
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_ablate import _alive, _wait, read_csv, warm_python  # noqa: E402,F401 (warm_python: a fixture)
+from test_ablate import _alive, _wait, read_csv  # noqa: E402
 from test_bulk_model import FOUR_BLOCK_FLAGS  # noqa: E402
 from test_plot import assert_png  # noqa: E402
 
@@ -112,11 +111,9 @@ REAL_ARMS = ("base", "cand", "x01")
 
 
 @pytest.fixture(scope="module")
-def real_ab(tmp_path_factory, synthetic_dir, warm_python):
-    """run.sh's python is warm_python (`python SCRIPT FLAGS`, the script run from a process that imported
-    torch once): run.sh, the arms' scripts, flags and settings as in any A/B, without the import per run."""
+def real_ab(tmp_path_factory, synthetic_dir):
     out = tmp_path_factory.mktemp("ab") / "out"
-    launcher = f"PYTHON={shlex.quote(str(warm_python))} CUDA_VISIBLE_DEVICES= {shlex.quote(str(ROOT / 'run.sh'))}"
+    launcher = f"PYTHON={PY} CUDA_VISIBLE_DEVICES= {shlex.quote(str(ROOT / 'run.sh'))}"
     argv = ["--preset", "tiny", "--arm", f"base={launcher}", "--arm", f"cand={launcher} --muon_lr=0.03",
             "--arm", f"x01=TRAINER=records/x01_lineage/train_gpt_medium.py {launcher}", "--seeds", "1,2",
             "--out", str(out), "--",
