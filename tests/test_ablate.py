@@ -41,83 +41,23 @@ BASE, IN, OUT, BOTH = ("lore_input-false__lore_output-false", "lore_input-true__
                        "lore_input-false__lore_output-true", "lore_input-true__lore_output-true")
 
 # A launcher that logs each call's trainer flags to CALLS, then either runs the trainer in-process
-# (or hands the run to TRAINER_SERVER, when it is given one) or, once FAIL_AFTER calls were made
-# (0: never), crashes before training.
-WRAPPER = '''import json, os, socket, sys
+# or, once FAIL_AFTER calls were made (0: never), crashes before training.
+WRAPPER = '''import sys
 calls, fail_after, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 with open(calls, "a") as f:
     f.write(" ".join(flags) + "\\n")
 if fail_after and sum(1 for _ in open(calls)) > fail_after:
     sys.exit("simulated crash")
-if {server!r}:
-    with socket.socket(socket.AF_UNIX) as server:
-        server.connect({server!r})
-        socket.send_fds(server, [json.dumps([os.getcwd(), flags]).encode()], [0, 1, 2])
-        sys.exit(int(server.recv(16)))
 sys.path.insert(0, {root!r})
 import train_gpt_medium
 sys.exit(train_gpt_medium.main(flags))
 '''
 
-# The trainer imported once (torch's import and the lazy ones of a model's first build: about half a
-# 2-step run's CPU), then, for each run a wrapper hands it, a fork of that process running
-# train_gpt_medium.main(flags) in the wrapper's folder with the wrapper's standard streams: the
-# wrapper's own in-process call, without the import per run. The exit status goes back to the wrapper.
-# (A stop signal to the run's process group would not reach the fork: for sweeps nobody stops.)
-TRAINER_SERVER = '''import json, os, socket, sys, traceback
-sys.path.insert(0, {root!r})
-import train_gpt_medium as tg
-tg.build_model(tg.make_config("tiny"))
-listener = socket.socket(socket.AF_UNIX)
-listener.bind(sys.argv[1])
-listener.listen()
-print("ready", flush=True)
-while True:
-    conn, _ = listener.accept()
-    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    cwd, flags = json.loads(message)
-    pid = os.fork()
-    if pid == 0:
-        for i, fd in enumerate(fds):
-            os.dup2(fd, i)
-        os.chdir(cwd)
-        code = 1
-        try:
-            code = tg.main(flags) or 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    for fd in fds:
-        os.close(fd)
-    conn.sendall(str(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])).encode())
-    conn.close()
-'''
 
-
-def launcher(tmp, calls, fail_after=0, server=""):
+def launcher(tmp, calls, fail_after=0):
     script = tmp / "wrapper.py"
-    script.write_text(WRAPPER.format(root=str(ROOT), server=str(server)))
+    script.write_text(WRAPPER.format(root=str(ROOT)))
     return shlex.join([sys.executable, str(script), str(calls), str(fail_after)])
-
-
-@pytest.fixture(scope="module")
-def trainer_server(tmp_path_factory):
-    """The socket's path of a TRAINER_SERVER, for the module's sweeps."""
-    folder = tmp_path_factory.mktemp("server")
-    (folder / "server.py").write_text(TRAINER_SERVER.format(root=str(ROOT)))
-    proc = subprocess.Popen([sys.executable, str(folder / "server.py"), str(folder / "trainer.sock")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
-        yield folder / "trainer.sock"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def calls_made(path):
@@ -137,9 +77,8 @@ def read_csv(path):
 # The real sweep (module scope: 8 training runs in all)
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, synthetic_dir, trainer_server):
-    """The sweep interrupted after 5 runs, then rerun to completion; what each round left behind. Its
-    wrapper hands each run to the trainer_server (the runs are the wrapper's in-process call either way)."""
+def sweep(tmp_path_factory, synthetic_dir):
+    """The sweep interrupted after 5 runs, then rerun to completion; what each round left behind."""
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "out"
     # 2 steps (no extension steps, which a run must have fewer of than steps), validated at 0 and 2, on 4
@@ -150,11 +89,9 @@ def sweep(tmp_path_factory, synthetic_dir, trainer_server):
                f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
                f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
     argv = ["--preset", "tiny", *GRID, "--seeds", "1,2", "--out", str(out), "--band-loss", "0.01", "--band-time", "1.5"]
-    first_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls1.txt", fail_after=5, server=trainer_server),
-                            "--", *trainer])
+    first_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls1.txt", fail_after=5), "--", *trainer])
     first_csv = read_csv(out / "runs.csv")
-    second_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls2.txt", server=trainer_server), "--",
-                             *trainer])
+    second_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls2.txt"), "--", *trainer])
     return dict(out=out, first_rc=first_rc, first_csv=first_csv, first_calls=calls_made(tmp / "calls1.txt"),
                 second_rc=second_rc, second_calls=calls_made(tmp / "calls2.txt"), csv=read_csv(out / "runs.csv"),
                 report=json.loads((out / "report.json").read_text()), report_md=(out / "report.md").read_text())
