@@ -28,7 +28,14 @@ BULK = dict(yarn_window_limit=13, rotary_bf16=True, key_offset=True, qkv_init_st
 # split): a 4-block training step costs about half a 16-block one on the CPU.
 FOUR_BLOCKS = dict(num_layers=4, value_embed_layout=(0, None, None, 0), skip_connections=((2, 1),),
                    long_window_layers=(0, 3), backout_layer=2)
-FOUR_BLOCK_FLAGS = tuple(f"--{name}={tg.to_text(value)}" for name, value in FOUR_BLOCKS.items())
+
+
+def as_flags(fields: dict) -> tuple[str, ...]:
+    """Hyperparameters fields as the command line's flags (--name=value)."""
+    return tuple(f"--{name}={tg.to_text(value)}" for name, value in fields.items())
+
+
+FOUR_BLOCK_FLAGS = as_flags(FOUR_BLOCKS)
 
 
 def tiny(**overrides):
@@ -756,8 +763,7 @@ def test_bulk_parameters_carry_the_records_multipliers_and_groups():
 
 
 def test_dry_run_reports_the_bulk_counts_and_flops_per_window(capsys):
-    flags = [f"--{k}={tg.to_text(v)}" for k, v in BULK.items()]
-    assert tg.main(["--dry_run", *flags]) == 0
+    assert tg.main(["--dry_run", *as_flags(BULK)]) == 0
     report = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["total_params"] == 613_420_440 and report["params_in_use_before_split"] == 561_909_144
     model = tg.build_model(tg.make_config(**BULK), "meta")

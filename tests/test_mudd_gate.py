@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt_medium as tg
-from test_bulk_model import FOUR_BLOCKS, assert_traces_as_one_graph, fill_random, packed, train_loss_and_grads
+from test_bulk_model import FOUR_BLOCKS, as_flags, assert_traces_as_one_graph, fill_random, packed, train_loss_and_grads
 
 WINDOW = torch.tensor([3, 1])
 
@@ -645,9 +645,7 @@ def test_the_gated_forward_traces_into_one_graph():
 
 # On SEVEN_BLOCKS: the gate nets and DC act per block alike at any depth (the 16-block candidate with
 # them runs whole in tests/test_transfer_recipe.py: killed and resumed, two processes).
-RUN_FLAGS = ("--recipe=mudd", "--mudd_gate", *(f"--{name}={tg.to_text(value)}" for name, value in
-                                               {**SEVEN_BLOCKS, "xsa_layers": SEVEN_XSA,
-                                                **SEVEN_BLOCK_GATES}.items()),
+RUN_FLAGS = ("--recipe=mudd", "--mudd_gate", *as_flags({**SEVEN_BLOCKS, "xsa_layers": SEVEN_XSA, **SEVEN_BLOCK_GATES}),
              "--dc_window=20", "--seed=0", "--adam_odd_steps_only=false", "--untie_embed_after_step=0")
 RUN_STEPS = 8
 
