@@ -85,3 +85,21 @@ def test_a_reader_that_leaves_early_ends_a_tool_quietly(checkpoint):
         proc.stdout.close()  # the reader is gone before the first line
         assert proc.wait(timeout=120) == 0, argv
         assert proc.stderr.read() == b"", argv
+
+
+def test_ctrl_c_ends_a_tool_with_one_line_and_exit_130(capsys):
+    """Ctrl-C in a tool (gpu_check waiting on its trainer, a sweep, a download): exit 130 and one line
+    saying it was interrupted, not a KeyboardInterrupt traceback; what it printed before stays."""
+    from tools.cli import run_main
+
+    def main():
+        print("a line before")
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stopped:
+        run_main(main)
+    assert stopped.value.code == 130
+    out, err = capsys.readouterr()
+    assert out == "a line before\n"
+    assert err.strip().endswith("interrupted (Ctrl-C); stopped") and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err

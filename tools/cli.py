@@ -94,10 +94,15 @@ def move_into_place(temporary: Path, path: Path) -> None:
 
 def run_main(main, *args) -> None:
     """`sys.exit(main(*args))` for a script's __main__: a reader that closed the pipe (`| head`) ends
-    it quietly, exit 0, with what it printed so far, instead of a BrokenPipeError traceback."""
+    it quietly, exit 0, with what it printed so far, instead of a BrokenPipeError traceback; Ctrl-C
+    (SIGINT) ends it with one line and exit 130 (the shell's code for it), not a traceback."""
     try:
         code = main(*args)
         sys.stdout.flush()
+    except KeyboardInterrupt:
+        name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "the tool"
+        print(f"\n{name}: interrupted (Ctrl-C); stopped", file=sys.stderr, flush=True)
+        code = 130
     except BrokenPipeError:
         # the interpreter's own last flush would fail again: stdout goes to /dev/null from here
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
