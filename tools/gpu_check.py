@@ -614,15 +614,32 @@ def offline_rows(name: str, run: Run, limit_text: str) -> list[dict]:
                     f"{registers['num_warps']} warps)", "<= 255 per thread, <= 65,536 per block, a config of each kernel",
                     f"registers, {name}: {too_many[0]['kernel']} uses {too_many[0]['registers']} per thread at "
                     f"{too_many[0]['num_warps']} warps" if too_many else None))
-    spills, spilling = report["spills"], report["spilling_configs"]
-    measured = ("; ".join(f"{kernel} {local:,} B per thread" for kernel, local in spills[:3])
-                + (f" (+{len(spills) - 3} more)" if len(spills) > 3 else "")) if spills else (
-        f"none ({spilling} config(s) spill; each of their kernels has one that does not)"
-        if spilling else "none")
-    rows.append(row(f"spills, {name}", measured, "a config without spills for each kernel",
-                    f"spills, {name}: every config of {len(spills)} kernel(s) spills registers to local memory"
-                    if spills else None))
+    rows.append(spills_row(name, report))
     return rows
+
+
+def spills_row(name: str, report: dict) -> dict:
+    """The kernels all of whose configs keep a stack frame (local memory), with the bytes ptxas spilled
+    into it; failed for those whose least frame is over inductor's spill threshold (inductor's
+    autotuning would skip every config: heavy spilling, not the few registers its threshold allows)."""
+    over, within, limit = report["spills"], report["spills_within_threshold"], report["spill_threshold_bytes"]
+
+    def listed(entries):
+        text = "; ".join(f"{kernel} {frame:,} B frame, {stores:,} B spilled ({loads:,} B reloaded)"
+                         for kernel, frame, stores, loads in entries[:3])
+        return text + (f" (+{len(entries) - 3} more)" if len(entries) > 3 else "")
+
+    if over:
+        measured = f"over the threshold: {listed(over)}"
+    elif within:
+        measured = f"within the threshold, every config of {len(within)} kernel(s): {listed(within)}"
+    else:
+        spilling = report["spilling_configs"]
+        measured = f"none ({spilling} config(s) spill; each of their kernels has one that does not)" if spilling else "none"
+    return row(f"spills, {name}", measured,
+               f"no kernel whose every config keeps more than {limit} B per thread (inductor's spill threshold)",
+               f"spills, {name}: every config of {len(over)} kernel(s) spills past inductor's threshold of {limit} B "
+               f"per thread: {listed(over)}" if over else None)
 
 
 def offline_main(arch_text: str | None, argv: list[str], limit: float | None) -> int:

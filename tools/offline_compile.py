@@ -20,7 +20,8 @@ GPU: `PYTHON=.venv-gpu-stack/bin/python tools/gpu_check.sh --offline --arch 9.0`
      evaluation forward. Every Triton kernel is compiled to a cubin for the arch (every config
      inductor would time: nothing is timed or launched);
   3. the inventory: graphs, graph breaks and recompiles; Triton kernels, the largest shared memory
-     and registers (with the kernel's name) against the arch's limits, spills (cuobjdump); the first
+     and registers (with the kernel's name) against the arch's limits, local memory (cuobjdump)
+     and the spills in it (ptxas -v), against inductor's spill threshold; the first
      compile error in one line with the flag that avoids it.
 
 A table, then one JSON line (the GPU check's verdict). Exit code 0 when everything compiled within
@@ -323,6 +324,29 @@ def cuobjdump() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
+def inductor_spill_threshold() -> int:
+    """Inductor's spill threshold, in registers: when it times a kernel's configs it skips one whose
+    Triton launcher reports more spilled registers (the cubin's local memory per thread / 4)."""
+    from torch._inductor import config as inductor_config
+    return inductor_config.triton.spill_threshold
+
+
+def ptxas_spills(ptx: str, capability: tuple[int, int], folder: Path, fp_fusion: bool = True) -> dict[str, int]:
+    """ptxas -v on a kernel's PTX, as Triton assembles it for the arch (its own ptxas; `.maxnreg` is
+    in the PTX): the stack frame, and the bytes of registers spilled to it and loaded back, per
+    thread. The cubin's local memory says only how big the frame is, not whether it holds spills."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    path = folder / "kernel.ptx"
+    path.write_text(ptx)
+    target = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M).group(1)
+    command = [get_ptxas(capability[0] * 10 + capability[1]).path, "-v", *([] if fp_fusion else ["--fmad=false"]),
+               f"--gpu-name={target}", str(path), "-o", str(folder / "kernel.o")]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    found = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out.stdout + out.stderr)
+    return dict(stack=max(int(f[0]) for f in found), spill_stores=max(int(f[1]) for f in found),
+                spill_loads=max(int(f[2]) for f in found))
+
+
 def resource_usage(cubin: bytes, folder: Path) -> dict[str, int]:
     """cuobjdump -res-usage of a kernel's cubin: REG, STACK, SHARED (static), LOCAL, ... as numbers."""
     path = folder / "kernel.cubin"
@@ -336,25 +360,31 @@ def inventory(compiled: Compiled, capability: tuple[int, int], folder: Path) -> 
     """The kernels' resources against the arch's limits: counts, the largest shared memory (the launch's
     dynamic request and the cubin's static) and registers of any config with the kernel's name, the
     kernels none of whose configs fits the arch (Triton refuses to load one that does not, and
-    inductor keeps the others), those all of whose configs spill (local memory or a stack; inductor's
-    autotuning skips a config that spills more than 16 registers), and how many configs do either."""
+    inductor keeps the others), and the kernels all of whose configs use local memory (a stack
+    frame), each with its least frame and what ptxas spilled into it: over inductor's spill
+    threshold (it would skip every config; a failure) or within it (reported)."""
     arch = ARCHES[capability]
     folder.mkdir(parents=True, exist_ok=True)
-    binaries, unfit, spilling = [], [], []
+    threshold_bytes = 4 * inductor_spill_threshold()
+    binaries, unfit, over, within = [], [], [], []
     for kernel, configs in compiled.kernels:
         uses = []
         for binary in configs:
             use, meta = resource_usage(binary.asm["cubin"], folder), binary.metadata
-            registers = use["REG"]
+            registers, local = use["REG"], use["LOCAL"] + use["STACK"]
+            spilled = ptxas_spills(binary.asm["ptx"], capability, folder, getattr(meta, "enable_fp_fusion", True)) \
+                if local else dict(stack=0, spill_stores=0, spill_loads=0)
             uses.append(dict(kernel=kernel, shared=meta.shared + use["SHARED"], num_warps=meta.num_warps,
-                             registers=registers, local_bytes=use["LOCAL"] + use["STACK"],
+                             registers=registers, local_bytes=local, **spilled,
                              fits=meta.shared + use["SHARED"] <= arch.shared_per_block and registers <= REGISTERS_PER_THREAD
                              and registers * 32 * meta.num_warps <= REGISTERS_PER_BLOCK))
         binaries += uses
         if uses and not any(u["fits"] for u in uses):
             unfit.append(min(uses, key=lambda u: u["shared"]))
         if uses and all(u["local_bytes"] for u in uses):
-            spilling.append((kernel, min(u["local_bytes"] for u in uses)))
+            least = min(uses, key=lambda u: u["local_bytes"])
+            entry = [kernel, least["local_bytes"], least["spill_stores"], least["spill_loads"]]
+            (over if least["local_bytes"] > threshold_bytes else within).append(entry)
     shared = max(binaries, key=lambda b: b["shared"], default=None)
     registers = max(binaries, key=lambda b: b["registers"], default=None)
     return dict(kernels=len(compiled.kernels), binaries=len(binaries), shared_limit=arch.shared_per_block,
@@ -362,8 +392,9 @@ def inventory(compiled: Compiled, capability: tuple[int, int], folder: Path) -> 
                 largest_registers=registers and dict(registers=registers["registers"], kernel=registers["kernel"],
                                                      num_warps=registers["num_warps"]),
                 over_limits=[{k: u[k] for k in ("kernel", "shared", "registers", "num_warps")} for u in unfit],
-                configs_over_limits=sum(not b["fits"] for b in binaries), spills=spilling,
-                spilling_configs=sum(b["local_bytes"] > 0 for b in binaries))
+                configs_over_limits=sum(not b["fits"] for b in binaries), spill_threshold_bytes=threshold_bytes,
+                spills=over, spills_within_threshold=within,
+                spilling_configs=sum(b["spill_stores"] > 0 for b in binaries))
 
 
 def compile_step(argv: list[str], folder: Path) -> dict:
