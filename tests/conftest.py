@@ -27,6 +27,27 @@ if not os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(1)
 
 
+# The files that cost the most CPU time (pytest --durations on 2 cores), longest first. Two workers take
+# whole files (--dist=loadfile) in the order given: a long file taken last would keep one worker busy
+# while the other sits idle (test_x01_lineage.py's frozen 200-step run, 2 minutes, was taken late when
+# xdist ordered files by their number of tests). The rest follow in their usual order.
+LONGEST_FILES_FIRST = ("test_x01_lineage.py", "test_gpu_path.py", "test_bulk_model.py", "test_bench.py",
+                       "test_ablate.py", "test_ablate_ab.py", "test_fused_ce.py", "test_frontier_recipes.py",
+                       "test_inputs.py", "test_mudd_gate.py", "test_run_sh.py", "test_mudd.py")
+
+
+def pytest_configure(config):
+    """xdist hands out files in collection order (pytest_collection_modifyitems' below), not by their
+    number of tests (its default since 3.6; an older xdist has no such option and keeps the order)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
+
 @pytest.fixture
 def refusal_of(capsys):
     """refusal_of(*flags): the one line a tiny dry run with these flags is refused with (exit 2)."""
