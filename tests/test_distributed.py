@@ -213,7 +213,12 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(one_process, two_nodes, sy
                          checkpoint_tensors(one_process / f"ck/tiny/step_{N:06d}"))
 
 
-# ---- a job on several spawned processes (tests/test_exchange.py, test_bulk_optim.py, ...)
+# ---- a job on several forked processes (tests/test_exchange.py, test_bulk_optim.py, ...)
+
+# The ranks are forked from the test's process: they start with torch and the trainer imported (a
+# spawned process spends ~3 s of CPU importing them, most of a small job's cost). Safe here: the
+# parent holds no process group, and its one intra-op thread leaves OpenMP no pool to inherit.
+RANK_START_METHOD = "fork"
 
 
 def _rank_worker(rank: int, world_size: int, port: int, out: Path, job) -> None:
@@ -235,9 +240,10 @@ def _rank_worker(rank: int, world_size: int, port: int, out: Path, job) -> None:
 
 
 def on_ranks(job, world_size: int, out: Path) -> list:
-    """job(rank, world_size) (a module-level function) on world_size spawned processes of one gloo
+    """job(rank, world_size) (a module-level function) on world_size forked processes of one gloo
     group; each rank's result, by rank (saved under out)."""
-    torch.multiprocessing.spawn(_rank_worker, args=(world_size, free_port(), out, job), nprocs=world_size)
+    torch.multiprocessing.start_processes(_rank_worker, args=(world_size, free_port(), out, job), nprocs=world_size,
+                                          start_method=RANK_START_METHOD)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
 
 

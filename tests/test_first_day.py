@@ -9,7 +9,7 @@ import re
 import pytest
 
 import train_gpt_medium as tg
-from test_checkpoint import log_text, run_argv
+from test_checkpoint import four_block_argv, log_text
 
 
 def refusal(capsys, *flags) -> str:
@@ -95,7 +95,7 @@ def test_a_full_disk_under_the_metrics_stream_is_said_once_in_the_log_too_and_th
         return real(self, record)
     monkeypatch.setattr(metrics.MetricsStream, "emit", full_after_two)
     out = tmp_path / "m.jsonl"
-    assert tg.main(run_argv(synthetic_dir, tmp_path, f"--metrics_jsonl={out}", N=4)) == 0
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, f"--metrics_jsonl={out}", N=4)) == 0
     err = capsys.readouterr().err
     assert err.count("warning: --metrics_jsonl") == 1 and "No space left on device" in err
     assert "the disk is full; free space there or give another --metrics_jsonl" in err  # what to do
@@ -126,16 +126,16 @@ def test_the_time_left_weighs_each_step_by_its_tokens_and_windows_and_is_unknown
 
 
 def test_a_resumed_run_names_the_seed_of_the_run_it_continues(synthetic_dir, tmp_path):
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--seed=1234", N=3)) == 0
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--save_every=2", "--seed=1234", N=3)) == 0
     resumed = tmp_path / "resumed"
-    argv = run_argv(synthetic_dir, resumed, f"--resume={tmp_path / 'ck/tiny/step_000002'}", N=3)
+    argv = four_block_argv(synthetic_dir, resumed, f"--resume={tmp_path / 'ck/tiny/step_000002'}", N=3)
     assert tg.main(argv) == 0
     assert "seed 1234 (repeat this run with --seed=1234)" in log_text(resumed)
 
 
 def test_keep_checkpoints_keeps_the_newest_ones(synthetic_dir, tmp_path):
     """Saved at steps 2, 4 and 6: the first is deleted once the third is whole."""
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", "--keep_checkpoints=2", N=6)) == 0
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--save_every=2", "--keep_checkpoints=2", N=6)) == 0
     run_dir = tmp_path / "ck" / "tiny"
     assert sorted(p.name for p in run_dir.iterdir()) == ["step_000004", "step_000006"]
     assert tg.validate_checkpoint(run_dir / "step_000006")["step"] == 6

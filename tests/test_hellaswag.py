@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt_medium as tg
-from test_checkpoint import run_argv
+from test_checkpoint import four_block_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "data"))
@@ -207,7 +207,7 @@ def test_the_trainer_scores_after_training_in_a_line_of_its_own(synthetic_dir, f
         return real_evaluate(model, config, step, items, seq_len)
     monkeypatch.setattr(tg, "train", train)
     monkeypatch.setattr(hs, "evaluate", evaluate)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
     assert events == ["train returned", "evaluate at step 4"]
     (log,) = (tmp_path / "logs").glob("*.txt")
     body = log.read_text().split("=" * 100 + "\n")[-1].splitlines()
@@ -217,7 +217,7 @@ def test_the_trainer_scores_after_training_in_a_line_of_its_own(synthetic_dir, f
 
 
 def test_a_missing_hellaswag_file_stops_the_trainer_before_training(synthetic_dir, tmp_path, capsys):
-    argv = run_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={tmp_path / 'none.jsonl'}")
+    argv = four_block_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={tmp_path / 'none.jsonl'}")
     assert tg.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --hellaswag_file: ") and "none.jsonl: no such file" in err
@@ -229,7 +229,7 @@ def test_a_failure_of_the_evaluation_after_training_is_a_line_and_the_run_still_
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
     monkeypatch.setattr(hs, "evaluate", out_of_memory)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
     (log,) = (tmp_path / "logs").glob("*.txt")
     lines = log.read_text().splitlines()
     assert lines[-2] == "hellaswag: not scored (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)"

@@ -24,7 +24,7 @@ import torch
 import train_gpt_medium as tg
 from test_bulk_model import FOUR_BLOCK_FLAGS
 from test_checkpoint import log_text, run_argv
-from test_distributed import clean_env, free_port
+from test_distributed import RANK_START_METHOD, clean_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -361,8 +361,8 @@ def _two_process_worker(rank: int, runs: list, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_runs(synthetic_dir, tmp_path_factory) -> dict:
-    """Both 2-process failures in one pair of spawned processes (a process's start, torch's import,
-    is most of a run's cost; each run has its own process group and port): rank 0 refusing the log
+    """Both 2-process failures in one pair of forked processes (a process's start is most of a run's
+    cost; each run has its own process group and port): rank 0 refusing the log
     folder, then rank 0 failing to write a checkpoint. {name: (its folder, [(exit code, stderr) by
     rank])}; fails if a rank is still running after 300 s (a hang)."""
     out = tmp_path_factory.mktemp("two_processes")
@@ -376,7 +376,7 @@ def two_process_runs(synthetic_dir, tmp_path_factory) -> dict:
                                             N=3)),
             ("disk_full", ports[1], argv_with(synthetic_dir, folders["disk_full"], "--save_every=2", "--seed=0", N=3))]
     context = torch.multiprocessing.start_processes(_two_process_worker, args=(runs, out), nprocs=2, join=False,
-                                                    start_method="spawn")
+                                                    start_method=RANK_START_METHOD)
     deadline = time.monotonic() + 300
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

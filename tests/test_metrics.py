@@ -14,7 +14,7 @@ import torch
 
 import train_gpt_medium as tg
 from records import plot, runlogs
-from test_checkpoint import run_argv
+from test_checkpoint import four_block_argv, run_argv
 from tools import metrics
 
 N = 6  # steps of the runs here: val every 2 steps; batches of 256, 512, 768 and 1024 tokens
@@ -49,7 +49,7 @@ class ImportWatcher:
 
 
 def counted_run(synthetic_dir, out, *flags):
-    """A tiny run of N steps; returns what happened inside train(): the calls that bring a tensor to
+    """A tiny run of N steps (on four blocks: nothing streamed depends on the depth); returns what happened inside train(): the calls that bring a tensor to
     the host, the tokens each training step was fed and the windows each step ran with."""
     seen = dict(syncs=0, inside=False, tokens=[], windows={})
     real_train, real_step, real_window = tg.train, tg.Runner.train_step, tg.Runner.window
@@ -81,7 +81,7 @@ def counted_run(synthetic_dir, out, *flags):
         mp.setattr(tg.Runner, "window", window)
         for owner, name in SYNCS:
             mp.setattr(getattr(torch, owner), name, counting(getattr(getattr(torch, owner), name)))
-        assert tg.main(run_argv(synthetic_dir, out, "--seed=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}", *flags, N=N)) == 0
+        assert tg.main(four_block_argv(synthetic_dir, out, "--seed=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}", *flags, N=N)) == 0
     seen["warmup_steps"] = 1  # run_argv's --warmup_steps: its steps come first in the lists above
     return seen
 
@@ -147,7 +147,7 @@ def test_the_records_hold_the_logs_numbers(runs):
 def test_the_records_hold_each_steps_schedule_as_the_run_had_it(runs, synthetic_dir, tmp_path):
     """Tokens seen: what the training steps were fed, counted at their input; windows: what the
     run's Runner.window gave for each step; lr and momentum: what the optimizers were set to."""
-    config = tg.parse_args(run_argv(synthetic_dir, tmp_path, "--seed=0", N=N))
+    config = tg.parse_args(four_block_argv(synthetic_dir, tmp_path, "--seed=0", N=N))
     fed = runs["streamed"]["tokens"][runs["streamed"]["warmup_steps"]:]
     steps = [r for r in runs["records"] if r["kind"] == "step"]
     assert [r["batch_tokens"] for r in steps] == fed == [256, 1024, 1024, 1024, 1024, 1024]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt_medium as tg
-from test_checkpoint import run_argv
+from test_checkpoint import four_block_argv
 from test_training import runner_and_loader
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ def write_items(out: Path, checkpoint, synthetic_dir, tmp_path, *flags) -> int:
 
 
 def write_metrics(out: Path, checkpoint, synthetic_dir, tmp_path, *flags) -> int:
-    return tg.main(run_argv(synthetic_dir, tmp_path, f"--metrics_jsonl={out}", N=4))
+    return tg.main(four_block_argv(synthetic_dir, tmp_path, f"--metrics_jsonl={out}", N=4))
 
 
 WRITERS = {"tools/export.py --out": (write_export, ".safetensors", True),

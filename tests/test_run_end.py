@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_checkpoint import log_text, run_argv
+from test_checkpoint import four_block_argv, log_text
 from test_distributed import clean_env
 from test_run_sh import alive, descendants, wait_for
 
@@ -42,7 +42,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_log_says_where(synthetic_dir
 
     monkeypatch.setattr(tg.Runner, "train_step", terminated_at_step_2)
     before = signal.getsignal(signal.SIGTERM)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, N=4)) == 128 + signal.SIGTERM
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, N=4)) == 128 + signal.SIGTERM
     assert capsys.readouterr().err == ("interrupted by SIGTERM: the run stopped; its log and checkpoints so far "
                                        "are kept\n")
     body = log_text(tmp_path)
@@ -63,7 +63,7 @@ def test_a_stop_during_a_save_leaves_no_half_written_checkpoint(synthetic_dir, t
         return real_write(path, obj)
 
     monkeypatch.setattr(tg, "_write_durably", interrupted_at_the_fifth_file)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, "--save_every=2", N=4)) == 130
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--save_every=2", N=4)) == 130
     run_dir = tmp_path / "ck" / "tiny"
     assert written[-1] == run_dir / "step_000004.partial" / "main.pt"
     assert sorted(p.name for p in run_dir.iterdir()) == ["step_000002"]
@@ -82,7 +82,7 @@ def test_pythons_warnings_during_a_run_are_in_its_log(synthetic_dir, tmp_path, m
     monkeypatch.setattr(tg, "train", warning_train)
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
-        assert tg.main(run_argv(synthetic_dir, tmp_path, N=4)) == 130
+        assert tg.main(four_block_argv(synthetic_dir, tmp_path, N=4)) == 130
     assert [str(w.message) for w in shown] == ["something to know about this run"]
     logged = [line for line in log_text(tmp_path).splitlines() if line.startswith("warning: ")]
     assert len(logged) == 1 and logged[0].startswith(f"warning: UserWarning: something to know about this run "
@@ -120,7 +120,7 @@ def test_a_sigkilled_torchrun_leaves_no_worker_running(synthetic_dir, tmp_path):
     """`kill -9` of torchrun (not of run.sh) left both workers training to the end as orphans: they
     stop within seconds, by the interruption's path (the log's last line names the launcher), and
     every checkpoint folder they leave is whole (a save cut short is step_N.partial, never read)."""
-    argv = run_argv(synthetic_dir, tmp_path, "--save_every=2", N=100)
+    argv = four_block_argv(synthetic_dir, tmp_path, "--save_every=2", N=100)
     with open(tmp_path / "out.txt", "w") as out:
         torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                      "--nproc_per_node=2", "train_gpt_medium.py", *argv], cwd=ROOT,

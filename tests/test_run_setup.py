@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 import train_gpt_medium as tg
-from test_checkpoint import run_argv
+from test_checkpoint import four_block_argv
 from test_metrics import body
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def test_a_run_reads_the_byte_table_and_checks_the_world_size_once(synthetic_dir
             calls[name] += 1
             return real(*args, **kwargs)
         monkeypatch.setattr(tg, name, counted)
-    assert tg.main(run_argv(synthetic_dir, tmp_path, N=3)) == 0
+    assert tg.main(four_block_argv(synthetic_dir, tmp_path, N=3)) == 0
     assert calls == {"read_token_bytes": 1, "check_world_size": 1}
 
 
