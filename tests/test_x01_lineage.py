@@ -69,7 +69,10 @@ def test_each_recipe_dry_runs_under_the_tiny_preset(name):
 
 
 def python_env():
-    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "CUDA_VISIBLE_DEVICES": ""}
+    """No PYTHONPATH; Python's own bytecode cache off, so that "writes nothing" is about the script
+    (with it on, an import writes __pycache__/ beside the copied script)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def test_alone_it_imports_quietly_and_runs_from_the_command_line(tmp_path):
