@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Python's bytecode cache on for the session and every process it starts (__pycache__/ is in .gitignore),
+# even where PYTHONDONTWRITEBYTECODE is set: otherwise each of the suite's ~100 Python processes compiles
+# the trainer's 7,000 lines and each test module from source (~50 s of CPU in all).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "golden"))
