@@ -207,7 +207,8 @@ def test_the_trainer_scores_after_training_in_a_line_of_its_own(synthetic_dir, f
         return real_evaluate(model, config, step, items, seq_len)
     monkeypatch.setattr(tg, "train", train)
     monkeypatch.setattr(hs, "evaluate", evaluate)
-    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
+    argv = four_block_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")
+    assert tg.main(argv) == 0
     assert events == ["train returned", "evaluate at step 4"]
     (log,) = (tmp_path / "logs").glob("*.txt")
     body = log.read_text().split("=" * 100 + "\n")[-1].splitlines()
@@ -229,7 +230,8 @@ def test_a_failure_of_the_evaluation_after_training_is_a_line_and_the_run_still_
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
     monkeypatch.setattr(hs, "evaluate", out_of_memory)
-    assert tg.main(four_block_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")) == 0
+    argv = four_block_argv(synthetic_dir, tmp_path, "--eval_hellaswag", f"--hellaswag_file={fixture_file}")
+    assert tg.main(argv) == 0
     (log,) = (tmp_path / "logs").glob("*.txt")
     lines = log.read_text().splitlines()
     assert lines[-2] == "hellaswag: not scored (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)"

@@ -49,8 +49,9 @@ class ImportWatcher:
 
 
 def counted_run(synthetic_dir, out, *flags):
-    """A tiny run of N steps (on four blocks: nothing streamed depends on the depth); returns what happened inside train(): the calls that bring a tensor to
-    the host, the tokens each training step was fed and the windows each step ran with."""
+    """A tiny run of N steps on four blocks (nothing streamed depends on the depth); returns what
+    happened inside train(): the calls that bring a tensor to the host, the tokens each training step
+    was fed and the windows each step ran with."""
     seen = dict(syncs=0, inside=False, tokens=[], windows={})
     real_train, real_step, real_window = tg.train, tg.Runner.train_step, tg.Runner.window
 
@@ -81,7 +82,8 @@ def counted_run(synthetic_dir, out, *flags):
         mp.setattr(tg.Runner, "window", window)
         for owner, name in SYNCS:
             mp.setattr(getattr(torch, owner), name, counting(getattr(getattr(torch, owner), name)))
-        assert tg.main(four_block_argv(synthetic_dir, out, "--seed=0", f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}", *flags, N=N)) == 0
+        byte_table = f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"
+        assert tg.main(four_block_argv(synthetic_dir, out, "--seed=0", byte_table, *flags, N=N)) == 0
     seen["warmup_steps"] = 1  # run_argv's --warmup_steps: its steps come first in the lists above
     return seen
 
