@@ -6465,12 +6465,24 @@ def _state_per_gpu(config: Hyperparameters, model: GPT, world_size: int) -> int:
     return sum(state_bytes_per_gpu(model, config, world_size).values())
 
 
+_STATE_PER_GPU: dict[tuple, int] = {}
+
+
+def state_per_gpu(config: Hyperparameters, world_size: int) -> int:
+    """_state_per_gpu of config's meta model, kept per configuration and world size: each dry run's
+    table of what fits asks for every recipe's micro-batch settings (~40 meta models, half its time)."""
+    key = (tuple(getattr(config, f.name) for f in fields(config)), world_size)
+    if key not in _STATE_PER_GPU:
+        _STATE_PER_GPU[key] = _state_per_gpu(config, _meta_model(config), world_size)
+    return _STATE_PER_GPU[key]
+
+
 @functools.lru_cache(maxsize=1)
 def record_anchor() -> tuple[int, int]:
     """(what the record held per GPU on its 8 GPUs, its activations: the logged peak less that), bytes.
     This trainer holds what the record held (Adam's moments sharded over the GPUs, Muon's by matrix)."""
     base = make_config(recipe="bulk")
-    state = _state_per_gpu(base, _meta_model(base), PEAK_WORLD_SIZE)
+    state = state_per_gpu(base, PEAK_WORLD_SIZE)
     return state, RECIPES["bulk"].peak_mib * 2**20 - state
 
 
@@ -6506,7 +6518,7 @@ def peak_parts(config: Hyperparameters, world_size: int = PEAK_WORLD_SIZE) -> Op
     T_val = config.val_seq_len
     evaluation = (per_token_kept(config) * T_val * d * 2 + T_val // EVAL_LOSS_CHUNKS * V * (2 + 4)
                   + T_val * config.mlp_ratio * d * 2)
-    return dict(state=_state_per_gpu(config, _meta_model(config), world_size), training=round(training),
+    return dict(state=state_per_gpu(config, world_size), training=round(training),
                 evaluation=evaluation)
 
 
@@ -6671,8 +6683,19 @@ def collective_lines(summary: dict, what: str) -> list[str]:
     return lines
 
 
+_COLLECTIVE_LINES: dict[tuple, list[str]] = {}
+
+
 def dry_run_collective_lines(config: Hyperparameters, world_size: int, dtype: torch.dtype) -> list[str]:
-    """The collectives of an even and an odd step on world_size ranks (step_collectives), or why none."""
+    """The collectives of an even and an odd step on world_size ranks (step_collectives), or why none;
+    kept per configuration, world size and dtype (a process that dry-runs again reuses them)."""
+    key = (tuple(getattr(config, f.name) for f in fields(config)), world_size, dtype)
+    if key not in _COLLECTIVE_LINES:
+        _COLLECTIVE_LINES[key] = _collective_lines(config, world_size, dtype)
+    return list(_COLLECTIVE_LINES[key])
+
+
+def _collective_lines(config: Hyperparameters, world_size: int, dtype: torch.dtype) -> list[str]:
     if world_size == 1:
         return ["collectives: none on one process (--gpu_count=1)"]
     if config.batch_slices % world_size:
