@@ -8,6 +8,7 @@ untied from the start (--untie_embed_after_step=0: the record's head doubles as 
 until the split), so every sweep here passes that extra trainer flag.
 """
 
+import contextlib
 import csv
 import json
 import os
@@ -40,24 +41,91 @@ UNTIED = "--untie_embed_after_step=0"  # what LoRE needs on the record
 BASE, IN, OUT, BOTH = ("lore_input-false__lore_output-false", "lore_input-true__lore_output-false",
                        "lore_input-false__lore_output-true", "lore_input-true__lore_output-true")
 
-# A launcher that logs each call's trainer flags to CALLS, then either runs the trainer in-process
-# or, once FAIL_AFTER calls were made (0: never), crashes before training.
-WRAPPER = '''import sys
-calls, fail_after, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+# A launcher that logs each call's trainer flags to CALLS, then either has the trainer run or, once
+# FAIL_AFTER calls were made (0: never), crashes before training. With a TRAINER_SERVER (the sweep's),
+# the run is a fork of that server, which imported torch and the trainer once: the launcher itself
+# imports neither (a sweep's runs are what it reads, not how a process starts; run.sh launches are
+# test_ablate_ab.py's). Without one it runs the trainer in-process.
+WRAPPER = '''import json, os, socket, sys
+calls, fail_after, server, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 with open(calls, "a") as f:
     f.write(" ".join(flags) + "\\n")
 if fail_after and sum(1 for _ in open(calls)) > fail_after:
     sys.exit("simulated crash")
+if server:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.connect(server)
+        request = dict(flags=flags, cwd=os.getcwd(), env=dict(os.environ))
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        sys.exit(int(conn.recv(16) or b"1"))
 sys.path.insert(0, {root!r})
 import train_gpt_medium
 sys.exit(train_gpt_medium.main(flags))
 '''
 
+# The sweep's trainer server: imports the trainer, then forks a child per request that takes the
+# launcher's stdin, stdout, stderr, folder and environment, runs main(flags) and exits with its code,
+# which goes back to the launcher. It ends with its parent (the test session).
+TRAINER_SERVER = '''import ctypes, json, os, signal, socket, sys, traceback
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+root, path = sys.argv[1], sys.argv[2]
+sys.path.insert(0, root)
+import train_gpt_medium
+server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+server.bind(path + ".tmp")
+server.listen()
+os.rename(path + ".tmp", path)  # ready
+while True:
+    conn, _ = server.accept()
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    request = json.loads(message)
+    pid = os.fork()
+    if pid == 0:
+        server.close()
+        conn.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        try:
+            code = train_gpt_medium.main(request["flags"])
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+    for fd in fds:
+        os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    conn.send(str(os.waitstatus_to_exitcode(status)).encode())
+    conn.close()
+'''
 
-def launcher(tmp, calls, fail_after=0):
+
+def launcher(tmp, calls, fail_after=0, server=""):
     script = tmp / "wrapper.py"
     script.write_text(WRAPPER.format(root=str(ROOT)))
-    return shlex.join([sys.executable, str(script), str(calls), str(fail_after)])
+    return shlex.join([sys.executable, str(script), str(calls), str(fail_after), str(server)])
+
+
+@contextlib.contextmanager
+def trainer_server(tmp):
+    """A TRAINER_SERVER for launcher(server=...): yields its socket's path."""
+    path = tmp / "trainer.sock"
+    process = subprocess.Popen([sys.executable, "-c", TRAINER_SERVER, str(ROOT), str(path)],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        while not path.exists():
+            assert process.poll() is None, "the trainer server ended before it was ready"
+            time.sleep(0.05)
+        yield path
+    finally:
+        process.kill()
+        process.wait()
 
 
 def calls_made(path):
@@ -89,9 +157,10 @@ def sweep(tmp_path_factory, synthetic_dir):
                f"--train_files={synthetic_dir / 'synthetic_train_*.bin'}", f"--val_files={synthetic_dir / 'synthetic_val_*.bin'}",
                f"--token_bytes_file={synthetic_dir / 'synthetic_token_bytes.npy'}"]
     argv = ["--preset", "tiny", *GRID, "--seeds", "1,2", "--out", str(out), "--band-loss", "0.01", "--band-time", "1.5"]
-    first_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls1.txt", fail_after=5), "--", *trainer])
-    first_csv = read_csv(out / "runs.csv")
-    second_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls2.txt"), "--", *trainer])
+    with trainer_server(tmp) as server:
+        first_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls1.txt", 5, server), "--", *trainer])
+        first_csv = read_csv(out / "runs.csv")
+        second_rc = ablate.main([*argv, "--launcher", launcher(tmp, tmp / "calls2.txt", 0, server), "--", *trainer])
     return dict(out=out, first_rc=first_rc, first_csv=first_csv, first_calls=calls_made(tmp / "calls1.txt"),
                 second_rc=second_rc, second_calls=calls_made(tmp / "calls2.txt"), csv=read_csv(out / "runs.csv"),
                 report=json.loads((out / "report.json").read_text()), report_md=(out / "report.md").read_text())
