@@ -37,9 +37,9 @@ if not os.environ.get("OMP_NUM_THREADS"):
 # whole files (--dist=loadfile) in the order given: a long file taken last would keep one worker busy
 # while the other sits idle (test_x01_lineage.py's frozen 200-step run, 2 minutes, was taken late when
 # xdist ordered files by their number of tests). The rest follow in their usual order.
-LONGEST_FILES_FIRST = ("test_x01_lineage.py", "test_gpu_path.py", "test_bulk_model.py", "test_bench.py",
-                       "test_ablate.py", "test_ablate_ab.py", "test_fused_ce.py", "test_frontier_recipes.py",
-                       "test_inputs.py", "test_mudd_gate.py", "test_run_sh.py", "test_mudd.py")
+LONGEST_FILES_FIRST = ("test_x01_lineage.py", "test_gpu_path.py", "test_bench.py", "test_frontier_recipes.py",
+                       "test_bulk_model.py", "test_ablate_ab.py", "test_ablate.py", "test_run_sh.py",
+                       "test_fused_ce.py", "test_distributed.py", "test_transfer_recipe.py", "test_mudd_gate.py")
 
 
 def pytest_configure(config):
