@@ -6461,20 +6461,25 @@ def _meta_model(config: Hyperparameters) -> GPT:
         return GPT(config, torch.bfloat16)
 
 
-def _state_per_gpu(config: Hyperparameters, model: GPT, world_size: int) -> int:
-    return sum(state_bytes_per_gpu(model, config, world_size).values())
+def kept_per_configuration(fn):
+    """fn(config, *args), computed once per process for each configuration (the value of every field)
+    and args: the dry run's table of what fits builds a meta model for each recipe's micro-batch
+    settings (~40, half its time), and a process that dry-runs again asks for the same ones."""
+    kept = {}
+
+    @functools.wraps(fn)
+    def kept_fn(config: Hyperparameters, *args):
+        key = (tuple(getattr(config, f.name) for f in fields(config)), *args)
+        if key not in kept:
+            kept[key] = fn(config, *args)
+        return kept[key]
+    return kept_fn
 
 
-_STATE_PER_GPU: dict[tuple, int] = {}
-
-
+@kept_per_configuration
 def state_per_gpu(config: Hyperparameters, world_size: int) -> int:
-    """_state_per_gpu of config's meta model, kept per configuration and world size: each dry run's
-    table of what fits asks for every recipe's micro-batch settings (~40 meta models, half its time)."""
-    key = (tuple(getattr(config, f.name) for f in fields(config)), world_size)
-    if key not in _STATE_PER_GPU:
-        _STATE_PER_GPU[key] = _state_per_gpu(config, _meta_model(config), world_size)
-    return _STATE_PER_GPU[key]
+    """The bytes one process holds besides activations (state_bytes_per_gpu of config's meta model)."""
+    return sum(state_bytes_per_gpu(_meta_model(config), config, world_size).values())
 
 
 @functools.lru_cache(maxsize=1)
@@ -6683,29 +6688,19 @@ def collective_lines(summary: dict, what: str) -> list[str]:
     return lines
 
 
-_COLLECTIVE_LINES: dict[tuple, list[str]] = {}
-
-
-def dry_run_collective_lines(config: Hyperparameters, world_size: int, dtype: torch.dtype) -> list[str]:
-    """The collectives of an even and an odd step on world_size ranks (step_collectives), or why none;
-    kept per configuration, world size and dtype (a process that dry-runs again reuses them)."""
-    key = (tuple(getattr(config, f.name) for f in fields(config)), world_size, dtype)
-    if key not in _COLLECTIVE_LINES:
-        _COLLECTIVE_LINES[key] = _collective_lines(config, world_size, dtype)
-    return list(_COLLECTIVE_LINES[key])
-
-
-def _collective_lines(config: Hyperparameters, world_size: int, dtype: torch.dtype) -> list[str]:
+@kept_per_configuration
+def dry_run_collective_lines(config: Hyperparameters, world_size: int, dtype: torch.dtype) -> tuple[str, ...]:
+    """The collectives of an even and an odd step on world_size ranks (step_collectives), or why none."""
     if world_size == 1:
-        return ["collectives: none on one process (--gpu_count=1)"]
+        return ("collectives: none on one process (--gpu_count=1)",)
     if config.batch_slices % world_size:
-        return [f"collectives: none ({world_size} ranks do not divide the {config.batch_slices} slices)"]
+        return (f"collectives: none ({world_size} ranks do not divide the {config.batch_slices} slices)",)
     head = f"collectives per rank on {world_size} ranks (from the exchange's own code on meta tensors), "
     sparse = " (the bigram rows: uniformly random tokens)" if bigram_exchange_is_sparse(config, world_size) else ""
     even = "even step" + (" (Adam holds its gradients)" if config.adam_odd_steps_only else "")
     count = lambda odd: ledger_summary(step_collectives(config, world_size, odd, dtype=dtype))
-    return (collective_lines(count(False), head + even + sparse)
-            + collective_lines(count(True), head + "odd step (Adam steps)" + sparse))
+    return (*collective_lines(count(False), head + even + sparse),
+            *collective_lines(count(True), head + "odd step (Adam steps)" + sparse))
 
 
 def fit_lines(config: Hyperparameters, world_size: int, memory_gib: float) -> list[str]:
