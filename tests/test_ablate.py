@@ -41,26 +41,21 @@ UNTIED = "--untie_embed_after_step=0"  # what LoRE needs on the record
 BASE, IN, OUT, BOTH = ("lore_input-false__lore_output-false", "lore_input-true__lore_output-false",
                        "lore_input-false__lore_output-true", "lore_input-true__lore_output-true")
 
-# A launcher that logs each call's trainer flags to CALLS, then either has the trainer run or, once
-# FAIL_AFTER calls were made (0: never), crashes before training. With a TRAINER_SERVER (the sweep's),
-# the run is a fork of that server, which imported torch and the trainer once: the launcher itself
-# imports neither (a sweep's runs are what it reads, not how a process starts; run.sh launches are
-# test_ablate_ab.py's). Without one it runs the trainer in-process.
+# A launcher that logs each call's trainer flags to CALLS, then either has the run made by the sweep's
+# TRAINER_SERVER (a fork of a process that imported torch and the trainer once: the launcher imports
+# neither; a sweep's runs are what it reads, not how a process starts, and run.sh launches are
+# test_ablate_ab.py's) or, once FAIL_AFTER calls were made (0: never), crashes before training.
 WRAPPER = '''import json, os, socket, sys
 calls, fail_after, server, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 with open(calls, "a") as f:
     f.write(" ".join(flags) + "\\n")
 if fail_after and sum(1 for _ in open(calls)) > fail_after:
     sys.exit("simulated crash")
-if server:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
-        conn.connect(server)
-        request = dict(flags=flags, cwd=os.getcwd(), env=dict(os.environ))
-        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
-        sys.exit(int(conn.recv(16) or b"1"))
-sys.path.insert(0, {root!r})
-import train_gpt_medium
-sys.exit(train_gpt_medium.main(flags))
+with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+    conn.connect(server)
+    request = dict(flags=flags, cwd=os.getcwd(), env=dict(os.environ))
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    sys.exit(int(conn.recv(16) or b"1"))
 '''
 
 # The sweep's trainer server: imports the trainer, then forks a child per request that takes the
@@ -107,8 +102,9 @@ while True:
 
 
 def launcher(tmp, calls, fail_after=0, server=""):
+    """The WRAPPER's command; the tests that run nothing (refusals, --dry_run) need no server."""
     script = tmp / "wrapper.py"
-    script.write_text(WRAPPER.format(root=str(ROOT)))
+    script.write_text(WRAPPER)
     return shlex.join([sys.executable, str(script), str(calls), str(fail_after), str(server)])
 
 
