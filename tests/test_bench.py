@@ -349,6 +349,19 @@ def test_gpu_check_compares_with_the_record_of_the_recipe():
     assert gpu_check.record_ms_per_step(bulk, 0, 8) == "record (bulk): ~72 ms"
     assert gpu_check.record_ms_per_step(bulk, 2000, 8) == "record (bulk): ~249 ms"
     assert gpu_check.record_ms_per_step(bulk, 2000, 1) == "record (bulk): ~1,992 ms"
+    # a claim's own log: PR #261 (mudd) reaches the full batch at its step 1032, 235 ms per step there
+    mudd = tg.make_config(recipe="mudd")
+    assert gpu_check.record_ms_per_step(mudd, 1031, 8) == "record (mudd): ~179 ms"
+    assert gpu_check.record_ms_per_step(mudd, 1032, 1) == "record (mudd): ~1,880 ms"
+
+
+def test_gpu_check_has_the_logged_step_time_of_every_recipe_at_each_of_its_batch_sizes():
+    """Every live recipe (a record or claim, compared when the shapes are its own) has its own
+    figure at each batch size its schedule reaches, and no figure for one it never runs."""
+    assert set(gpu_check.RECORD_MS_PER_STEP_BY_BATCH) == set(tg.RECIPES)
+    for recipe, by_batch in gpu_check.RECORD_MS_PER_STEP_BY_BATCH.items():
+        config = tg.make_config(recipe=recipe)
+        assert set(by_batch) == {tg.batch_tokens(step, config) for step in range(config.num_iterations)}, recipe
 
 
 @pytest.mark.parametrize("recipe", sorted([*tg.RECIPES, *tg.CANDIDATES]))
@@ -399,7 +412,7 @@ def test_the_quick_check_gives_its_verdict_from_a_benchmark_and_a_one_phase_trai
     assert names == ["attention backends", "GPU class", "bench, CPU, step 47 (window 13)", "compiled graphs after warm-up, CPU", "into evaluation, CPU",
                      "peak memory, CPU", "allocator, CPU", "training 5 steps at one phase, CPU"]
     assert "generated tokens" in summary["checks"][-1]["measured"]
-    assert "(time limit 240 s)" in out
+    assert f"(time limit {gpu_check.QUICK_TIMEOUT_S} s)" in out
 
 
 @pytest.mark.parametrize("recipe", ["bulk", "mudd"])

@@ -5,7 +5,7 @@
     tools/gpu_check.sh                    # the full check: the record's shapes on this machine's GPUs (1 to 8)
     tools/gpu_check.sh --preset tiny      # the same checks at toy size; on the CPU where there is no GPU
     tools/gpu_check.sh --compile=false    # any trainer flag is passed on to every run
-    tools/gpu_check.sh --time_limit=900   # seconds each trainer process may take (quick: 240, full: 600)
+    tools/gpu_check.sh --time_limit=900   # seconds each trainer process may take (quick: 480, full: 600)
     tools/gpu_check.sh --offline --arch 9.0 [--recipe all]   # no GPU: compile for one (tools/offline_compile.py)
 
 --quick runs two processes on one GPU, each compiling one phase of the step grid only: a benchmark at
@@ -64,8 +64,9 @@ BENCH_STEPS, CHECKPOINTED_BENCH_STEPS = 5, 2  # timed steps per point (each poin
 WARMUP_STEPS = 1  # enough to compile the training graphs; every timed point starts with an untimed step
 TRAIN_STEPS, VAL_EVERY = 20, 10
 RUN_TIMEOUT_S = 600
-# --quick: 4 timed steps (2 of each parity), a 10-step training run, each process at most 240 s
-QUICK_BENCH_STEPS, QUICK_TRAIN_STEPS, QUICK_TIMEOUT_S = 4, 10, 240
+# --quick: 4 timed steps (2 of each parity), a 10-step training run, each process at most 480 s
+# (twice mudd's benchmark process with cold caches on one H200 with 16 CPU cores: 240 s)
+QUICK_BENCH_STEPS, QUICK_TRAIN_STEPS, QUICK_TIMEOUT_S = 4, 10, 480
 MEMORY_LIMIT = 0.95  # of the device's memory: above it a longer run or another evaluation can run out
 # First losses of two runs that compute the same thing differently (recomputed blocks and a chunked
 # loss; another world size), compared relative to the reference's loss: the record's training loss
@@ -75,9 +76,15 @@ MEMORY_LIMIT = 0.95  # of the device's memory: above it a longer run or another 
 # graphs round differently, guessed, not yet measured on a GPU.
 LOSS_TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-3}
 COMPARED_LOSSES = 3
-# The record's figures on 8xH100 (its peak memory is in tg.RECIPES): its log times each batch size
-# of its ramp: 72, 129, 189 and 249 ms per step at 131,072, 262,144, 393,216 and 524,288 tokens.
-BULK_MS_PER_STEP_BY_BATCH = {131_072: 72, 262_144: 129, 393_216: 189, 524_288: 249}
+# Each record's and claim's ms per step on 8xH100 at each batch size of its ramp (131,072 to 524,288
+# tokens): the mean over that phase's steps in its logs, validation excluded (bulk: 2 logs, fp8_yarn
+# 5, bigram 1, mudd 6). Their peak memory is in tg.RECIPES.
+RECORD_MS_PER_STEP_BY_BATCH = {
+    "bulk": {131_072: 72, 262_144: 129, 393_216: 189, 524_288: 249},
+    "fp8_yarn": {131_072: 71, 262_144: 126, 393_216: 184, 524_288: 242},
+    "bigram": {131_072: 67, 262_144: 120, 393_216: 178, 524_288: 233},
+    "mudd": {131_072: 68, 262_144: 121, 393_216: 179, 524_288: 235},
+}
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -302,11 +309,7 @@ def is_record_shape(config: tg.Hyperparameters) -> bool:
 
 def record_ms_per_step(config: tg.Hyperparameters, step: int, world_size: int) -> str:
     """What the record of config's recipe took per step at `step`, scaled from its 8 GPUs to `world_size`."""
-    recipe = tg.RECIPES[config.recipe]
-    if config.recipe == "bulk":  # its log times each batch size of the ramp
-        ms = BULK_MS_PER_STEP_BY_BATCH[tg.batch_tokens(step, config)]
-    else:  # the mean over the run
-        ms = recipe.mean_time_s * 1000 / tg.make_config(recipe=config.recipe).num_iterations
+    ms = RECORD_MS_PER_STEP_BY_BATCH[config.recipe][tg.batch_tokens(step, config)]
     return f"record ({config.recipe}): ~{ms * 8 / world_size:,.0f} ms"
 
 
