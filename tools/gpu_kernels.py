@@ -13,7 +13,9 @@ the record's vocabulary (50,304 columns, 50,257 for an unpadded tail) in the blo
 launches; the FP8 transpose against torch's copy. Rules (those of the interpreter tests): the LSE
 within 1e-6 of the emulation's, the loss and the fp32 gradient within 1e-5; a rounded gradient at
 most one code from the emulation's and differing in under 0.1% of the values (the GPU rounds to
-nearest even as torch does; the two fp32 values it rounds can differ in the last bit). Under the
+nearest even as torch does; the two fp32 values it rounds can differ in the last bit). #261's sigma
+is rounded to bf16 from a GPU sigmoid a few fp32 ulps from the emulation's, so up to 0.1% of its
+values (at least one) may be beyond these (PR261_SHARE_BEYOND); each line says how many were. Under the
 interpreter the rounded outputs are not compared: its own casts truncate (tests/test_fused_ce.py).
 Exit code 0 when every comparison holds, 1 when one does not, 2 for a bad flag.
 """
@@ -36,6 +38,11 @@ MTP_WEIGHTS = (1.0, 0.5, 0.25)
 UPSTREAM_GRADIENT, GRADIENT_SCALE, S_W_ALL = 1.25, 0.75 / 448, 1.75  # s_g: the record's fp8_ranges[2] / 448
 LSE_RTOL, LOSS_RTOL, GRADIENT_RTOL = 1e-6, 1e-5, 1e-5
 MOST_CODES_APART = 1e-3
+# #261 rounds sigma to bf16. The kernel's sigma is tl.sigmoid, the emulation's 0.5 + 0.5 tanh(u/2):
+# a few fp32 ulps apart on a GPU, so where the two fall on either side of a bf16 rounding boundary
+# (a few values in 10^4) sigma differs by one bf16 code, and so do the values computed from it.
+# pr261 may have this share of its values (rows: of its rows, at least one) beyond the tolerance.
+PR261_SHARE_BEYOND = 1e-3
 
 
 def inputs(rows: int, cols: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +62,16 @@ def relative_gap(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
+def within(got: torch.Tensor, ref: torch.Tensor, rtol: float, variant: str) -> tuple[bool, str]:
+    """Every value within rtol (relative to the reference's largest); for pr261 all but a share
+    (PR261_SHARE_BEYOND of the values, at least one) of them."""
+    beyond = (got.float() - ref.float()).abs() > rtol * ref.float().abs().max().clamp_min(1e-30)
+    allowed = max(1, int(PR261_SHARE_BEYOND * ref.numel())) if variant == "pr261" else 0
+    count = int(beyond.sum())
+    return count <= allowed, f"{relative_gap(got, ref):.1e} apart" + (
+        f", {count} of {ref.numel():,} values beyond {rtol:g}" if count else "")
+
+
 def code_spacing(ref: torch.Tensor) -> torch.Tensor:
     """The distance from each value of `ref` (a bf16 or FP8 tensor) to the next code away from zero:
     eps x 2^(e-1) for a value in [2^(e-1), 2^e), the smallest subnormal for zero and subnormals."""
@@ -65,12 +82,15 @@ def code_spacing(ref: torch.Tensor) -> torch.Tensor:
     return torch.where(ref.float() == 0, smallest_subnormal, spacing.clamp_min(smallest_subnormal))
 
 
-def codes_judged(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
-    """Rounded outputs: every value at most one code from the reference's and under 0.1% different.
-    (One code below a power of two is half a spacing away; one above, a whole one.)"""
+def codes_judged(got: torch.Tensor, ref: torch.Tensor, variant: str = "pr252") -> tuple[bool, str]:
+    """Rounded outputs: under 0.1% of the values different, each at most one code from the
+    reference's (pr261: or among the share its sigma may move; one code below a power of two is half
+    a spacing away, one above a whole one)."""
     g, r = got.float(), ref.float()
     different = g != r
-    within_a_code = bool(((g - r).abs() <= code_spacing(ref)).all())
+    far = (g - r).abs() > code_spacing(ref)
+    allowed = max(1, int(PR261_SHARE_BEYOND * ref.numel())) if variant == "pr261" else 0
+    within_a_code = int(far.sum()) <= allowed
     share = different.float().mean().item()
     return within_a_code and share < MOST_CODES_APART, (
         f"{share:.2e} of the values differ" + ("" if within_a_code else ", some by more than one code"))
@@ -87,9 +107,9 @@ def compare_fused_ce(rows: int, cols: int, block: int, device: torch.device, int
         extra = dict(variant=variant, s_w_all=torch.tensor(S_W_ALL, device=device)) if variant == "pr261" else {}
         loss, lse = kernels._fused_ce_rows_triton(logits, cols_k, wts, block=block, variant=variant)
         ref_loss, ref_lse = kernels._fused_ce_rows_torch(logits, cols_k, wts, variant=variant)
-        lse_gap, loss_gap = relative_gap(lse, ref_lse), relative_gap(loss, ref_loss)
-        out.append((f"{at}: loss and LSE", lse_gap <= LSE_RTOL and loss_gap <= LOSS_RTOL,
-                    f"LSE {lse_gap:.1e}, loss {loss_gap:.1e} apart"))
+        (lse_ok, lse_said), (loss_ok, loss_said) = (within(lse, ref_lse, LSE_RTOL, variant),
+                                                     within(loss, ref_loss, LOSS_RTOL, variant))
+        out.append((f"{at}: loss and LSE", lse_ok and loss_ok, f"LSE {lse_said}; loss {loss_said}"))
         for scale, dtype in ((1.0, torch.float32), (GRADIENT_SCALE, torch.float32),
                              (1.0, torch.bfloat16), (GRADIENT_SCALE, torch.float8_e5m2)):
             what = f"{at}: gradient in {str(dtype).removeprefix('torch.')}, scale {scale:.4g}"
@@ -99,10 +119,9 @@ def compare_fused_ce(rows: int, cols: int, block: int, device: torch.device, int
             got = kernels._fused_ce_dlogits_triton(logits, ref_lse, cols_k, wts, g, scale, dtype, block=block, **extra)
             ref = kernels._fused_ce_dlogits_torch(logits, ref_lse, cols_k, wts, g, scale, dtype, **extra)
             if dtype == torch.float32:
-                gap = relative_gap(got, ref)
-                out.append((what, gap <= GRADIENT_RTOL, f"{gap:.1e} apart"))
+                out.append((what, *within(got, ref, GRADIENT_RTOL, variant)))
             else:
-                out.append((what, *codes_judged(got, ref)))
+                out.append((what, *codes_judged(got, ref, variant)))
         if variant == "pr261":
             for dtype in (torch.float32, torch.float8_e5m2):
                 one_loss, one_lse, one_grad = kernels._fused_ce261_rows_dlogits_triton(
