@@ -62,13 +62,17 @@ def relative_gap(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
+def allowed_beyond(ref: torch.Tensor, variant: str) -> int:
+    """How many values of `ref` may be beyond a bound: none, or for pr261 its share (at least one)."""
+    return max(1, int(PR261_SHARE_BEYOND * ref.numel())) if variant == "pr261" else 0
+
+
 def within(got: torch.Tensor, ref: torch.Tensor, rtol: float, variant: str) -> tuple[bool, str]:
     """Every value within rtol (relative to the reference's largest); for pr261 all but a share
     (PR261_SHARE_BEYOND of the values, at least one) of them."""
     beyond = (got.float() - ref.float()).abs() > rtol * ref.float().abs().max().clamp_min(1e-30)
-    allowed = max(1, int(PR261_SHARE_BEYOND * ref.numel())) if variant == "pr261" else 0
     count = int(beyond.sum())
-    return count <= allowed, f"{relative_gap(got, ref):.1e} apart" + (
+    return count <= allowed_beyond(ref, variant), f"{relative_gap(got, ref):.1e} apart" + (
         f", {count} of {ref.numel():,} values beyond {rtol:g}" if count else "")
 
 
@@ -89,8 +93,7 @@ def codes_judged(got: torch.Tensor, ref: torch.Tensor, variant: str = "pr252") -
     g, r = got.float(), ref.float()
     different = g != r
     far = (g - r).abs() > code_spacing(ref)
-    allowed = max(1, int(PR261_SHARE_BEYOND * ref.numel())) if variant == "pr261" else 0
-    within_a_code = int(far.sum()) <= allowed
+    within_a_code = int(far.sum()) <= allowed_beyond(ref, variant)
     share = different.float().mean().item()
     return within_a_code and share < MOST_CODES_APART, (
         f"{share:.2e} of the values differ" + ("" if within_a_code else ", some by more than one code"))
