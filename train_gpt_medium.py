@@ -791,11 +791,11 @@ def polar_express(G: torch.Tensor, coeffs=POLAR_EXPRESS_COEFFS, norm_scale: floa
     if transposed:
         X = X.mT
     X = (X / kernels.as_cuda.add_(X.norm(dim=(-2, -1), keepdim=True) * norm_scale, eps)).contiguous()
-    plus_product = torch.baddbmm if X.ndim > 2 else torch.addmm  # beta*input + alpha*(m1 @ m2), rounded once
+    matmul, addmm = kernels.as_cuda.matmul, kernels.as_cuda.addmm  # addmm: beta*t + alpha*(a @ b), rounded once
     for a, b, c in coeffs:
-        A = X @ X.mT
-        B = plus_product(A, A, A.mT, beta=b, alpha=c)
-        X = kernels.as_cuda.add_(B @ X, X, alpha=a) if split_last_product else plus_product(X, B, X, beta=a)
+        A = matmul(X, X.mT)
+        B = addmm(A, A, A.mT, beta=b, alpha=c)
+        X = kernels.as_cuda.add_(matmul(B, X), X, alpha=a) if split_last_product else addmm(X, B, X, beta=a, alpha=1.0)
     return X.mT if transposed else X
 
 

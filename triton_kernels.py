@@ -11,7 +11,8 @@ the Hugging Face package of that name, which a file beside the trainer would hid
 Every log of the trainer embeds this file after the trainer's own source, under its own header.
 
 Contents:
-  1. CUDA's rounding on any device   as_cuda, fp32_product, fp32_quotient, cast, fp32_sum
+  1. CUDA's rounding on any device   as_cuda, cpu_has_bf16_gemm, fp32_product, fp32_quotient, cast,
+                                     fp32_sum
   2. FP8                             to_fp8 (saturating codes), fp8_matmul (_scaled_mm on CUDA, the
                                      codes' exact product elsewhere), the head's products, fp8_transpose
   3. The fused softcapped loss       the torch references, the Triton kernels, the custom ops
@@ -45,7 +46,9 @@ class as_cuda:
       value; the CPU forms (value*a)*b (any dtype).
     - rsqrt_: t = 1/sqrt(t). CUDA computes in fp32 and rounds once; the CPU computes the elements
       of a bf16 tensor that do not fill a vector register (a gate's statistic: one value per head)
-      in bf16 arithmetic, a quarter of them one bf16 step off."""
+      in bf16 arithmetic, a quarter of them one bf16 step off.
+    - matmul, addmm: the same arithmetic on every device (fp32 sums, one rounding); on a CPU
+      without oneDNN's bf16 kernels they take the fp32 product for speed (addmm says why)."""
 
     @staticmethod
     def add_(t: torch.Tensor, other, alpha: float = 1.0) -> torch.Tensor:
@@ -64,6 +67,36 @@ class as_cuda:
         if t.is_cuda or t.dtype != torch.bfloat16:
             return t.rsqrt_()
         return t.copy_(t.float().rsqrt_())
+
+    @staticmethod
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b; bf16 as cuBLAS forms it: products summed in fp32, rounded once (see addmm)."""
+        if a.is_cuda or a.dtype != torch.bfloat16 or cpu_has_bf16_gemm():
+            return a @ b
+        return (a.float() @ b.float()).to(a.dtype)
+
+    @staticmethod
+    def addmm(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+        """beta t + alpha (a @ b) for matrices or batches of them, rounded once; beta and alpha in
+        fp32 (cuBLAS's scalars). Same arithmetic on every device: a CPU without oneDNN's bf16
+        kernels would run torch's bf16 product as a scalar loop (6-20x slower than fp32 on the
+        tiny preset's shapes, most of a tiny run on such a CPU), so there it runs as the fp32
+        product of the same bf16 values, rounded once to bf16. Both sum in fp32, in orders that
+        differ as BLAS libraries' do."""
+        product = torch.baddbmm if a.ndim > 2 else torch.addmm
+        if t.is_cuda or t.dtype != torch.bfloat16 or cpu_has_bf16_gemm():
+            return product(t, a, b, beta=beta, alpha=alpha)
+        return product(t.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(t.dtype)
+
+
+@torch.compiler.assume_constant_result
+def cpu_has_bf16_gemm() -> bool:
+    """Whether torch's CPU bf16 matrix products run oneDNN's kernels (CPUs with AVX-512 BF16 or AMX);
+    elsewhere ATen computes them in plain loops. A constant for torch.compile."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
 
 
 def fp32_product(*factors: float) -> float:

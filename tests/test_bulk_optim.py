@@ -291,6 +291,34 @@ def test_a_gates_row_factors_are_the_fp32_reciprocal_square_root_rounded_once():
     assert ((got[off].double() - want[off].double()).abs() <= want[off].double().abs() * 2**-7).all()
 
 
+
+@pytest.mark.parametrize("has_bf16_gemm", [True, False], ids=["torch_bf16_product", "fp32_product_rounded"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_bf16_products_sum_in_fp32_and_round_once_on_either_cpu_route(monkeypatch, has_bf16_gemm, batched):
+    """as_cuda.addmm / matmul in bf16 (Polar Express's products): beta t + alpha (a @ b) with the
+    scalars in fp32, summed in fp32 and rounded once to bf16, as cuBLAS computes it, whichever route
+    the CPU takes (torch's bf16 product where oneDNN has one, else the fp32 product of the same
+    values). Against the exact value (float64: bf16 inputs, their products and these sums are
+    exact there): an fp32 sum of n terms is within n 2^-24 of sum |term| of it (Higham's gamma_n),
+    and rounding is monotonic: each result lies between the two ends' roundings to bf16 (the
+    same value for most elements)."""
+    monkeypatch.setattr(kernels, "cpu_has_bf16_gemm", lambda: has_bf16_gemm)
+    gen = torch.Generator().manual_seed(13)
+    lead = (3,) if batched else ()
+    t, a, b = (torch.randn(*lead, *shape, generator=gen).bfloat16() for shape in ((64, 256), (64, 64), (64, 256)))
+    beta, alpha = 3.8916678022926607, -2.772484153217685  # a Polar Express step's a and b
+    beta32, alpha32 = f32(beta), f32(alpha)
+    exact = beta32 * t.double() + alpha32 * (a.double() @ b.double())
+    bound = (a.size(-1) + 2) * 2.0**-24 * (abs(beta32) * t.double().abs() + abs(alpha32) * (a.double().abs() @ b.double().abs()))
+    low, high = ((exact - bound).bfloat16(), (exact + bound).bfloat16())  # float64 -> bf16 rounds monotonically
+    got = kernels.as_cuda.addmm(t, a, b, beta=beta, alpha=alpha)
+    assert got.dtype == torch.bfloat16 and got.shape == t.shape
+    assert ((low <= got) & (got <= high)).all()
+    assert (low == high).float().mean() > 0.5  # not vacuous: the interval pins most elements to one value
+    product = kernels.as_cuda.matmul(a, b)
+    exact_product, product_bound = a.double() @ b.double(), a.size(-1) * 2.0**-24 * (a.double().abs() @ b.double().abs())
+    assert (((exact_product - product_bound).bfloat16() <= product) & (product <= (exact_product + product_bound).bfloat16())).all()
+
 def cautious_loop(weight: torch.Tensor, update: torch.Tensor, wd_factor: float, lr_factor: float) -> torch.Tensor:
     """The record's compiled cautious step element by element: every operation in fp32 with the
     fp32 factors (mask = update*w >= 0; (w - ((w*mask)*wd)*lr) - update*lr), rounded once to the
