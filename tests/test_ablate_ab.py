@@ -25,6 +25,7 @@ from scipy import stats as sps
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_ablate import _alive, _wait, read_csv  # noqa: E402
 from test_bulk_model import FOUR_BLOCK_FLAGS  # noqa: E402
+from test_distributed import ctrl_c_at_default  # noqa: E402
 from test_plot import assert_png  # noqa: E402
 
 from records import ablate, plot, runlogs, stats  # noqa: E402
@@ -295,7 +296,7 @@ def fake_ab(tmp: Path, hang: str | None = None) -> list[str]:
 def start_until_hung(tmp: Path, argv: list[str]) -> tuple[subprocess.Popen, int]:
     """ablate.py started as a script in `tmp`, once its hanging run is up: (the sweep, that run's pid)."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "records" / "ablate.py"), *argv], cwd=tmp,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_at_default)
     pidfile = tmp / "hung.pid"
     if not _wait(lambda: pidfile.exists() and pidfile.read_text(), 120):
         proc.kill()

@@ -4,6 +4,7 @@ bit on the same and on another world size, and a world size that does not divide
 is refused. (Muon's round-robin sharding over 4 processes: tests/test_exchange.py.)"""
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +47,14 @@ def clean_env(**extra) -> dict:
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **extra}
+
+
+def ctrl_c_at_default() -> None:
+    """A Popen preexec_fn: SIGINT at its default action in the child, as in a terminal's foreground
+    job. A shell that starts jobs in the background (`pytest ... &` from a script) hands them SIGINT
+    ignored, and a process that starts with it ignored keeps it so (Python installs no
+    KeyboardInterrupt handler, a shell cannot trap it): the Ctrl-C tests would see nothing stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_args(synthetic_dir, out: Path, *extra) -> list[str]:

@@ -20,7 +20,7 @@ import pytest
 from test_bulk_model import FOUR_BLOCK_FLAGS
 from test_checkpoint import log_text, run_argv
 from test_claim_flow import FAKE_TRAINER
-from test_distributed import clean_env
+from test_distributed import clean_env, ctrl_c_at_default
 from test_records import fake_python, run_sh, trainer_calls
 
 import train_gpt_medium as tg
@@ -179,7 +179,8 @@ def start(tmp_path):
         env = clean_env(RUNS=str(runs), NPROC_PER_NODE=str(nproc), CUDA_VISIBLE_DEVICES="")
         with open(tmp_path / "out.txt", "w") as out:
             started.append(subprocess.Popen(["./run.sh", *args], cwd=ROOT, env=env, stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True))
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=ctrl_c_at_default))
         return started[-1]
     yield launch
     for process in started:
