@@ -71,7 +71,7 @@ class as_cuda:
     @staticmethod
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b; bf16 as cuBLAS forms it: products summed in fp32, rounded once (see addmm)."""
-        if a.is_cuda or a.dtype != torch.bfloat16 or cpu_has_bf16_gemm():
+        if a.is_cuda or a.dtype != torch.bfloat16 or torch.compiler.is_compiling() or cpu_has_bf16_gemm():
             return a @ b
         return (a.float() @ b.float()).to(a.dtype)
 
@@ -82,21 +82,26 @@ class as_cuda:
         kernels would run torch's bf16 product as a scalar loop (6-20x slower than fp32 on the
         tiny preset's shapes, most of a tiny run on such a CPU), so there it runs as the fp32
         product of the same bf16 values, rounded once to bf16. Both sum in fp32, in orders that
-        differ as BLAS libraries' do."""
+        differ as BLAS libraries' do. A compiled graph keeps torch's product (it cannot ask the
+        CPU; Inductor picks its own kernels)."""
         product = torch.baddbmm if a.ndim > 2 else torch.addmm
-        if t.is_cuda or t.dtype != torch.bfloat16 or cpu_has_bf16_gemm():
+        if t.is_cuda or t.dtype != torch.bfloat16 or torch.compiler.is_compiling() or cpu_has_bf16_gemm():
             return product(t, a, b, beta=beta, alpha=alpha)
         return product(t.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(t.dtype)
 
 
-@torch.compiler.assume_constant_result
+_cpu_bf16_gemm: list[bool] = []  # the answer, asked once per process
+
+
 def cpu_has_bf16_gemm() -> bool:
-    """Whether torch's CPU bf16 matrix products run oneDNN's kernels (CPUs with AVX-512 BF16 or AMX);
-    elsewhere ATen computes them in plain loops. A constant for torch.compile."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch built without oneDNN
-        return False
+    """Whether torch's CPU bf16 matrix products run oneDNN's kernels (torch asks for AVX-512 BW, VL
+    and DQ); elsewhere ATen computes them in plain loops."""
+    if not _cpu_bf16_gemm:
+        try:
+            _cpu_bf16_gemm.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        except (AttributeError, RuntimeError):  # a torch built without oneDNN
+            _cpu_bf16_gemm.append(False)
+    return _cpu_bf16_gemm[0]
 
 
 def fp32_product(*factors: float) -> float:

@@ -210,13 +210,34 @@ def test_validation_errors_from_the_command_line_exit_2(capsys):
 # ---- process-level behaviour
 
 
-def test_importing_the_module_prints_nothing_and_writes_nothing(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", "import train_gpt_medium"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def imported_alone(tmp_path_factory):
+    """`import train_gpt_medium` in a fresh process, in an empty folder: (the finished process, the
+    folder); the process writes whether torch's compiler was loaded to a file descriptor of its own."""
+    folder = tmp_path_factory.mktemp("import_alone")
+    read_end, write_end = os.pipe()
+    code = (f"import os, sys, train_gpt_medium\n"
+            f"os.write({write_end}, str('torch._dynamo' in sys.modules).encode())")
+    result = subprocess.run([sys.executable, "-c", code], cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=120, pass_fds=(write_end,))
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        return result, folder, pipe.read()
+
+
+def test_importing_the_module_prints_nothing_and_writes_nothing(imported_alone):
+    result, folder, _ = imported_alone
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
-    assert list(tmp_path.iterdir()) == []
+    assert list(folder.iterdir()) == []
+
+
+def test_importing_the_module_leaves_torchs_compiler_unloaded(imported_alone):
+    """torch._dynamo costs about 1.7 s of CPU to import: every process that does not compile (the
+    dry run, a CPU run, the tools, each trainer process of the tests) would pay it at start."""
+    result, _, compiler_loaded = imported_alone
+    assert result.returncode == 0, result.stderr
+    assert compiler_loaded == "False"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

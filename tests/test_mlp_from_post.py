@@ -6,6 +6,7 @@ float64 gradcheck; one traced graph; a tiny training run equal to the plain one.
 import pytest
 import torch
 import torch.nn.functional as F
+from test_bulk_model import FOUR_BLOCKS
 
 import train_gpt_medium as tg
 
@@ -139,13 +140,14 @@ def test_the_mlp_traces_as_one_graph_with_the_same_bits():
 
 
 def test_a_tiny_training_run_is_the_plain_one_bit_for_bit():
-    """Two optimizer steps of the tiny model (bf16, the record's layout) from the same init: the
-    same losses and the same weights. W2 starts at zero, so step 0's backward gives W1 and x no
-    gradient; step 1's is the first to reach them through sqrt(post), and the weights after it hold
-    that (a third step checked no more)."""
+    """Two optimizer steps of the tiny model (bf16; the record's layout in 4 blocks, each kind of
+    block once: the switch acts in every MLP alike) from the same init: the same losses and the
+    same weights. W2 starts at zero, so step 0's backward gives W1 and x no gradient; step 1's is
+    the first to reach them through sqrt(post), and the weights after it hold that (a third step
+    checked no more)."""
     results = []
     for from_post in (False, True):
-        config = tg.make_config("tiny", dtype="bfloat16", seed=3, mlp_backward_from_post=from_post)
+        config = tg.make_config("tiny", dtype="bfloat16", seed=3, mlp_backward_from_post=from_post, **FOUR_BLOCKS)
         runner = tg.Runner(config, torch.device("cpu"))
         assert all(block.mlp.from_post == from_post for block in runner.model.blocks)
         gen = torch.Generator().manual_seed(0)
