@@ -22,13 +22,24 @@ DRY_RUN_GOLDEN = json.loads(DRY_RUN_FILE.read_text())
 LINEAGE = make_golden.X01_LINEAGE_RECIPES
 
 
+# The frozen run is compared over its first half: the step-0 loss and the validations at steps 0,
+# 50 and 100 of its 200 (its schedule unchanged). The script never changes, so what could move its
+# numbers is the machine, torch or the synthetic data, and each moves the first half too; the whole
+# run costs about 110 CPU-seconds on a 2-core AMD EPYC (AVX2), the suite's second most expensive
+# test. make_golden.py still records the whole run; the live script's golden run is compared whole.
+FROZEN_PREFIX_STEPS = 100
+
+
 @pytest.mark.slow
-def test_frozen_tiny_run_is_its_golden_one(tmp_path, record_property):
-    run = make_golden.quiet_tiny_run(tmp_path, trainer=FROZEN)
+def test_frozen_tiny_run_is_its_golden_one_over_its_first_half(tmp_path, record_property):
+    run = make_golden.quiet_tiny_run(tmp_path, trainer=FROZEN, until_step=FROZEN_PREFIX_STEPS)
     result, log = run["result"], run["log"]
     record = make_golden.history_record(result, log)
-    what, failures = make_golden.compare(record, TINY_GOLDEN, make_golden.machine_kind())
-    record_property("golden_comparison", f"frozen x01-lineage tiny run at --seed=0 compared {what}")
+    golden = make_golden.golden_prefix(TINY_GOLDEN, FROZEN_PREFIX_STEPS)
+    assert golden["steps"] == [0, 50, 100] and [h["step"] for h in result["val_history"]] == golden["steps"]
+    what, failures = make_golden.compare(record, golden, make_golden.machine_kind())
+    record_property("golden_comparison", f"frozen x01-lineage tiny run at --seed=0, steps 0-{FROZEN_PREFIX_STEPS} "
+                                         f"of 200, compared {what}")
     assert not failures, f"compared {what}: " + "; ".join(failures)
     assert log.read_text().startswith(FROZEN.read_text())  # the log embeds the frozen script, not the live one
 

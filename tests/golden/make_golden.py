@@ -8,7 +8,9 @@ from one kind of machine to another. Run from the repository root:
 
 Each trainer has its golden files (GOLDEN_SETS): the live script's here, a frozen lineage's in its
 record folder's golden/ (records/x01_lineage/golden/). A frozen script's files never change: rerun
-it there only for a new machine kind (a plain run, which keeps the other entries).
+it there only for a new machine kind (a plain run, which keeps the other entries). This script
+records whole runs; tests/test_x01_lineage.py compares the frozen run's first 100 steps with them
+(tiny_run's until_step, golden_prefix).
 
 What is pinned:
 - tests/golden/tiny_seed0.json: the tiny preset's validation history at --seed=0 (every loss and
@@ -167,31 +169,48 @@ def same_kind(recorded: dict, here: dict) -> bool:
 # ---- the tiny run and its golden record
 
 
-def tiny_run(log_dir, threads: int = 1, trainer=None) -> tuple[dict, Path]:
+class _PrefixDone(Exception):
+    """Raised after the last validation a prefix run compares (see tiny_run's until_step)."""
+
+
+def tiny_run(log_dir, threads: int = 1, trainer=None, until_step=None) -> tuple[dict, Path]:
     """The tiny preset at --seed=0 on `threads` threads, in-process: (what train() returned, the log).
-    `trainer`: the script's path (default: the live script; see load_trainer)."""
+    `trainer`: the script's path (default: the live script; see load_trainer). `until_step`: stop
+    after the validation at that step, the run's schedule unchanged (the same steps as the whole
+    run's first ones, bit for bit); the result then holds the validations so far ("val_history")."""
     import torch
     tg = load_trainer(trainer)
 
     captured = {}
-    real_train = tg.train
+    real_train, real_validate = tg.train, tg.validate_and_log
 
     def recording_train(*args, **kwargs):
         captured.update(real_train(*args, **kwargs))
         return captured
 
+    def validate_until(runner, step, *args, **kwargs):
+        done = real_validate(runner, step, *args, **kwargs)
+        captured.setdefault("val_history", []).append(done)
+        if step == until_step:
+            raise _PrefixDone
+        return done
+
     previous_threads = torch.get_num_threads()
     tg.train = recording_train
+    if until_step is not None:
+        tg.validate_and_log = validate_until
     try:
         assert tg.main(TINY_ARGV + [f"--threads={threads}", f"--log_dir={log_dir}"]) == 0
+    except _PrefixDone:
+        pass
     finally:
-        tg.train = real_train
+        tg.train, tg.validate_and_log = real_train, real_validate
         torch.set_num_threads(previous_threads)
     (log,) = Path(log_dir).glob("*.txt")
     return captured, log
 
 
-def quiet_tiny_run(log_dir, trainer=None) -> dict:
+def quiet_tiny_run(log_dir, trainer=None, until_step=None) -> dict:
     """tiny_run on one thread from the repository root (the tiny preset's data paths are relative to
     it), what it prints captured: {"result": what train() returned, "log": the log's path, "stdout"}."""
     import contextlib
@@ -200,7 +219,7 @@ def quiet_tiny_run(log_dir, trainer=None) -> dict:
     os.chdir(ROOT)
     try:
         with contextlib.redirect_stdout(out):
-            result, log = tiny_run(log_dir, trainer=trainer)
+            result, log = tiny_run(log_dir, trainer=trainer, until_step=until_step)
     finally:
         os.chdir(cwd)
     return dict(result=result, log=log, stdout=out.getvalue())
@@ -263,6 +282,15 @@ def differences(record: dict, golden: dict) -> dict[str, float]:
     return dict(val_loss=max(abs(a - b) for a, b in zip(values(record, "val_loss"), values(golden, "val_loss"))),
                 val_bpb=max(abs(a - b) for a, b in zip(values(record, "val_bpb"), values(golden, "val_bpb"))),
                 step0_train_loss=abs(step0(record) - step0(golden)))
+
+
+def golden_prefix(golden_file: dict, steps: int) -> dict:
+    """The golden file as far as its validations up to `steps` (for a run stopped there: tiny_run's
+    until_step)."""
+    def cut(history):
+        return [h for h in history if h["step"] <= steps]
+    return {**golden_file, "steps": [s for s in golden_file["steps"] if s <= steps],
+            "entries": [{**e, "val_history": cut(e["val_history"])} for e in golden_file["entries"]]}
 
 
 def compare(record: dict, golden_file: dict, here: dict) -> tuple[str, list[str]]:
