@@ -490,12 +490,14 @@ time.sleep(120)
 
 
 def _alive(pid):
+    """Whether `pid` runs; a zombie waiting for its (dead) parent's reaper counts as gone, and so does
+    a process reaped between the signal check and the read of its /proc entry."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its (dead) parent's reaper counts as gone
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def _wait(predicate, seconds):
