@@ -11,8 +11,8 @@ the Hugging Face package of that name, which a file beside the trainer would hid
 Every log of the trainer embeds this file after the trainer's own source, under its own header.
 
 Contents:
-  1. CUDA's rounding on any device   as_cuda, cpu_has_bf16_gemm, fp32_product, fp32_quotient, cast,
-                                     fp32_sum
+  1. CUDA's rounding on any device   as_cuda (torchs_product_is_fast, cpu_has_bf16_gemm), fp32_product,
+                                     fp32_quotient, cast, fp32_sum
   2. FP8                             to_fp8 (saturating codes), fp8_matmul (_scaled_mm on CUDA, the
                                      codes' exact product elsewhere), the head's products, fp8_transpose
   3. The fused softcapped loss       the torch references, the Triton kernels, the custom ops
@@ -20,6 +20,7 @@ Contents:
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -71,7 +72,7 @@ class as_cuda:
     @staticmethod
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b; bf16 as cuBLAS forms it: products summed in fp32, rounded once (see addmm)."""
-        if a.is_cuda or a.dtype != torch.bfloat16 or torch.compiler.is_compiling() or cpu_has_bf16_gemm():
+        if torchs_product_is_fast(a):
             return a @ b
         return (a.float() @ b.float()).to(a.dtype)
 
@@ -82,26 +83,27 @@ class as_cuda:
         kernels would run torch's bf16 product as a scalar loop (6-20x slower than fp32 on the
         tiny preset's shapes, most of a tiny run on such a CPU), so there it runs as the fp32
         product of the same bf16 values, rounded once to bf16. Both sum in fp32, in orders that
-        differ as BLAS libraries' do. A compiled graph keeps torch's product (it cannot ask the
-        CPU; Inductor picks its own kernels)."""
+        differ as BLAS libraries' do. A compiled graph keeps torch's product (torchs_product_is_fast)."""
         product = torch.baddbmm if a.ndim > 2 else torch.addmm
-        if t.is_cuda or t.dtype != torch.bfloat16 or torch.compiler.is_compiling() or cpu_has_bf16_gemm():
+        if torchs_product_is_fast(t):
             return product(t, a, b, beta=beta, alpha=alpha)
         return product(t.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(t.dtype)
 
 
-_cpu_bf16_gemm: list[bool] = []  # the answer, asked once per process
+def torchs_product_is_fast(t: torch.Tensor) -> bool:
+    """as_cuda's products call torch's own: on CUDA, for any dtype but bf16, inside a compiled graph
+    (which cannot ask the CPU; Inductor picks its own kernels), and where the CPU has oneDNN's."""
+    return t.is_cuda or t.dtype != torch.bfloat16 or torch.compiler.is_compiling() or cpu_has_bf16_gemm()
 
 
+@functools.cache  # asked once per process, never inside a graph (torchs_product_is_fast asks it last)
 def cpu_has_bf16_gemm() -> bool:
     """Whether torch's CPU bf16 matrix products run oneDNN's kernels (torch asks for AVX-512 BW, VL
     and DQ); elsewhere ATen computes them in plain loops."""
-    if not _cpu_bf16_gemm:
-        try:
-            _cpu_bf16_gemm.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-        except (AttributeError, RuntimeError):  # a torch built without oneDNN
-            _cpu_bf16_gemm.append(False)
-    return _cpu_bf16_gemm[0]
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
 
 
 def fp32_product(*factors: float) -> float:

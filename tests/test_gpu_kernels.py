@@ -68,9 +68,13 @@ def test_an_lse_off_by_more_than_its_tolerance_fails_the_forward_of_both_variant
     assert failed == ["pr252 16x100 in 32-column blocks: loss and LSE", "pr261 16x100 in 32-column blocks: loss and LSE"]
 
 
+def code_bits(dtype) -> torch.dtype:
+    """The integer dtype of a 1- or 2-byte float format's codes."""
+    return torch.uint8 if dtype.itemsize == 1 else torch.int16
+
+
 def every_finite_code(dtype) -> torch.Tensor:
-    codes = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
-    codes = codes.to(torch.uint8 if dtype.itemsize == 1 else torch.int16)  # wraps to the signed codes
+    codes = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32).to(code_bits(dtype))  # wraps to the signed codes
     values = codes.view(dtype)
     return values[values.float().isfinite()]
 
@@ -80,7 +84,7 @@ def test_the_code_spacing_is_the_distance_to_the_next_code_away_from_zero(dtype)
     """Against the codes themselves: each finite code's next one (bits + 1 moves away from zero, for
     either sign), every normal, subnormal and zero of the format."""
     values = every_finite_code(dtype)
-    bits = values.view(torch.uint8 if dtype.itemsize == 1 else torch.int16)
+    bits = values.view(code_bits(dtype))
     following = (bits + 1).view(dtype)
     keep = following.float().isfinite() & (values.float() != 0) & ((following.float().sign() == values.float().sign()))
     distance = (following.float() - values.float()).abs()
@@ -103,8 +107,8 @@ def test_one_value_moved_as_far_as_a_bf16_sigma_step_fails_pr252_and_is_counted_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2])
 def test_a_rounded_gradient_passes_one_code_apart_in_a_few_values_and_fails_otherwise(dtype):
     ref = (torch.linspace(-1, 1, 4001)[torch.arange(4001) != 2000] * 0.5).to(dtype)  # no zeros
-    next_code = lambda t: (t.view(torch.uint8 if dtype.itemsize == 1 else torch.int16) + 1).view(dtype)
-    previous_code = lambda t: (t.view(torch.uint8 if dtype.itemsize == 1 else torch.int16) - 1).view(dtype)
+    next_code = lambda t: (t.view(code_bits(dtype)) + 1).view(dtype)
+    previous_code = lambda t: (t.view(code_bits(dtype)) - 1).view(dtype)
     one_off, one_below, two_off, many_off = ref.clone(), ref.clone(), ref.clone(), ref.clone()
     one_off[:3] = next_code(ref[:3])  # under 0.1% of the values, one code each (-0.5 is a power of two)
     one_below[:3] = previous_code(ref[:3])  # towards zero: half a spacing below a power of two

@@ -131,9 +131,8 @@ def compare_fused_ce(rows: int, cols: int, block: int, device: torch.device, int
                     logits, cols_k, wts, g, GRADIENT_SCALE, dtype, extra["s_w_all"], block=block)
                 two_grad = kernels._fused_ce_dlogits_triton(logits, lse, cols_k, wts, g, GRADIENT_SCALE, dtype,
                                                             block=block, **extra)
-                same = (torch.equal(one_loss, loss) and torch.equal(one_lse, lse)
-                        and torch.equal(one_grad.view(torch.uint8) if dtype != torch.float32 else one_grad,
-                                        two_grad.view(torch.uint8) if dtype != torch.float32 else two_grad))
+                same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))  # the bits, any dtype
+                           for x, y in ((one_loss, loss), (one_lse, lse), (one_grad, two_grad)))
                 out.append((f"{at}: one-pass kernel in {str(dtype).removeprefix('torch.')}", same,
                             "the two kernels' bit for bit" if same else "differs from the two kernels"))
     return out
